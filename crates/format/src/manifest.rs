@@ -1,0 +1,94 @@
+//! `manifest.json`: the index of a `.slip` model.
+
+use serde::{Deserialize, Serialize};
+use slipstream_core::{ModelConfig, QuantType};
+
+pub const FORMAT_NAME: &str = "slipstream";
+pub const FORMAT_VERSION: u32 = 1;
+
+/// One dense tensor inside `dense.bin`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DenseEntry {
+    /// Canonical name, e.g. `layers.3.attn.q_proj` (see `slipstream-models`).
+    pub name: String,
+    pub qtype: QuantType,
+    /// `[rows, cols]`; 1-D tensors are `[1, n]`.
+    pub shape: [usize; 2],
+    /// Byte offset in `dense.bin`, a multiple of 64.
+    pub offset: u64,
+    pub nbytes: u64,
+    /// xxh3-64 of the tensor bytes, lowercase hex.
+    pub checksum: String,
+}
+
+/// One projection inside an expert record.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExpertPart {
+    /// `gate`, `up` or `down`.
+    pub name: String,
+    pub qtype: QuantType,
+    /// `[rows, cols]`: gate/up `[intermediate, hidden]`, down `[hidden, intermediate]`.
+    pub shape: [usize; 2],
+    /// Byte offset inside the record.
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+/// Layout of `experts.bin`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExpertPoolIndex {
+    pub num_layers: usize,
+    pub num_experts: usize,
+    /// Bytes of payload in each record (gate + up + down).
+    pub record_bytes: u64,
+    /// Distance between records, a multiple of 4096.
+    pub record_stride: u64,
+    pub parts: Vec<ExpertPart>,
+    /// `checksums[layer][expert]`: xxh3-64 of the record's `record_bytes`, hex.
+    pub checksums: Vec<Vec<String>>,
+}
+
+impl ExpertPoolIndex {
+    /// File offset of a record.
+    pub fn record_offset(&self, layer: usize, expert: usize) -> u64 {
+        (layer * self.num_experts + expert) as u64 * self.record_stride
+    }
+
+    pub fn file_bytes(&self) -> u64 {
+        (self.num_layers * self.num_experts) as u64 * self.record_stride
+    }
+}
+
+/// Where the model came from (informational).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SourceInfo {
+    /// `hf-safetensors` or `mlx`.
+    pub kind: String,
+    pub path: String,
+    /// Requested quantization for float tensors (`q4`, `q8`, `bf16`, `f32`).
+    pub quant: String,
+}
+
+/// The whole manifest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    pub config: ModelConfig,
+    pub dense: Vec<DenseEntry>,
+    pub dense_file_bytes: u64,
+    pub experts: ExpertPoolIndex,
+    /// File name of the HF tokenizer inside the model directory, if any.
+    pub tokenizer: Option<String>,
+    /// Jinja chat template from the checkpoint, if any.
+    pub chat_template: Option<String>,
+    /// Tokens that end generation.
+    pub eos_token_ids: Vec<u32>,
+    /// Special tokens named by the tokenizer config (`bos_token`, `eos_token`, ...).
+    #[serde(default)]
+    pub special_tokens: std::collections::BTreeMap<String, String>,
+    pub source: SourceInfo,
+    /// Identity of the weights: xxh3 over every tensor and record checksum.
+    /// Snapshots and caches made with one model are refused by another.
+    pub model_hash: String,
+}

@@ -1,0 +1,222 @@
+//! Opening a `.slip` model: manifest checks, mapped dense weights, verified
+//! expert record reads.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use slipstream_core::TensorView;
+
+use crate::manifest::*;
+use crate::{checksum, FormatError, Result, DENSE_FILE, EXPERTS_FILE, MANIFEST_FILE};
+
+/// An opened model: manifest, mapped dense weights, expert pool file.
+pub struct SlipModel {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    dense: Arc<Mmap>,
+    experts_path: PathBuf,
+    experts: File,
+    expert_checksums: Vec<Vec<u64>>,
+}
+
+fn parse_hex(path: &Path, s: &str) -> Result<u64> {
+    u64::from_str_radix(s, 16).map_err(|_| FormatError::BadManifest {
+        path: path.display().to_string(),
+        reason: format!("bad checksum {s:?}"),
+    })
+}
+
+impl SlipModel {
+    /// Opens and checks a model directory. Verifies file sizes and every
+    /// dense tensor checksum; expert records are verified when read.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let text = std::fs::read(&manifest_path).map_err(|e| FormatError::io(&manifest_path, e))?;
+        let bad = |reason: String| FormatError::BadManifest {
+            path: manifest_path.display().to_string(),
+            reason,
+        };
+        let probe: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        if probe.get("format").and_then(|v| v.as_str()) != Some(FORMAT_NAME) {
+            return Err(bad("missing \"format\": \"slipstream\"".into()));
+        }
+        let version = probe.get("version").and_then(|v| v.as_u64()).unwrap_or(0) as u32;
+        if version != FORMAT_VERSION {
+            return Err(FormatError::Version {
+                path: manifest_path.display().to_string(),
+                found: version,
+                supported: FORMAT_VERSION,
+            });
+        }
+        let manifest: Manifest =
+            serde_json::from_value(probe).map_err(|e| bad(format!("{e}")))?;
+        manifest
+            .config
+            .validate()
+            .map_err(|e| bad(format!("config: {e}")))?;
+        let pool = &manifest.experts;
+        if pool.checksums.len() != pool.num_layers
+            || pool.checksums.iter().any(|r| r.len() != pool.num_experts)
+        {
+            return Err(bad("expert checksum table does not match the pool".into()));
+        }
+        if pool.record_stride % crate::RECORD_ALIGN as u64 != 0
+            || pool.record_bytes > pool.record_stride
+            || pool
+                .parts
+                .iter()
+                .any(|p| p.offset + p.nbytes > pool.record_bytes)
+        {
+            return Err(bad("expert record layout is inconsistent".into()));
+        }
+        let expert_checksums = pool
+            .checksums
+            .iter()
+            .map(|row| row.iter().map(|c| parse_hex(&manifest_path, c)).collect())
+            .collect::<Result<Vec<Vec<u64>>>>()?;
+
+        let dense_path = dir.join(DENSE_FILE);
+        let dense_file = File::open(&dense_path).map_err(|e| FormatError::io(&dense_path, e))?;
+        check_size(&dense_path, &dense_file, manifest.dense_file_bytes)?;
+        // SAFETY: the file is opened read-only and slipstream never writes a
+        // model in place (writers build a new directory and rename it), so the
+        // mapping is not mutated underneath us by this program.
+        let dense = unsafe { Mmap::map(&dense_file) }.map_err(|e| FormatError::io(&dense_path, e))?;
+        for entry in &manifest.dense {
+            let end = entry.offset.checked_add(entry.nbytes);
+            if end.is_none_or(|end| end > dense.len() as u64)
+                || entry.qtype.nbytes(entry.shape[0], entry.shape[1]) as u64 != entry.nbytes
+                || entry.offset % crate::DENSE_ALIGN as u64 != 0
+            {
+                return Err(bad(format!("tensor {} has an invalid extent", entry.name)));
+            }
+            let bytes = &dense[entry.offset as usize..(entry.offset + entry.nbytes) as usize];
+            if checksum(bytes) != parse_hex(&manifest_path, &entry.checksum)? {
+                return Err(FormatError::DenseChecksum {
+                    path: dense_path.display().to_string(),
+                    name: entry.name.clone(),
+                });
+            }
+        }
+
+        let experts_path = dir.join(EXPERTS_FILE);
+        let experts = File::open(&experts_path).map_err(|e| FormatError::io(&experts_path, e))?;
+        check_size(&experts_path, &experts, pool.file_bytes())?;
+        Ok(SlipModel {
+            dir: dir.to_path_buf(),
+            manifest,
+            dense: Arc::new(dense),
+            experts_path,
+            experts,
+            expert_checksums,
+        })
+    }
+
+    /// A dense tensor by canonical name.
+    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+        let entry = self
+            .manifest
+            .dense
+            .iter()
+            .find(|e| e.name == name)
+            .ok_or_else(|| FormatError::MissingTensor(name.to_string()))?;
+        let bytes = &self.dense[entry.offset as usize..(entry.offset + entry.nbytes) as usize];
+        TensorView::new(entry.qtype, entry.shape[0], entry.shape[1], bytes)
+            .map_err(|e| FormatError::Invalid(format!("tensor {name}: {e}")))
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.manifest.dense.iter().any(|e| e.name == name)
+    }
+
+    /// Path of the expert pool file (readers may open it with their own flags).
+    pub fn experts_path(&self) -> &Path {
+        &self.experts_path
+    }
+
+    /// Reads expert `expert` of `layer` into `buf` (at least `record_bytes`
+    /// long) and verifies its checksum.
+    pub fn read_expert(&self, layer: usize, expert: usize, buf: &mut [u8]) -> Result<()> {
+        let pool = &self.manifest.experts;
+        if layer >= pool.num_layers || expert >= pool.num_experts {
+            return Err(FormatError::Invalid(format!(
+                "expert {expert} of layer {layer} is outside the pool"
+            )));
+        }
+        let n = pool.record_bytes as usize;
+        let buf = &mut buf[..n];
+        self.experts
+            .read_exact_at(buf, pool.record_offset(layer, expert))
+            .map_err(|e| FormatError::io(&self.experts_path, e))?;
+        self.verify_expert(layer, expert, buf)
+    }
+
+    /// Checks a record read by someone else (e.g. a direct-I/O reader pool).
+    pub fn verify_expert(&self, layer: usize, expert: usize, record: &[u8]) -> Result<()> {
+        let n = self.manifest.experts.record_bytes as usize;
+        if record.len() < n || checksum(&record[..n]) != self.expert_checksums[layer][expert] {
+            return Err(FormatError::ExpertChecksum {
+                path: self.experts_path.display().to_string(),
+                layer,
+                expert,
+            });
+        }
+        Ok(())
+    }
+
+    /// Splits a verified record into its parts' views (gate, up, down).
+    pub fn expert_views<'a>(&self, record: &'a [u8]) -> Result<ExpertRecord<'a>> {
+        let parts = &self.manifest.experts.parts;
+        let view = |i: usize| -> Result<TensorView<'a>> {
+            let p = parts
+                .get(i)
+                .ok_or_else(|| FormatError::Invalid("expert record lacks a part".into()))?;
+            let bytes = record
+                .get(p.offset as usize..(p.offset + p.nbytes) as usize)
+                .ok_or_else(|| FormatError::Invalid("expert record too short".into()))?;
+            TensorView::new(p.qtype, p.shape[0], p.shape[1], bytes)
+                .map_err(|e| FormatError::Invalid(format!("expert {}: {e}", p.name)))
+        };
+        Ok(ExpertRecord {
+            gate: view(0)?,
+            up: view(1)?,
+            down: view(2)?,
+        })
+    }
+
+    /// Contents of a file stored beside the manifest (the tokenizer).
+    pub fn read_file(&self, name: &str) -> Result<Vec<u8>> {
+        let path = self.dir.join(name);
+        std::fs::read(&path).map_err(|e| FormatError::io(&path, e))
+    }
+}
+
+fn check_size(path: &Path, file: &File, expected: u64) -> Result<()> {
+    let found = file
+        .metadata()
+        .map_err(|e| FormatError::io(path, e))?
+        .len();
+    if found != expected {
+        return Err(FormatError::Size {
+            path: path.display().to_string(),
+            expected,
+            found,
+        });
+    }
+    Ok(())
+}
+
+/// The three projections of one expert, borrowed from its record.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRecord<'a> {
+    /// `[intermediate, hidden]`
+    pub gate: TensorView<'a>,
+    /// `[intermediate, hidden]`
+    pub up: TensorView<'a>,
+    /// `[hidden, intermediate]`
+    pub down: TensorView<'a>,
+}

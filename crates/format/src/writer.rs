@@ -1,0 +1,293 @@
+//! Writing a `.slip` model atomically: everything goes to a temporary
+//! directory beside the target, is fsynced, and is renamed into place last.
+
+use std::fs::{self, File};
+use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use slipstream_core::{ModelConfig, QuantType};
+
+use crate::manifest::*;
+use crate::{
+    align_up, checksum, FormatError, Result, DENSE_ALIGN, DENSE_FILE, EXPERTS_FILE, MANIFEST_FILE,
+    RECORD_ALIGN,
+};
+
+/// Shape and type of the three projections of every expert.
+#[derive(Debug, Clone)]
+pub struct ExpertPoolLayout {
+    pub num_layers: usize,
+    pub num_experts: usize,
+    /// `(name, qtype, [rows, cols])` for gate, up, down in record order.
+    pub parts: Vec<(String, QuantType, [usize; 2])>,
+}
+
+/// Builds a `.slip` directory. Nothing appears at the target path until
+/// [`SlipWriter::finish`] succeeds; dropping the writer removes the temp dir.
+pub struct SlipWriter {
+    target: PathBuf,
+    tmp: PathBuf,
+    dense: BufWriter<File>,
+    dense_pos: u64,
+    dense_entries: Vec<DenseEntry>,
+    experts: File,
+    pool: ExpertPoolIndex,
+    written: Vec<Vec<bool>>,
+    finished: bool,
+}
+
+fn hex(v: u64) -> String {
+    format!("{v:016x}")
+}
+
+impl SlipWriter {
+    /// Starts a model at `target` with the given expert pool layout.
+    pub fn create(target: &Path, layout: ExpertPoolLayout) -> Result<Self> {
+        let parent = match target.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        fs::create_dir_all(&parent).map_err(|e| FormatError::io(&parent, e))?;
+        let file_name = target
+            .file_name()
+            .ok_or_else(|| FormatError::Invalid(format!("bad output path {}", target.display())))?
+            .to_string_lossy()
+            .to_string();
+        let tmp = parent.join(format!(".{file_name}.tmp-{}", std::process::id()));
+        if tmp.exists() {
+            fs::remove_dir_all(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
+        }
+        fs::create_dir(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
+        let dense_path = tmp.join(DENSE_FILE);
+        let dense = File::create(&dense_path).map_err(|e| FormatError::io(&dense_path, e))?;
+        let experts_path = tmp.join(EXPERTS_FILE);
+        let experts = File::create(&experts_path).map_err(|e| FormatError::io(&experts_path, e))?;
+
+        let mut parts = Vec::new();
+        let mut off = 0u64;
+        for (name, qtype, [rows, cols]) in &layout.parts {
+            qtype
+                .check_cols(*cols)
+                .map_err(|e| FormatError::Invalid(format!("expert {name}: {e}")))?;
+            let nbytes = qtype.nbytes(*rows, *cols) as u64;
+            // Keep every part 64-byte aligned inside the record for the kernels.
+            parts.push(ExpertPart {
+                name: name.clone(),
+                qtype: *qtype,
+                shape: [*rows, *cols],
+                offset: off,
+                nbytes,
+            });
+            off = align_up((off + nbytes) as usize, DENSE_ALIGN) as u64;
+        }
+        let record_bytes = parts.last().map(|p| p.offset + p.nbytes).unwrap_or(0);
+        let record_stride = align_up(record_bytes.max(1) as usize, RECORD_ALIGN) as u64;
+        let pool = ExpertPoolIndex {
+            num_layers: layout.num_layers,
+            num_experts: layout.num_experts,
+            record_bytes,
+            record_stride,
+            parts,
+            checksums: vec![vec![String::new(); layout.num_experts]; layout.num_layers],
+        };
+        experts
+            .set_len(pool.file_bytes())
+            .map_err(|e| FormatError::io(&experts_path, e))?;
+        Ok(SlipWriter {
+            target: target.to_path_buf(),
+            tmp,
+            dense: BufWriter::with_capacity(1 << 22, dense),
+            dense_pos: 0,
+            dense_entries: Vec::new(),
+            experts,
+            written: vec![vec![false; layout.num_experts]; layout.num_layers],
+            pool,
+            finished: false,
+        })
+    }
+
+    /// The record layout chosen for the pool (part offsets, record size).
+    pub fn pool(&self) -> &ExpertPoolIndex {
+        &self.pool
+    }
+
+    /// Appends a dense tensor. `bytes` must match `qtype` and `shape`.
+    pub fn add_dense(
+        &mut self,
+        name: &str,
+        qtype: QuantType,
+        shape: [usize; 2],
+        bytes: &[u8],
+    ) -> Result<()> {
+        if bytes.len() != qtype.nbytes(shape[0], shape[1]) {
+            return Err(FormatError::Invalid(format!(
+                "tensor {name}: {} bytes do not fit {} {:?}",
+                bytes.len(),
+                qtype.name(),
+                shape
+            )));
+        }
+        if self.dense_entries.iter().any(|e| e.name == name) {
+            return Err(FormatError::Invalid(format!("tensor {name} written twice")));
+        }
+        let start = align_up(self.dense_pos as usize, DENSE_ALIGN) as u64;
+        let pad = (start - self.dense_pos) as usize;
+        let path = self.tmp.join(DENSE_FILE);
+        self.dense
+            .write_all(&[0u8; DENSE_ALIGN][..pad])
+            .and_then(|_| self.dense.write_all(bytes))
+            .map_err(|e| FormatError::io(&path, e))?;
+        self.dense_pos = start + bytes.len() as u64;
+        self.dense_entries.push(DenseEntry {
+            name: name.to_string(),
+            qtype,
+            shape,
+            offset: start,
+            nbytes: bytes.len() as u64,
+            checksum: hex(checksum(bytes)),
+        });
+        Ok(())
+    }
+
+    /// Writes one expert record; `parts` are the gate, up, down bytes in
+    /// layout order. Records may be written in any order, from one thread.
+    pub fn write_expert(&mut self, layer: usize, expert: usize, parts: &[&[u8]]) -> Result<()> {
+        if layer >= self.pool.num_layers || expert >= self.pool.num_experts {
+            return Err(FormatError::Invalid(format!(
+                "expert {expert} of layer {layer} is outside the pool"
+            )));
+        }
+        if parts.len() != self.pool.parts.len() {
+            return Err(FormatError::Invalid("wrong number of expert parts".into()));
+        }
+        let mut record = vec![0u8; self.pool.record_bytes as usize];
+        for (bytes, part) in parts.iter().zip(&self.pool.parts) {
+            if bytes.len() as u64 != part.nbytes {
+                return Err(FormatError::Invalid(format!(
+                    "expert {expert} of layer {layer}: {} has {} bytes, layout needs {}",
+                    part.name,
+                    bytes.len(),
+                    part.nbytes
+                )));
+            }
+            record[part.offset as usize..(part.offset + part.nbytes) as usize]
+                .copy_from_slice(bytes);
+        }
+        let path = self.tmp.join(EXPERTS_FILE);
+        self.experts
+            .write_all_at(&record, self.pool.record_offset(layer, expert))
+            .map_err(|e| FormatError::io(&path, e))?;
+        self.pool.checksums[layer][expert] = hex(checksum(&record));
+        self.written[layer][expert] = true;
+        Ok(())
+    }
+
+    /// Copies a file (the tokenizer) into the model directory.
+    pub fn add_file(&mut self, name: &str, bytes: &[u8]) -> Result<()> {
+        let path = self.tmp.join(name);
+        let mut f = File::create(&path).map_err(|e| FormatError::io(&path, e))?;
+        f.write_all(bytes)
+            .and_then(|_| f.sync_all())
+            .map_err(|e| FormatError::io(&path, e))
+    }
+
+    /// Writes the manifest, syncs everything and moves the model into place,
+    /// replacing an older model at the same path.
+    pub fn finish(mut self, info: ManifestInfo) -> Result<Manifest> {
+        for (layer, row) in self.written.iter().enumerate() {
+            if let Some(expert) = row.iter().position(|w| !w) {
+                return Err(FormatError::Invalid(format!(
+                    "expert {expert} of layer {layer} was never written"
+                )));
+            }
+        }
+        let dense_path = self.tmp.join(DENSE_FILE);
+        self.dense
+            .flush()
+            .map_err(|e| FormatError::io(&dense_path, e))?;
+        let dense = self.dense.get_mut();
+        dense
+            .seek(SeekFrom::End(0))
+            .and_then(|_| dense.sync_all())
+            .map_err(|e| FormatError::io(&dense_path, e))?;
+        let experts_path = self.tmp.join(EXPERTS_FILE);
+        self.experts
+            .sync_all()
+            .map_err(|e| FormatError::io(&experts_path, e))?;
+
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(serde_json::to_string(&info.config).unwrap_or_default().as_bytes());
+        for e in &self.dense_entries {
+            h.update(e.name.as_bytes());
+            h.update(e.checksum.as_bytes());
+        }
+        for row in &self.pool.checksums {
+            for c in row {
+                h.update(c.as_bytes());
+            }
+        }
+        let manifest = Manifest {
+            format: FORMAT_NAME.into(),
+            version: FORMAT_VERSION,
+            config: info.config,
+            dense: std::mem::take(&mut self.dense_entries),
+            dense_file_bytes: self.dense_pos,
+            experts: self.pool.clone(),
+            tokenizer: info.tokenizer,
+            chat_template: info.chat_template,
+            eos_token_ids: info.eos_token_ids,
+            special_tokens: info.special_tokens,
+            source: info.source,
+            model_hash: hex(h.digest()),
+        };
+        let json = serde_json::to_vec_pretty(&manifest)
+            .map_err(|e| FormatError::Invalid(format!("manifest: {e}")))?;
+        self.add_file(MANIFEST_FILE, &json)?;
+        sync_dir(&self.tmp)?;
+
+        // Swap into place: an old model is moved aside first and removed last,
+        // so a crash leaves either the old or the new model, never a mix.
+        let old = self.tmp.with_extension("old");
+        let had_old = self.target.exists();
+        if had_old {
+            fs::rename(&self.target, &old).map_err(|e| FormatError::io(&self.target, e))?;
+        }
+        fs::rename(&self.tmp, &self.target).map_err(|e| FormatError::io(&self.target, e))?;
+        if let Some(parent) = self.target.parent() {
+            if !parent.as_os_str().is_empty() {
+                sync_dir(parent)?;
+            }
+        }
+        if had_old {
+            let _ = fs::remove_dir_all(&old);
+        }
+        self.finished = true;
+        Ok(manifest)
+    }
+}
+
+fn sync_dir(dir: &Path) -> Result<()> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| FormatError::io(dir, e))
+}
+
+impl Drop for SlipWriter {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = fs::remove_dir_all(&self.tmp);
+        }
+    }
+}
+
+/// Manifest fields the writer does not derive itself.
+#[derive(Debug, Clone)]
+pub struct ManifestInfo {
+    pub config: ModelConfig,
+    pub tokenizer: Option<String>,
+    pub chat_template: Option<String>,
+    pub eos_token_ids: Vec<u32>,
+    pub special_tokens: std::collections::BTreeMap<String, String>,
+    pub source: SourceInfo,
+}

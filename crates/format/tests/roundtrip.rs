@@ -1,0 +1,202 @@
+//! Write a small model, read it back, then damage it in each way a user's
+//! disk can and check every damage is a clear error.
+
+use std::os::unix::fs::FileExt;
+
+use slipstream_core::config::LayerKind;
+use slipstream_core::{Architecture, ModelConfig, QuantType};
+use slipstream_format::*;
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Qwen3Moe,
+        vocab_size: 16,
+        hidden_size: 64,
+        rms_norm_eps: 1e-6,
+        layer_types: vec![LayerKind::FullAttention; 2],
+        tie_word_embeddings: false,
+        max_position_embeddings: 128,
+        num_attention_heads: 2,
+        num_key_value_heads: 1,
+        head_dim: 32,
+        rotary_dim: 32,
+        rope_theta: 1e6,
+        attn_output_gate: false,
+        linear_num_key_heads: 0,
+        linear_key_head_dim: 0,
+        linear_num_value_heads: 0,
+        linear_value_head_dim: 0,
+        linear_conv_kernel: 0,
+        num_experts: 3,
+        num_experts_per_tok: 2,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 0,
+        norm_topk_prob: true,
+    }
+}
+
+fn part_bytes(seed: u8, n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+}
+
+fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let target = dir.join("m.slip");
+    let q4 = QuantType::Q4;
+    let layout = ExpertPoolLayout {
+        num_layers: 2,
+        num_experts: 3,
+        parts: vec![
+            ("gate".into(), q4, [64, 64]),
+            ("up".into(), q4, [64, 64]),
+            ("down".into(), q4, [64, 64]),
+        ],
+    };
+    let mut w = SlipWriter::create(&target, layout).unwrap();
+    w.add_dense("embed", QuantType::F32, [16, 64], &part_bytes(1, 16 * 64 * 4))
+        .unwrap();
+    w.add_dense("norm", QuantType::Bf16, [1, 64], &part_bytes(2, 128))
+        .unwrap();
+    let n = q4.nbytes(64, 64);
+    for l in 0..2 {
+        for e in 0..3 {
+            let seed = (l * 3 + e) as u8;
+            let (g, u, d) = (
+                part_bytes(seed, n),
+                part_bytes(seed + 50, n),
+                part_bytes(seed + 100, n),
+            );
+            w.write_expert(l, e, &[&g, &u, &d]).unwrap();
+        }
+    }
+    w.finish(ManifestInfo {
+        config: config(),
+        tokenizer: None,
+        chat_template: None,
+        eos_token_ids: vec![1],
+        special_tokens: Default::default(),
+        source: SourceInfo::default(),
+    })
+    .unwrap();
+    target
+}
+
+#[test]
+fn round_trip_is_bit_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let m = SlipModel::open(&path).unwrap();
+    assert_eq!(m.tensor("embed").unwrap().data, &part_bytes(1, 16 * 64 * 4)[..]);
+    assert_eq!(m.tensor("norm").unwrap().data, &part_bytes(2, 128)[..]);
+    assert_eq!(m.manifest.experts.record_stride % 4096, 0);
+    let mut buf = vec![0u8; m.manifest.experts.record_bytes as usize];
+    let n = QuantType::Q4.nbytes(64, 64);
+    for l in 0..2 {
+        for e in 0..3 {
+            m.read_expert(l, e, &mut buf).unwrap();
+            let views = m.expert_views(&buf).unwrap();
+            let seed = (l * 3 + e) as u8;
+            assert_eq!(views.gate.data, &part_bytes(seed, n)[..]);
+            assert_eq!(views.up.data, &part_bytes(seed + 50, n)[..]);
+            assert_eq!(views.down.data, &part_bytes(seed + 100, n)[..]);
+        }
+    }
+    assert!(matches!(m.tensor("nope"), Err(FormatError::MissingTensor(_))));
+    // No temp directory is left behind.
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(leftovers.len(), 1);
+}
+
+#[test]
+fn truncated_expert_file_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path.join(EXPERTS_FILE))
+        .unwrap();
+    let len = f.metadata().unwrap().len();
+    f.set_len(len - 100).unwrap();
+    let err = SlipModel::open(&path).err().expect("must fail");
+    assert!(matches!(err, FormatError::Size { .. }), "{err}");
+    assert!(err.to_string().contains("truncated"));
+}
+
+#[test]
+fn flipped_byte_in_expert_record_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let m = SlipModel::open(&path).unwrap();
+    let off = m.manifest.experts.record_offset(1, 2) + 17;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path.join(EXPERTS_FILE))
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, off).unwrap();
+    f.write_all_at(&[b[0] ^ 0x40], off).unwrap();
+    let mut buf = vec![0u8; m.manifest.experts.record_bytes as usize];
+    m.read_expert(1, 1, &mut buf).unwrap();
+    let err = m.read_expert(1, 2, &mut buf).unwrap_err();
+    assert!(
+        matches!(err, FormatError::ExpertChecksum { layer: 1, expert: 2, .. }),
+        "{err}"
+    );
+}
+
+#[test]
+fn flipped_byte_in_dense_file_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path.join(DENSE_FILE))
+        .unwrap();
+    f.write_all_at(&[0xff], 3).unwrap();
+    let err = SlipModel::open(&path).err().expect("must fail");
+    assert!(matches!(err, FormatError::DenseChecksum { .. }), "{err}");
+}
+
+#[test]
+fn bad_manifests_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let mpath = path.join(MANIFEST_FILE);
+    let good = std::fs::read_to_string(&mpath).unwrap();
+    std::fs::write(&mpath, &good[..good.len() / 2]).unwrap();
+    assert!(matches!(
+        SlipModel::open(&path),
+        Err(FormatError::BadManifest { .. })
+    ));
+    std::fs::write(&mpath, good.replace("\"version\": 1", "\"version\": 99")).unwrap();
+    assert!(matches!(
+        SlipModel::open(&path),
+        Err(FormatError::Version { found: 99, .. })
+    ));
+    std::fs::remove_file(&mpath).unwrap();
+    assert!(matches!(SlipModel::open(&path), Err(FormatError::Io { .. })));
+}
+
+#[test]
+fn unfinished_writer_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("x.slip");
+    {
+        let mut w = SlipWriter::create(
+            &target,
+            ExpertPoolLayout {
+                num_layers: 1,
+                num_experts: 1,
+                parts: vec![
+                    ("gate".into(), QuantType::F32, [1, 4]),
+                    ("up".into(), QuantType::F32, [1, 4]),
+                    ("down".into(), QuantType::F32, [4, 1]),
+                ],
+            },
+        )
+        .unwrap();
+        w.add_dense("a", QuantType::F32, [1, 1], &[0; 4]).unwrap();
+        // Dropped without finish: as if the process died mid-write.
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
