@@ -148,7 +148,6 @@ def qwen35_full_config_dict(text_cfg):
     """config.json in the full-checkpoint style of Qwen/Qwen3.5-35B-A3B."""
     full = Qwen3_5MoeConfig(text_config=text_cfg.to_dict(), tie_word_embeddings=False)
     d = full.to_dict()
-    d["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
     tc = d["text_config"]
     # mlx-lm reads full_attention_interval (not layer_types); keep them consistent.
     tc["full_attention_interval"] = 3
@@ -156,6 +155,7 @@ def qwen35_full_config_dict(text_cfg):
     for k in ("_attn_implementation", "_experts_implementation", "architectures"):
         tc.pop(k, None)
         d.pop(k, None)
+    d["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
     d["transformers_version"] = transformers.__version__
     return d
 
@@ -425,7 +425,7 @@ def make_qwen35(name, seed0, vocab, prompt_ids, specials, tok_dir, fused, bf16, 
         raise SystemExit(f"no good seed for {name}")
     out = fresh_dir(name)
     cfg = qwen35_full_config_dict(model.config)
-    cfg["text_config"]["dtype"] = "bfloat16" if bf16 else "float32"
+    cfg["text_config"]["dtype"] = cfg["dtype"] = "bfloat16" if bf16 else "float32"
     write_json(out / "config.json", cfg)
     write_json(out / "generation_config.json", generation_config(specials[2]))
     sd = qwen35_checkpoint_state(model, fused=fused)
@@ -469,6 +469,8 @@ def make_qwen3moe(name, seed0, vocab, prompt_ids, specials, tok_dir):
     for k in ("_attn_implementation", "_experts_implementation"):
         d.pop(k, None)
     d["architectures"] = ["Qwen3MoeForCausalLM"]
+    # real Qwen3-30B-A3B config.json spells it num_experts (transformers maps it to num_local_experts)
+    d = {("num_experts" if k == "num_local_experts" else k): v for k, v in d.items()}
     d["dtype"] = "float32"
     write_json(out / "config.json", d)
     write_json(out / "generation_config.json", generation_config(specials[2]))
@@ -560,7 +562,7 @@ def make_mlx4(name, src_dir, text_cfg, prompt_ids, specials, tok_dir, vocab):
     mlx_convert(src_dir, out)
     # tokenizer files: same as every other fixture
     for f in os.listdir(out):
-        if f.startswith("tokenizer") or f in ("chat_template.jinja", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        if f.startswith("tokenizer") or f in ("README.md", "chat_template.jinja", "special_tokens_map.json", "vocab.json", "merges.txt"):
             os.remove(out / f)
     copy_tok(tok_dir, out)
     with open(out / "config.json") as f:

@@ -24,3 +24,29 @@ pub enum CoreError {
     #[error("{0}")]
     Invalid(String),
 }
+
+pub use tensor::{ExpertWeights, SharedBytes, Tensor};
+
+/// Error type crossing crate boundaries through the traits below.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Where a model gets its dense (non-expert) weights, by canonical name.
+pub trait TensorSource {
+    fn tensor(&self, name: &str) -> Result<Tensor, BoxError>;
+    fn has_tensor(&self, name: &str) -> bool;
+}
+
+/// The only way a model reaches routed experts. Implementations decide where
+/// the weights live (all resident, a bounded cache over the SSD, VRAM, ...);
+/// none of them may change the numbers a model computes.
+pub trait ExpertSource: Send {
+    /// Calls `compute(expert, weights)` exactly once for every distinct id in
+    /// `experts` of `layer`, in whatever order the weights become available.
+    /// Callers must make their result independent of that order.
+    fn with_experts(
+        &mut self,
+        layer: usize,
+        experts: &[u32],
+        compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
+    ) -> Result<(), BoxError>;
+}

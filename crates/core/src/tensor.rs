@@ -66,3 +66,81 @@ pub fn scale_to_f32(ty: ScaleType, bytes: [u8; 2]) -> f32 {
         ScaleType::Bf16 => half::bf16::from_bits(bits).to_f32(),
     }
 }
+
+/// Bytes that a [`Tensor`] can share: a mapped file, a `Vec<u8>`, ...
+pub type SharedBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// An owned, cheaply clonable tensor: shared bytes plus its layout.
+#[derive(Clone)]
+pub struct Tensor {
+    pub qtype: QuantType,
+    pub rows: usize,
+    pub cols: usize,
+    bytes: SharedBytes,
+    start: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor[{}, {}] {}", self.rows, self.cols, self.qtype.name())
+    }
+}
+
+impl Tensor {
+    /// A tensor over `bytes[start..start + len]`, validated against the layout.
+    pub fn new(
+        qtype: QuantType,
+        rows: usize,
+        cols: usize,
+        bytes: SharedBytes,
+        start: usize,
+        len: usize,
+    ) -> Result<Self, CoreError> {
+        let total = (*bytes).as_ref().len();
+        if start.checked_add(len).is_none_or(|end| end > total) {
+            return Err(CoreError::Invalid("tensor extent outside its buffer".into()));
+        }
+        let t = Tensor {
+            qtype,
+            rows,
+            cols,
+            bytes,
+            start,
+            len,
+        };
+        TensorView::new(qtype, rows, cols, t.raw())?;
+        Ok(t)
+    }
+
+    /// An f32 tensor owning `values` (`[rows, cols]` row-major).
+    pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>) -> Result<Self, CoreError> {
+        let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
+        let len = bytes.len();
+        Tensor::new(QuantType::F32, rows, cols, std::sync::Arc::new(bytes), 0, len)
+    }
+
+    fn raw(&self) -> &[u8] {
+        &(*self.bytes).as_ref()[self.start..self.start + self.len]
+    }
+
+    pub fn view(&self) -> TensorView<'_> {
+        TensorView {
+            qtype: self.qtype,
+            rows: self.rows,
+            cols: self.cols,
+            data: self.raw(),
+        }
+    }
+}
+
+/// The three projections of one routed expert.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertWeights<'a> {
+    /// `[intermediate, hidden]`
+    pub gate: TensorView<'a>,
+    /// `[intermediate, hidden]`
+    pub up: TensorView<'a>,
+    /// `[hidden, intermediate]`
+    pub down: TensorView<'a>,
+}

@@ -21,7 +21,7 @@ mod writer;
 pub use manifest::{
     DenseEntry, ExpertPart, ExpertPoolIndex, Manifest, SourceInfo, FORMAT_NAME, FORMAT_VERSION,
 };
-pub use reader::{ExpertRecord, SlipModel};
+pub use reader::SlipModel;
 pub use writer::{ExpertPoolLayout, ManifestInfo, SlipWriter};
 
 

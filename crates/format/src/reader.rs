@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
-use slipstream_core::TensorView;
+use slipstream_core::{BoxError, ExpertWeights, SharedBytes, Tensor, TensorSource, TensorView};
 
 use crate::manifest::*;
 use crate::{checksum, FormatError, Result, DENSE_FILE, EXPERTS_FILE, MANIFEST_FILE};
@@ -116,17 +116,24 @@ impl SlipModel {
         })
     }
 
-    /// A dense tensor by canonical name.
-    pub fn tensor(&self, name: &str) -> Result<TensorView<'_>> {
+    /// A dense tensor by canonical name, sharing the mapping.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let entry = self
             .manifest
             .dense
             .iter()
             .find(|e| e.name == name)
             .ok_or_else(|| FormatError::MissingTensor(name.to_string()))?;
-        let bytes = &self.dense[entry.offset as usize..(entry.offset + entry.nbytes) as usize];
-        TensorView::new(entry.qtype, entry.shape[0], entry.shape[1], bytes)
-            .map_err(|e| FormatError::Invalid(format!("tensor {name}: {e}")))
+        let bytes: SharedBytes = self.dense.clone();
+        Tensor::new(
+            entry.qtype,
+            entry.shape[0],
+            entry.shape[1],
+            bytes,
+            entry.offset as usize,
+            entry.nbytes as usize,
+        )
+        .map_err(|e| FormatError::Invalid(format!("tensor {name}: {e}")))
     }
 
     pub fn has_tensor(&self, name: &str) -> bool {
@@ -169,7 +176,7 @@ impl SlipModel {
     }
 
     /// Splits a verified record into its parts' views (gate, up, down).
-    pub fn expert_views<'a>(&self, record: &'a [u8]) -> Result<ExpertRecord<'a>> {
+    pub fn expert_views<'a>(&self, record: &'a [u8]) -> Result<ExpertWeights<'a>> {
         let parts = &self.manifest.experts.parts;
         let view = |i: usize| -> Result<TensorView<'a>> {
             let p = parts
@@ -181,7 +188,7 @@ impl SlipModel {
             TensorView::new(p.qtype, p.shape[0], p.shape[1], bytes)
                 .map_err(|e| FormatError::Invalid(format!("expert {}: {e}", p.name)))
         };
-        Ok(ExpertRecord {
+        Ok(ExpertWeights {
             gate: view(0)?,
             up: view(1)?,
             down: view(2)?,
@@ -210,13 +217,11 @@ fn check_size(path: &Path, file: &File, expected: u64) -> Result<()> {
     Ok(())
 }
 
-/// The three projections of one expert, borrowed from its record.
-#[derive(Debug, Clone, Copy)]
-pub struct ExpertRecord<'a> {
-    /// `[intermediate, hidden]`
-    pub gate: TensorView<'a>,
-    /// `[intermediate, hidden]`
-    pub up: TensorView<'a>,
-    /// `[hidden, intermediate]`
-    pub down: TensorView<'a>,
+impl TensorSource for SlipModel {
+    fn tensor(&self, name: &str) -> std::result::Result<Tensor, BoxError> {
+        SlipModel::tensor(self, name).map_err(Into::into)
+    }
+    fn has_tensor(&self, name: &str) -> bool {
+        SlipModel::has_tensor(self, name)
+    }
 }

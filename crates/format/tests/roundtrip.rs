@@ -85,8 +85,8 @@ fn round_trip_is_bit_exact() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_model(dir.path());
     let m = SlipModel::open(&path).unwrap();
-    assert_eq!(m.tensor("embed").unwrap().data, &part_bytes(1, 16 * 64 * 4)[..]);
-    assert_eq!(m.tensor("norm").unwrap().data, &part_bytes(2, 128)[..]);
+    assert_eq!(m.tensor("embed").unwrap().view().data, &part_bytes(1, 16 * 64 * 4)[..]);
+    assert_eq!(m.tensor("norm").unwrap().view().data, &part_bytes(2, 128)[..]);
     assert_eq!(m.manifest.experts.record_stride % 4096, 0);
     let mut buf = vec![0u8; m.manifest.experts.record_bytes as usize];
     let n = QuantType::Q4.nbytes(64, 64);

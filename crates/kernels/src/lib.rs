@@ -1,1 +1,266 @@
+//! CPU compute kernels: matrix-vector and matrix-matrix products over stored
+//! weights ([`TensorView`] in any [`QuantType`]), row dequantization and
+//! quantization.
+//!
+//! # Dispatch
+//! The public entry points ([`matvec`], [`matmul`]) pick the best instruction
+//! set at run time ([`Isa::detect`]): AVX2+FMA+F16C on x86-64, the portable
+//! scalar code everywhere else. [`matvec_with`] / [`matmul_with`] force one.
+//! The scalar code ([`scalar`]) is also the test oracle.
+//!
+//! # Determinism
+//! For a given [`Isa`], every output element is computed by one fixed
+//! instruction sequence per (weight row, token): results are bit-identical
+//! whatever the batch size `n` of [`matmul`], however rows are split across
+//! threads, and between [`matvec`] and row `t` of [`matmul`]. Different ISAs
+//! agree only to rounding.
+//!
+//! # Affine dot product
+//! For affine weights `W[r, j] = s_g * q_j + b_g` the dot product is evaluated
+//! as `sum_g (s_g * sum_{j in g} q_j x_j) + sum_g b_g * X_g`, where
+//! `X_g = sum_{j in g} x_j` is computed once per input vector.
 
+use rayon::prelude::*;
+use slipstream_core::{QuantType, TensorView};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+pub mod quantize;
+pub mod scalar;
+#[cfg(test)]
+mod tests;
+
+/// Instruction set a kernel runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Portable Rust, no SIMD intrinsics (also the reference implementation).
+    Scalar,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+}
+
+impl Isa {
+    /// The fastest instruction set supported by this CPU.
+    pub fn detect() -> Isa {
+        if Isa::Avx2.is_supported() {
+            Isa::Avx2
+        } else {
+            Isa::Scalar
+        }
+    }
+
+    /// Whether this CPU can run kernels of this instruction set.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            Isa::Avx2 => avx2_supported(),
+        }
+    }
+
+    /// All instruction sets this CPU supports (scalar first).
+    pub fn available() -> Vec<Isa> {
+        [Isa::Scalar, Isa::Avx2]
+            .into_iter()
+            .filter(|i| i.is_supported())
+            .collect()
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2_supported() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2_supported() -> bool {
+    false
+}
+
+/// Work (multiply-adds) below which a product runs on the calling thread.
+const PAR_MIN_WORK: usize = 1 << 16;
+
+/// `y[r] = sum_c W[r, c] * x[c]`; `x` is `[cols]`, `y` is `[rows]`.
+///
+/// Uses the best [`Isa`] of this CPU and the rayon global pool for large `W`.
+/// Panics if the lengths do not match the shape.
+pub fn matvec(w: &TensorView, x: &[f32], y: &mut [f32]) {
+    matvec_with(Isa::detect(), w, x, y)
+}
+
+/// [`matvec`] with a given instruction set (panics if the CPU lacks it).
+pub fn matvec_with(isa: Isa, w: &TensorView, x: &[f32], y: &mut [f32]) {
+    check_weight(w);
+    assert_eq!(x.len(), w.cols, "matvec: x length != cols");
+    assert_eq!(y.len(), w.rows, "matvec: y length != rows");
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+    let toks = [Token::new(w, x)];
+    run_rows(isa, w, &toks, y);
+}
+
+/// `y[t, r] = sum_c W[r, c] * x[t, c]` for `n` tokens; `x` is `[n, cols]`,
+/// `y` is `[n, rows]`, both row-major.
+///
+/// Row `t` of `y` is bit-identical to [`matvec`] of row `t` of `x`.
+pub fn matmul(w: &TensorView, x: &[f32], n: usize, y: &mut [f32]) {
+    matmul_with(Isa::detect(), w, x, n, y)
+}
+
+/// [`matmul`] with a given instruction set (panics if the CPU lacks it).
+pub fn matmul_with(isa: Isa, w: &TensorView, x: &[f32], n: usize, y: &mut [f32]) {
+    check_weight(w);
+    assert_eq!(x.len(), n * w.cols, "matmul: x length != n * cols");
+    assert_eq!(y.len(), n * w.rows, "matmul: y length != n * rows");
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
+    if n == 0 || w.rows == 0 {
+        return;
+    }
+    let toks: Vec<Token> = (0..n)
+        .map(|t| Token::new(w, &x[t * w.cols..(t + 1) * w.cols]))
+        .collect();
+    if n == 1 {
+        run_rows(isa, w, &toks, y);
+        return;
+    }
+    // Kernels write [rows, n]; transpose into the token-major output.
+    let mut tmp = vec![0f32; w.rows * n];
+    run_rows(isa, w, &toks, &mut tmp);
+    for (r, vals) in tmp.chunks_exact(n).enumerate() {
+        for (t, &v) in vals.iter().enumerate() {
+            y[t * w.rows + r] = v;
+        }
+    }
+}
+
+/// Dequantizes row `row` of `w` into `out` (`[cols]`).
+///
+/// Affine values are `scale * q + bias` in f32 (a multiply then an add, never
+/// fused), so the result is the same on every CPU.
+pub fn dequantize_row(w: &TensorView, row: usize, out: &mut [f32]) {
+    scalar::dequantize_row(w, row, out)
+}
+
+/// Bytes of weight data one matvec reads (for bandwidth figures).
+pub fn bytes_per_matvec(w: &TensorView) -> usize {
+    w.data.len()
+}
+
+/// Panics unless `w` is a layout the kernels handle and its data has the
+/// exact length of that layout.
+pub(crate) fn check_weight(w: &TensorView) {
+    if let QuantType::Affine { bits, group, .. } = w.qtype {
+        assert!(bits == 4 || bits == 8, "affine bits must be 4 or 8");
+        let group = group as usize;
+        assert!(
+            group > 0 && group.is_multiple_of(8) && w.cols.is_multiple_of(group),
+            "affine group {group} must be a multiple of 8 dividing cols {}",
+            w.cols
+        );
+    }
+    assert_eq!(
+        w.data.len(),
+        w.qtype.nbytes(w.rows, w.cols),
+        "tensor data length does not match [{}, {}] {}",
+        w.rows,
+        w.cols,
+        w.qtype.name()
+    );
+}
+
+/// One input vector plus what the kernels precompute from it.
+pub(crate) struct Token<'a> {
+    /// `[cols]`.
+    pub x: &'a [f32],
+    /// Affine only: `gsum[g] = sum of x over group g`, zero-padded to a
+    /// multiple of 8 entries. Empty for float weights.
+    pub gsum: Vec<f32>,
+    /// 4-bit affine with a group that is a multiple of 16 only: `x` with each
+    /// block of 16 reordered as its 8 even elements then its 8 odd ones (the
+    /// order of the low and high nibbles of 8 code bytes). Otherwise empty.
+    pub xp: Vec<f32>,
+}
+
+impl<'a> Token<'a> {
+    pub fn new(w: &TensorView, x: &'a [f32]) -> Token<'a> {
+        let (gsum, xp) = match w.qtype {
+            QuantType::Affine { bits, group, .. } => {
+                let group = group as usize;
+                let xp = if bits == 4 && group.is_multiple_of(16) {
+                    split_pairs(x)
+                } else {
+                    Vec::new()
+                };
+                (group_sums(x, group), xp)
+            }
+            _ => (Vec::new(), Vec::new()),
+        };
+        Token { x, gsum, xp }
+    }
+}
+
+/// Reorders each block of 16 as its even elements then its odd elements
+/// (`x.len()` must be a multiple of 16).
+fn split_pairs(x: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for (o, b) in out.chunks_exact_mut(16).zip(x.chunks_exact(16)) {
+        for i in 0..8 {
+            o[i] = b[2 * i];
+            o[8 + i] = b[2 * i + 1];
+        }
+    }
+    out
+}
+
+/// Per-group sums of `x` (sequential order), zero-padded to a multiple of 8.
+fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
+    let ng = x.len() / group;
+    let mut out = vec![0f32; ng.next_multiple_of(8)];
+    for (o, g) in out.iter_mut().zip(x.chunks_exact(group)) {
+        let mut s = 0f32;
+        for &v in g {
+            s += v;
+        }
+        *o = s;
+    }
+    out
+}
+
+/// Computes rows `r0..r1` for all tokens into `out` (`[r1 - r0, toks.len()]`).
+fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    match isa {
+        Isa::Scalar => scalar::rows(w, r0, r1, toks, out),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::rows(w, r0, r1, toks, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 => unreachable!("AVX2 requested on a non-x86-64 CPU"),
+    }
+}
+
+/// Computes all rows into `out` (`[rows, toks.len()]`), splitting rows across
+/// the rayon pool when the product is large. Row splits never change the
+/// arithmetic of an element.
+fn run_rows(isa: Isa, w: &TensorView, toks: &[Token], out: &mut [f32]) {
+    let ntok = toks.len();
+    let work = w.rows * w.cols * ntok;
+    let threads = rayon::current_num_threads();
+    if work < PAR_MIN_WORK || threads <= 1 || w.rows < 8 {
+        kernel_rows(isa, w, 0, w.rows, toks, out);
+        return;
+    }
+    // A few chunks per thread for balance, each a multiple of 4 rows (the
+    // kernels' row block) and at least ~16K multiply-adds.
+    let min_rows = (1usize << 14).div_ceil(w.cols * ntok).max(1);
+    let chunk_rows = w
+        .rows
+        .div_ceil(threads * 4)
+        .max(min_rows)
+        .next_multiple_of(4);
+    out.par_chunks_mut(chunk_rows * ntok)
+        .enumerate()
+        .for_each(|(i, o)| {
+            let r0 = i * chunk_rows;
+            let r1 = r0 + o.len() / ntok;
+            kernel_rows(isa, w, r0, r1, toks, o);
+        });
+}

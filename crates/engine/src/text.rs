@@ -1,0 +1,143 @@
+//! Tokenizer and chat template.
+
+use minijinja::{context, Environment, Error as JinjaError, ErrorKind};
+use serde::Serialize;
+
+use crate::EngineError;
+
+/// The model's tokenizer (HF `tokenizer.json`).
+pub struct TextCodec {
+    tokenizer: tokenizers::Tokenizer,
+}
+
+impl TextCodec {
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, EngineError> {
+        let tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
+            .map_err(|e| EngineError::Tokenizer(format!("cannot load tokenizer.json: {e}")))?;
+        Ok(TextCodec { tokenizer })
+    }
+
+    /// Text to ids. Special tokens written in the text (`<|im_start|>`) are
+    /// recognised; no BOS/EOS is added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.tokenizer
+            .decode(ids, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+}
+
+/// Turns a growing list of generated ids into text pieces, holding back
+/// bytes that do not yet form complete UTF-8 characters.
+#[derive(Debug, Default)]
+pub struct StreamDecoder {
+    ids: Vec<u32>,
+    emitted: usize,
+}
+
+impl StreamDecoder {
+    /// Adds one id; returns the new text it completes (maybe empty).
+    pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String, EngineError> {
+        self.ids.push(id);
+        let text = codec.decode(&self.ids)?;
+        if text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let piece = text.get(self.emitted..).unwrap_or("").to_string();
+        self.emitted = text.len().max(self.emitted);
+        Ok(piece)
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Renders the checkpoint's Jinja chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+}
+
+fn raise_exception(msg: String) -> Result<String, JinjaError> {
+    Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str) -> Result<Self, EngineError> {
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned("chat", source.to_string())
+            .map_err(|e| EngineError::Template(format!("chat template does not parse: {e}")))?;
+        Ok(ChatTemplate { env })
+    }
+
+    /// Renders `messages` and, when asked, the assistant turn's opening.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        enable_thinking: bool,
+    ) -> Result<String, EngineError> {
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| EngineError::Template(e.to_string()))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            enable_thinking => enable_thinking,
+        })
+        .map_err(|e| EngineError::Template(format!("chat template failed: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}";
+
+    #[test]
+    fn renders_chatml_with_python_methods() {
+        let t = ChatTemplate::new(CHATML).unwrap();
+        let out = t
+            .render(
+                &[ChatMessage {
+                    role: "user".into(),
+                    content: " hi ".into(),
+                }],
+                true,
+                false,
+            )
+            .unwrap();
+        assert_eq!(out, "<|im_start|>user\nhi<|im_end|><|im_start|>assistant");
+    }
+
+    #[test]
+    fn broken_template_is_an_error() {
+        assert!(ChatTemplate::new("{% for %}").is_err());
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}").unwrap();
+        let err = t.render(&[], false, false).unwrap_err();
+        assert!(err.to_string().contains("no system role"));
+    }
+}

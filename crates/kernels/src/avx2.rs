@@ -1,0 +1,427 @@
+//! AVX2 + FMA + F16C kernels (x86-64).
+//!
+//! Every kernel is generic over a block of `R` weight rows and `T` tokens.
+//! Blocking only shares loads (weights decoded once for `T` tokens, `x` loaded
+//! once for `R` rows); the arithmetic of one (row, token) pair is the same
+//! instruction sequence for every `R` and `T`, so results never depend on the
+//! blocking:
+//!
+//! * float weights: one 8-lane FMA chain over 8-element chunks, a fixed
+//!   horizontal sum, then the `cols % 8` tail added in order (mul, add);
+//! * affine weights: per group two 8-lane FMA chains of `q * x` started from
+//!   zero, folded into the row accumulator with
+//!   `acc = fma(scale, chain0 + chain1, acc)`; separately an 8-lane FMA chain
+//!   of `bias[g] * X_g` over the groups; the result is
+//!   `hsum(acc) + hsum(bias chain)` (see [`affine_block`]).
+//!
+//! Row blocks: float `R = 4`, affine `R = 2` for one token; `R = 1, T = 4`
+//! when a batch has 4 or more tokens.
+
+use std::arch::x86_64::*;
+
+use crate::scalar::AffineRow;
+use crate::Token;
+use slipstream_core::{QuantType, ScaleType, TensorView};
+
+const K_F32: u8 = 0;
+const K_F16: u8 = 1;
+const K_BF16: u8 = 2;
+
+/// Rows `r0..r1` for all tokens into `out` (`[r1 - r0, toks.len()]`).
+/// Panics if the CPU lacks AVX2, FMA or F16C.
+pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    assert!(crate::Isa::Avx2.is_supported(), "CPU lacks AVX2/FMA/F16C");
+    assert!(r0 <= r1 && r1 <= w.rows);
+    assert_eq!(out.len(), (r1 - r0) * toks.len());
+    // SAFETY: the CPU supports avx2, fma and f16c (checked above).
+    unsafe { rows_impl(w, r0, r1, toks, out) }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_impl(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    match w.qtype {
+        QuantType::F32 => float_rows::<K_F32>(w, r0, r1, toks, out),
+        QuantType::F16 => float_rows::<K_F16>(w, r0, r1, toks, out),
+        QuantType::Bf16 => float_rows::<K_BF16>(w, r0, r1, toks, out),
+        QuantType::Affine { bits: 4, .. } => affine_rows::<4>(w, r0, r1, toks, out),
+        QuantType::Affine { bits: 8, .. } => affine_rows::<8>(w, r0, r1, toks, out),
+        QuantType::Affine { bits, .. } => panic!("unsupported affine bits {bits}"),
+    }
+}
+
+/// How a row range is blocked: with 4+ tokens one row at a time for 4 tokens
+/// at a time (weights decoded once per 4 tokens), otherwise `$rb` rows at a
+/// time per token (independent chains in flight). Leftovers go one by one.
+macro_rules! block_loop {
+    ($rb:literal, $r0:expr, $r1:expr, $toks:expr, $out:expr, |$rows:ident, $tk:ident| $call:expr) => {{
+        let ntok = $toks.len();
+        if ntok >= 4 {
+            for r in $r0..$r1 {
+                let o = &mut $out[(r - $r0) * ntok..(r - $r0 + 1) * ntok];
+                let mut t = 0;
+                while t + 4 <= ntok {
+                    let $rows = [r];
+                    let $tk = [&$toks[t], &$toks[t + 1], &$toks[t + 2], &$toks[t + 3]];
+                    let res: [[f32; 4]; 1] = $call;
+                    o[t..t + 4].copy_from_slice(&res[0]);
+                    t += 4;
+                }
+                while t < ntok {
+                    let $rows = [r];
+                    let $tk = [&$toks[t]];
+                    let res: [[f32; 1]; 1] = $call;
+                    o[t] = res[0][0];
+                    t += 1;
+                }
+            }
+        } else {
+            for t in 0..ntok {
+                let mut r = $r0;
+                while r + $rb <= $r1 {
+                    let $rows = std::array::from_fn::<usize, $rb, _>(|i| r + i);
+                    let $tk = [&$toks[t]];
+                    let res: [[f32; 1]; $rb] = $call;
+                    for (i, v) in res.iter().enumerate() {
+                        $out[(r - $r0 + i) * ntok + t] = v[0];
+                    }
+                    r += $rb;
+                }
+                while r < $r1 {
+                    let $rows = [r];
+                    let $tk = [&$toks[t]];
+                    let res: [[f32; 1]; 1] = $call;
+                    $out[(r - $r0) * ntok + t] = res[0][0];
+                    r += 1;
+                }
+            }
+        }
+    }};
+}
+
+// ---------------------------------------------------------------------------
+// Shared helpers
+// ---------------------------------------------------------------------------
+
+/// Fixed-order horizontal sum of 8 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps::<1>(v);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// Eight f32 at `p` (unaligned).
+///
+/// # Safety
+/// `p` must be valid for reading 32 bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn ld_f32(p: *const f32) -> __m256 {
+    // SAFETY: the caller guarantees 32 readable bytes; loadu has no alignment
+    // requirement.
+    unsafe { _mm256_loadu_ps(p) }
+}
+
+/// Eight little-endian 16-bit values at `p` (unaligned) widened to f32:
+/// f16 (exact conversion) or bf16.
+///
+/// # Safety
+/// `p` must be valid for reading 16 bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn ld_half8(p: *const u8, bf16: bool) -> __m256 {
+    // SAFETY: the caller guarantees 16 readable bytes; loadu has no alignment
+    // requirement.
+    let h = unsafe { _mm_loadu_si128(p.cast()) };
+    if bf16 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    } else {
+        _mm256_cvtph_ps(h)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Float weights
+// ---------------------------------------------------------------------------
+
+/// Element `i` of a float row as f32 (exact, like the vector conversion).
+#[inline]
+fn elem<const K: u8>(row: &[u8], i: usize) -> f32 {
+    if K == K_F32 {
+        let e = &row[i * 4..i * 4 + 4];
+        f32::from_le_bytes([e[0], e[1], e[2], e[3]])
+    } else if K == K_F16 {
+        half::f16::from_le_bytes([row[i * 2], row[i * 2 + 1]]).to_f32()
+    } else {
+        half::bf16::from_le_bytes([row[i * 2], row[i * 2 + 1]]).to_f32()
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn float_rows<const K: u8>(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    let esz = if K == K_F32 { 4 } else { 2 };
+    let rb = w.cols * esz;
+    let row = |r: usize| &w.data[r * rb..(r + 1) * rb];
+    block_loop!(4, r0, r1, toks, out, |rs, tk| float_block::<K, _, _>(
+        rs.map(row),
+        tk.map(|t| t.x),
+        w.cols
+    ));
+}
+
+/// Dot products of `R` float rows (`[cols]` each, raw bytes) with `T` tokens
+/// (`[cols]` each). Per (row, token): one 8-lane FMA chain over the 8-element
+/// chunks, [`hsum`], then the `cols % 8` tail added in order.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn float_block<const K: u8, const R: usize, const T: usize>(
+    rows: [&[u8]; R],
+    xs: [&[f32]; T],
+    cols: usize,
+) -> [[f32; T]; R] {
+    let esz = if K == K_F32 { 4 } else { 2 };
+    for r in rows {
+        assert!(r.len() >= cols * esz);
+    }
+    for x in xs {
+        assert!(x.len() >= cols);
+    }
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let main = cols / 8 * 8;
+    let mut c = 0;
+    while c < main {
+        let mut wv = [_mm256_setzero_ps(); R];
+        for r in 0..R {
+            // SAFETY: c + 8 <= cols and each row holds `cols` elements
+            // (asserted above).
+            wv[r] = unsafe {
+                let p = rows[r].as_ptr().add(c * esz);
+                if K == K_F32 {
+                    ld_f32(p.cast())
+                } else {
+                    ld_half8(p, K == K_BF16)
+                }
+            };
+        }
+        for t in 0..T {
+            // SAFETY: c + 8 <= cols <= xs[t].len() (asserted above).
+            let xv = unsafe { ld_f32(xs[t].as_ptr().add(c)) };
+            for r in 0..R {
+                acc[r][t] = _mm256_fmadd_ps(wv[r], xv, acc[r][t]);
+            }
+        }
+        c += 8;
+    }
+    let mut out = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            let mut s = hsum(acc[r][t]);
+            for (i, &xv) in xs[t].iter().enumerate().take(cols).skip(main) {
+                s += elem::<K>(rows[r], i) * xv;
+            }
+            out[r][t] = s;
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// Affine weights
+// ---------------------------------------------------------------------------
+
+#[target_feature(enable = "avx2,fma,f16c")]
+fn affine_rows<const BITS: u32>(
+    w: &TensorView,
+    r0: usize,
+    r1: usize,
+    toks: &[Token],
+    out: &mut [f32],
+) {
+    let QuantType::Affine { group, scale, .. } = w.qtype else {
+        unreachable!()
+    };
+    let bf16 = scale == ScaleType::Bf16;
+    let group = group as usize;
+    let row = |r: usize| AffineRow::new(w, r);
+    if BITS == 4 && group.is_multiple_of(16) {
+        block_loop!(
+            2,
+            r0,
+            r1,
+            toks,
+            out,
+            |rs, tk| affine_block::<4, true, _, _>(
+                rs.map(row),
+                tk.map(|t| (t.xp.as_slice(), t.gsum.as_slice())),
+                bf16,
+                group,
+                w.cols
+            )
+        );
+    } else {
+        block_loop!(2, r0, r1, toks, out, |rs, tk| affine_block::<
+            BITS,
+            false,
+            _,
+            _,
+        >(
+            rs.map(row),
+            tk.map(|t| (t.x, t.gsum.as_slice())),
+            bf16,
+            group,
+            w.cols
+        ));
+    }
+}
+
+/// Scales (or biases) of groups `g..g + 8` as f32, zero past `ng` groups.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn params8(p: &[u8], g: usize, ng: usize, bf16: bool) -> __m256 {
+    let mut buf = [0u8; 16];
+    let src = if g + 8 <= ng {
+        &p[g * 2..g * 2 + 16]
+    } else {
+        buf[..(ng - g) * 2].copy_from_slice(&p[g * 2..ng * 2]);
+        &buf[..]
+    };
+    // SAFETY: `src` is 16 valid bytes.
+    unsafe { ld_half8(src.as_ptr(), bf16) }
+}
+
+/// Dot products of `R` affine rows with `T` tokens.
+///
+/// Each token is `(x, gsum)`: `x` is `[cols]`, in the pair-split order of
+/// [`Token::xp`] when `SPLIT` (4-bit, group a multiple of 16), natural order
+/// otherwise; `gsum` holds the group sums of `x` padded to a multiple of 8.
+///
+/// Per (row, token) and group: two 8-lane FMA chains `a0`, `a1` of `q * x`
+/// from zero (`SPLIT`: per 16 elements the even ones into `a0`, the odd ones
+/// into `a1`; otherwise alternate 8-element steps), then
+/// `acc = fma(scale, a0 + a1, acc)`. The
+/// bias term is an 8-lane FMA chain of `bias[g] * gsum[g]` over blocks of 8
+/// groups. Result: `hsum(acc) + hsum(bias chain)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn affine_block<const BITS: u32, const SPLIT: bool, const R: usize, const T: usize>(
+    rows: [AffineRow; R],
+    xs: [(&[f32], &[f32]); T],
+    bf16: bool,
+    group: usize,
+    cols: usize,
+) -> [[f32; T]; R] {
+    let ng = cols / group;
+    let gbytes = group * BITS as usize / 8;
+    for r in &rows {
+        assert!(r.codes.len() >= ng * gbytes);
+    }
+    for (x, gs) in xs {
+        assert!(x.len() >= cols && gs.len() >= ng.next_multiple_of(8));
+    }
+    let mask4 = _mm256_set1_epi32(0xF);
+    let shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut gb = 0;
+    while gb < ng {
+        let mut sc = [_mm256_setzero_ps(); R];
+        for r in 0..R {
+            sc[r] = params8(rows[r].scales, gb, ng, bf16);
+        }
+        for gi in 0..(ng - gb).min(8) {
+            let g = gb + gi;
+            let mut a0 = [[_mm256_setzero_ps(); T]; R];
+            let mut a1 = [[_mm256_setzero_ps(); T]; R];
+            let cp: [*const u8; R] = std::array::from_fn(|r| rows[r].codes[g * gbytes..].as_ptr());
+            let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].0[g * group..].as_ptr());
+            if SPLIT {
+                // 16 elements per step: 8 code bytes widened to dwords; the
+                // low nibbles are the even elements, the high nibbles the odd.
+                for k in 0..group / 16 {
+                    for r in 0..R {
+                        // SAFETY: k * 8 + 8 <= group / 2 = gbytes bytes remain
+                        // at cp[r] (codes length asserted above).
+                        let v = unsafe {
+                            _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp[r].add(k * 8).cast()))
+                        };
+                        let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask4));
+                        let hi = _mm256_cvtepi32_ps(_mm256_srli_epi32::<4>(v));
+                        for t in 0..T {
+                            // SAFETY: k * 16 + 16 <= group elements remain at
+                            // xp[t] (x length asserted above).
+                            let (xl, xh) = unsafe {
+                                (ld_f32(xp[t].add(k * 16)), ld_f32(xp[t].add(k * 16 + 8)))
+                            };
+                            a0[r][t] = _mm256_fmadd_ps(lo, xl, a0[r][t]);
+                            a1[r][t] = _mm256_fmadd_ps(hi, xh, a1[r][t]);
+                        }
+                    }
+                }
+            } else {
+                // 8 elements per step, even steps into a0, odd into a1.
+                let decode = |r: usize, k: usize| {
+                    if BITS == 4 {
+                        // SAFETY: k * 4 + 4 <= gbytes bytes remain at cp[r].
+                        let v = unsafe { cp[r].add(k * 4).cast::<i32>().read_unaligned() };
+                        let v = _mm256_srlv_epi32(_mm256_set1_epi32(v), shifts);
+                        _mm256_cvtepi32_ps(_mm256_and_si256(v, mask4))
+                    } else {
+                        // SAFETY: k * 8 + 8 <= gbytes bytes remain at cp[r].
+                        let v = unsafe { _mm_loadl_epi64(cp[r].add(k * 8).cast()) };
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+                    }
+                };
+                let nch = group / 8;
+                let mut k = 0;
+                while k < nch {
+                    for r in 0..R {
+                        let q0 = decode(r, k);
+                        for t in 0..T {
+                            // SAFETY: k * 8 + 8 <= group elements remain at xp[t].
+                            let xv = unsafe { ld_f32(xp[t].add(k * 8)) };
+                            a0[r][t] = _mm256_fmadd_ps(q0, xv, a0[r][t]);
+                        }
+                        if k + 1 < nch {
+                            let q1 = decode(r, k + 1);
+                            for t in 0..T {
+                                // SAFETY: (k + 1) * 8 + 8 <= group elements
+                                // remain at xp[t].
+                                let xv = unsafe { ld_f32(xp[t].add(k * 8 + 8)) };
+                                a1[r][t] = _mm256_fmadd_ps(q1, xv, a1[r][t]);
+                            }
+                        }
+                    }
+                    k += 2;
+                }
+            }
+            let lane = _mm256_set1_epi32(gi as i32);
+            for r in 0..R {
+                let s = _mm256_permutevar8x32_ps(sc[r], lane);
+                for t in 0..T {
+                    let qx = _mm256_add_ps(a0[r][t], a1[r][t]);
+                    acc[r][t] = _mm256_fmadd_ps(s, qx, acc[r][t]);
+                }
+            }
+        }
+        gb += 8;
+    }
+    let mut out = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            let mut bv = _mm256_setzero_ps();
+            let mut g = 0;
+            while g < ng {
+                let b = params8(rows[r].biases, g, ng, bf16);
+                let gs = &xs[t].1[g..g + 8];
+                // SAFETY: `gs` is 8 valid f32.
+                bv = _mm256_fmadd_ps(b, unsafe { ld_f32(gs.as_ptr()) }, bv);
+                g += 8;
+            }
+            out[r][t] = hsum(acc[r][t]) + hsum(bv);
+        }
+    }
+    out
+}

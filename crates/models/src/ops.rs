@@ -1,0 +1,137 @@
+//! Small element-wise steps of the forward pass (norms, activations,
+//! softmax). Each is plain scalar code with one fixed evaluation order, so
+//! results never depend on threading or batch size.
+
+/// `out = x * rsqrt(mean(x^2) + eps) * w`, one row. `w` is multiplicative
+/// (checkpoints with zero-centred weights are shifted at repack time).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let inv = inv_rms(x, eps);
+    for ((o, &xi), &wi) in out.iter_mut().zip(x).zip(w) {
+        *o = (xi * inv) * wi;
+    }
+}
+
+/// In-place variant of [`rms_norm`].
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let inv = inv_rms(x, eps);
+    for (xi, &wi) in x.iter_mut().zip(w) {
+        *xi = (*xi * inv) * wi;
+    }
+}
+
+/// `1 / sqrt(mean(x^2) + eps)`, accumulated in f64 for a stable mean.
+pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let mean = (ss / x.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+/// `x * rsqrt(sum(x^2) + eps)` in place.
+pub fn l2_normalize(x: &mut [f32], eps: f32) {
+    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    let inv = 1.0 / ((ss as f32) + eps).sqrt();
+    for v in x {
+        *v *= inv;
+    }
+}
+
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// torch's softplus (beta 1, threshold 20).
+#[inline]
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// Numerically stable softmax in place.
+pub fn softmax_inplace(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f64;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v as f64;
+    }
+    let inv = (1.0 / sum) as f32;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// Plain dot product in f32 with a fixed order.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Four independent accumulators let the compiler vectorise without
+    // changing the order between runs.
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for j in 0..8 {
+            acc[j] += a[i * 8 + j] * b[i * 8 + j];
+        }
+    }
+    let mut tail = 0.0f32;
+    for i in chunks * 8..a.len() {
+        tail += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// `y += a * x`
+#[inline]
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (yi, &xi) in y.iter_mut().zip(x) {
+        *yi += a * xi;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn softmax_sums_to_one_and_orders() {
+        let mut x = vec![1.0, 3.0, 2.0, -50.0];
+        softmax_inplace(&mut x);
+        assert!((x.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(x[1] > x[2] && x[2] > x[0] && x[0] > x[3]);
+    }
+
+    #[test]
+    fn dot_matches_f64_on_ragged_lengths() {
+        for n in [0usize, 1, 7, 8, 9, 33, 100] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "n={n}");
+        }
+    }
+
+    #[test]
+    fn rms_norm_unit_weights_gives_unit_rms() {
+        let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
+        let mut out = vec![0.0; 64];
+        rms_norm(&x, &[1.0; 64], 0.0, &mut out);
+        let ms: f32 = out.iter().map(|v| v * v).sum::<f32>() / 64.0;
+        assert!((ms - 1.0).abs() < 1e-5);
+    }
+
+    #[test]
+    fn softplus_matches_definition() {
+        for x in [-30.0f32, -1.0, 0.0, 0.5, 19.0, 25.0] {
+            let want = if x > 20.0 { x } else { (1.0 + x.exp()).ln() };
+            assert!((softplus(x) - want).abs() < 1e-5);
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! Element conversions and encoding of one tensor into its stored layout.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+use safetensors::Dtype;
+use slipstream_core::QuantType;
+
+/// Elements converted per parallel work item (4 MiB of f32).
+const CHUNK: usize = 1 << 20;
+
+/// Where the bytes of one output tensor (or one expert part) come from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum PartSrc<'a> {
+    /// Little-endian floats (F32, BF16 or F16), row-major `[rows, cols]`.
+    Float { dtype: Dtype, data: &'a [u8] },
+    /// Already in our affine layout (MLX): copied bit-exactly.
+    Quant {
+        qtype: QuantType,
+        codes: &'a [u8],
+        scales: &'a [u8],
+        biases: &'a [u8],
+    },
+}
+
+impl PartSrc<'_> {
+    pub fn bytes(&self) -> u64 {
+        match self {
+            PartSrc::Float { data, .. } => data.len() as u64,
+            PartSrc::Quant {
+                codes,
+                scales,
+                biases,
+                ..
+            } => (codes.len() + scales.len() + biases.len()) as u64,
+        }
+    }
+}
+
+pub(crate) fn dtype_bytes(dtype: Dtype) -> usize {
+    dtype.bitsize() / 8
+}
+
+/// Decodes little-endian `dtype` elements into `out`, adding 1 when `shift`.
+pub(crate) fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32], shift: bool) {
+    let add = if shift { 1.0f32 } else { 0.0f32 };
+    match dtype {
+        Dtype::F32 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                *o = if shift { add + v } else { v };
+            }
+        }
+        Dtype::BF16 => {
+            // bf16 is the top half of an f32: exact, NaN payloads included.
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                let v = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                *o = if shift { add + v } else { v };
+            }
+        }
+        Dtype::F16 => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                let v = f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+                *o = if shift { add + v } else { v };
+            }
+        }
+        other => unreachable!("decode of {other} (dtypes are checked when planning)"),
+    }
+}
+
+/// Encodes a tensor into `qtype`'s byte layout. `shift` adds 1 to every
+/// element (zero-centred norm weights). Quantized sources are copied.
+pub(crate) fn encode(src: &PartSrc, rows: usize, cols: usize, qtype: QuantType, shift: bool) -> Vec<u8> {
+    match *src {
+        PartSrc::Quant {
+            codes,
+            scales,
+            biases,
+            ..
+        } => {
+            let mut out = Vec::with_capacity(codes.len() + scales.len() + biases.len());
+            out.extend_from_slice(codes);
+            out.extend_from_slice(scales);
+            out.extend_from_slice(biases);
+            out
+        }
+        PartSrc::Float { dtype, data } => encode_float(dtype, data, rows, cols, qtype, shift),
+    }
+}
+
+fn encode_float(dtype: Dtype, data: &[u8], rows: usize, cols: usize, qtype: QuantType, shift: bool) -> Vec<u8> {
+    let n = rows * cols;
+    let esz = dtype_bytes(dtype);
+    debug_assert_eq!(data.len(), n * esz);
+    match qtype {
+        QuantType::F32 | QuantType::Bf16 | QuantType::F16 => {
+            let osz = if qtype == QuantType::F32 { 4 } else { 2 };
+            let same = !shift
+                && matches!(
+                    (qtype, dtype),
+                    (QuantType::F32, Dtype::F32) | (QuantType::Bf16, Dtype::BF16) | (QuantType::F16, Dtype::F16)
+                );
+            let mut out = vec![0u8; n * osz];
+            out.par_chunks_mut(CHUNK * osz)
+                .zip(data.par_chunks(CHUNK * esz))
+                .for_each(|(o, s)| {
+                    if same {
+                        o.copy_from_slice(s);
+                        return;
+                    }
+                    let mut tmp = vec![0f32; s.len() / esz];
+                    decode_into(dtype, s, &mut tmp, shift);
+                    match qtype {
+                        QuantType::F32 => {
+                            for (d, v) in o.chunks_exact_mut(4).zip(&tmp) {
+                                d.copy_from_slice(&v.to_le_bytes());
+                            }
+                        }
+                        QuantType::Bf16 => {
+                            for (d, v) in o.chunks_exact_mut(2).zip(&tmp) {
+                                d.copy_from_slice(&bf16::from_f32(*v).to_bits().to_le_bytes());
+                            }
+                        }
+                        _ => {
+                            for (d, v) in o.chunks_exact_mut(2).zip(&tmp) {
+                                d.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+                            }
+                        }
+                    }
+                });
+            out
+        }
+        QuantType::Affine { bits, group, scale } => {
+            let group = group as usize;
+            let rows_per = (CHUNK / cols.max(1)).max(1);
+            let chunks: Vec<(usize, Vec<u8>)> = (0..rows.div_ceil(rows_per))
+                .into_par_iter()
+                .map(|k| {
+                    let r0 = k * rows_per;
+                    let r1 = (r0 + rows_per).min(rows);
+                    let s = &data[r0 * cols * esz..r1 * cols * esz];
+                    let mut vals = vec![0f32; (r1 - r0) * cols];
+                    decode_into(dtype, s, &mut vals, shift);
+                    let q = slipstream_kernels::quantize::quantize_affine(
+                        &vals,
+                        r1 - r0,
+                        cols,
+                        bits,
+                        group,
+                        scale,
+                    );
+                    (r0, q)
+                })
+                .collect();
+            // Each chunk is [codes | scales | biases] for its rows; the whole
+            // tensor wants all codes, then all scales, then all biases.
+            let code_row = cols * bits as usize / 8;
+            let scale_row = (cols / group) * 2;
+            let codes_total = rows * code_row;
+            let scales_total = rows * scale_row;
+            let mut out = vec![0u8; qtype.nbytes(rows, cols)];
+            for (r0, q) in chunks {
+                let nr = q.len() / (code_row + 2 * scale_row);
+                let (c, rest) = q.split_at(nr * code_row);
+                let (s, b) = rest.split_at(nr * scale_row);
+                out[r0 * code_row..][..c.len()].copy_from_slice(c);
+                out[codes_total + r0 * scale_row..][..s.len()].copy_from_slice(s);
+                out[codes_total + scales_total + r0 * scale_row..][..b.len()].copy_from_slice(b);
+            }
+            out
+        }
+    }
+}

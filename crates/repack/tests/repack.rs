@@ -1,0 +1,768 @@
+//! Repacks tiny synthetic checkpoints and checks every stored tensor against
+//! its source; checks that each kind of bad input is a clear error.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use common::*;
+use safetensors::Dtype;
+use serde_json::json;
+use slipstream_core::config::LayerKind;
+use slipstream_core::{Architecture, QuantType, ScaleType};
+use slipstream_format::SlipModel;
+use slipstream_repack::*;
+
+fn run(input: &Path, output: &Path, quant: QuantChoice) -> Result<RepackReport> {
+    repack(
+        &RepackOptions {
+            input: input.to_path_buf(),
+            output: output.to_path_buf(),
+            quant,
+        },
+        &|_| {},
+    )
+}
+
+fn f32_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The stored f32 values of a dense tensor (must be F32).
+fn stored_f32(m: &SlipModel, name: &str) -> Vec<f32> {
+    let t = m.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(t.qtype, QuantType::F32, "{name} should be f32");
+    f32_of(t.view().data)
+}
+
+fn bits_eq(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+/// (canonical name, source name, 1+w shift, rows, cols) of every dense tensor.
+fn mapping(t: &Tiny, qwen35: bool, prefix: &str, lm_head: bool) -> Vec<(String, String, bool)> {
+    let mut v = vec![
+        ("embed".to_string(), format!("{prefix}embed_tokens.weight"), false),
+        ("final_norm".to_string(), format!("{prefix}norm.weight"), qwen35),
+    ];
+    if lm_head {
+        v.push(("lm_head".into(), "lm_head.weight".into(), false));
+    }
+    for (l, full) in t.full.iter().enumerate() {
+        let p = format!("{prefix}layers.{l}.");
+        let c = |s: &str| format!("layers.{l}.{s}");
+        v.push((c("input_norm"), format!("{p}input_layernorm.weight"), qwen35));
+        v.push((c("post_attn_norm"), format!("{p}post_attention_layernorm.weight"), qwen35));
+        if *full {
+            for x in ["q_proj", "k_proj", "v_proj", "o_proj"] {
+                v.push((c(&format!("attn.{x}")), format!("{p}self_attn.{x}.weight"), false));
+            }
+            v.push((c("attn.q_norm"), format!("{p}self_attn.q_norm.weight"), qwen35));
+            v.push((c("attn.k_norm"), format!("{p}self_attn.k_norm.weight"), qwen35));
+        } else {
+            for x in ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"] {
+                v.push((c(&format!("gdn.{x}")), format!("{p}linear_attn.{x}.weight"), false));
+            }
+            v.push((c("gdn.conv"), format!("{p}linear_attn.conv1d.weight"), false));
+            v.push((c("gdn.A_log"), format!("{p}linear_attn.A_log"), false));
+            v.push((c("gdn.dt_bias"), format!("{p}linear_attn.dt_bias"), false));
+            v.push((c("gdn.norm"), format!("{p}linear_attn.norm.weight"), false));
+        }
+        v.push((c("moe.router"), format!("{p}mlp.gate.weight"), false));
+        if qwen35 {
+            v.push((c("moe.shared_gate"), format!("{p}mlp.shared_expert_gate.weight"), false));
+            for x in ["gate_proj", "up_proj", "down_proj"] {
+                v.push((c(&format!("moe.shared.{x}")), format!("{p}mlp.shared_expert.{x}.weight"), false));
+            }
+        }
+    }
+    v
+}
+
+/// Checks every dense tensor of an f32 repack bit-exactly against `src`.
+fn check_dense_f32(m: &SlipModel, src: &FloatMap, map: &[(String, String, bool)]) {
+    assert_eq!(m.manifest.dense.len(), map.len(), "number of dense tensors");
+    for (canon, name, shift) in map {
+        let (shape, vals) = &src[name];
+        let want: Vec<f32> = if *shift {
+            vals.iter().map(|v| 1.0f32 + v).collect()
+        } else {
+            vals.clone()
+        };
+        bits_eq(&stored_f32(m, canon), &want, canon);
+        let t = m.tensor(canon).unwrap();
+        let n: usize = shape.iter().product();
+        assert_eq!(t.rows * t.cols, n, "{canon} element count");
+        if shape.len() == 1 {
+            assert_eq!((t.rows, t.cols), (1, shape[0]), "{canon} 1-D as [1, n]");
+        } else {
+            assert_eq!(t.rows, shape[0], "{canon} rows");
+        }
+    }
+}
+
+/// Expected (gate, up, down) f32 values of expert `e` of layer `l`.
+fn expert_src(src: &FloatMap, t: &Tiny, prefix: &str, l: usize, e: usize) -> [Vec<f32>; 3] {
+    let p = format!("{prefix}layers.{l}.mlp.experts.");
+    let ih = t.inter * t.hidden;
+    if let Some((_, gu)) = src.get(&format!("{p}gate_up_proj")) {
+        let (_, dn) = &src[&format!("{p}down_proj")];
+        let g = gu[e * 2 * ih..e * 2 * ih + ih].to_vec();
+        let u = gu[e * 2 * ih + ih..(e + 1) * 2 * ih].to_vec();
+        [g, u, dn[e * ih..(e + 1) * ih].to_vec()]
+    } else {
+        ["gate_proj", "up_proj", "down_proj"].map(|x| src[&format!("{p}{e}.{x}.weight")].1.clone())
+    }
+}
+
+fn check_experts_f32(m: &SlipModel, src: &FloatMap, t: &Tiny, prefix: &str) {
+    let pool = &m.manifest.experts;
+    assert_eq!(pool.num_layers, t.full.len());
+    assert_eq!(pool.num_experts, t.experts);
+    let names: Vec<&str> = pool.parts.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["gate", "up", "down"]);
+    assert_eq!(pool.parts[0].shape, [t.inter, t.hidden]);
+    assert_eq!(pool.parts[2].shape, [t.hidden, t.inter]);
+    let mut buf = vec![0u8; pool.record_stride as usize];
+    for l in 0..t.full.len() {
+        for e in 0..t.experts {
+            m.read_expert(l, e, &mut buf).unwrap();
+            let w = m.expert_views(&buf).unwrap();
+            let want = expert_src(src, t, prefix, l, e);
+            for (k, view) in [w.gate, w.up, w.down].iter().enumerate() {
+                assert_eq!(view.qtype, QuantType::F32);
+                bits_eq(&f32_of(view.data), &want[k], &format!("layer {l} expert {e} part {k}"));
+            }
+        }
+    }
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+// ------------------------------------------------------------ qwen3_5_moe
+
+#[test]
+fn qwen35_fused_f32_is_bit_exact() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let t = Tiny::qwen35();
+    let prefix = "model.language_model.";
+    let src = hf_tensors(&t, true, prefix, true, true);
+    let mut raw = floats_to_raw(&src, Dtype::F32);
+    // Tensors outside the text model are skipped.
+    let mut extra = FloatMap::new();
+    extra.insert("mtp.fc.weight".into(), (vec![4, 4], values("mtp", 16)));
+    extra.insert("model.visual.blocks.0.attn.qkv.weight".into(), (vec![4, 4], values("vis", 16)));
+    raw.extend(floats_to_raw(&extra, Dtype::F32));
+    save(&input, &raw, 1);
+    write_json(&input.join("config.json"), &t.qwen35_config());
+    write_tokenizer_files(&input);
+
+    let out = d.path().join("out.slip");
+    let report = run(&input, &out, QuantChoice::F32).unwrap();
+    assert_eq!(report.kind, SourceKind::HfSafetensors);
+    assert_eq!(report.ignored_tensors, vec!["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"]);
+    let m = SlipModel::open(&out).unwrap();
+    check_dense_f32(&m, &src, &mapping(&t, true, prefix, true));
+    check_experts_f32(&m, &src, &t, prefix);
+    // gdn.conv is [C, K].
+    let conv = m.tensor("layers.0.gdn.conv").unwrap();
+    assert_eq!((conv.rows, conv.cols), (t.conv_dim(), t.kernel));
+
+    let c = &m.manifest.config;
+    assert_eq!(c.architecture, Architecture::Qwen35Moe);
+    assert_eq!(
+        c.layer_types,
+        vec![LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::FullAttention]
+    );
+    assert_eq!(c.rotary_dim, 8);
+    assert_eq!(c.rope_theta, 1e7);
+    assert!(c.attn_output_gate && c.norm_topk_prob && !c.tie_word_embeddings);
+    assert_eq!(c.linear_conv_dim(), t.conv_dim());
+    assert_eq!(c.shared_expert_intermediate_size, 64);
+    assert_eq!(m.manifest.eos_token_ids, vec![2, 7]);
+    assert_eq!(m.manifest.special_tokens.get("eos_token").map(String::as_str), Some("<|im_end|>"));
+    assert_eq!(m.manifest.special_tokens.get("pad_token").map(String::as_str), Some("<|endoftext|>"));
+    assert!(!m.manifest.special_tokens.contains_key("bos_token"));
+    assert!(m.manifest.chat_template.as_deref().unwrap().contains("messages"));
+    assert_eq!(m.manifest.tokenizer.as_deref(), Some("tokenizer.json"));
+    assert_eq!(m.read_file("tokenizer.json").unwrap(), std::fs::read(input.join("tokenizer.json")).unwrap());
+    assert_eq!(m.manifest.source.kind, "hf-safetensors");
+    assert_eq!(m.manifest.source.quant, "f32");
+
+    let names: Vec<String> = m.manifest.dense.iter().map(|e| e.name.clone()).collect();
+    let mut want = canonical_dense_names(c);
+    let mut got = names.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want);
+    assert_eq!(report.tensors_written, names.len());
+    assert_eq!(report.experts_written, 4 * 4);
+}
+
+#[test]
+fn qwen35_split_bf16_sharded_flat_config_tied() {
+    let d = tmp();
+    let input = d.path().join("in");
+    // Interval 2: layers 1 and 3 are full attention.
+    let t = Tiny {
+        full: vec![false, true, false, true],
+        ..Tiny::qwen35()
+    };
+    let prefix = "model.";
+    let mut src = hf_tensors(&t, true, prefix, false, false);
+    round_bf16(&mut src);
+    save(&input, &floats_to_raw(&src, Dtype::BF16), 3);
+    let mut cfg = t.qwen35_text_config();
+    let o = cfg.as_object_mut().unwrap();
+    o.remove("layer_types");
+    o.insert("full_attention_interval".into(), json!(2));
+    o.insert("tie_word_embeddings".into(), json!(true));
+    write_json(&input.join("config.json"), &cfg);
+    assert!(input.join("model-00003-of-00003.safetensors").exists());
+
+    // f32: bf16 values exactly, norms 1 + w in f32.
+    let out = d.path().join("f32.slip");
+    run(&input, &out, QuantChoice::F32).unwrap();
+    let m = SlipModel::open(&out).unwrap();
+    check_dense_f32(&m, &src, &mapping(&t, true, prefix, false));
+    check_experts_f32(&m, &src, &t, prefix);
+    assert!(!m.has_tensor("lm_head"), "tied and absent: no lm_head");
+    assert!(m.manifest.config.tie_word_embeddings);
+    assert_eq!(
+        m.manifest.config.layer_types,
+        vec![LayerKind::LinearAttention, LayerKind::FullAttention, LayerKind::LinearAttention, LayerKind::FullAttention]
+    );
+    // No generation config / tokenizer: eos from config.json only.
+    assert_eq!(m.manifest.eos_token_ids, vec![2]);
+    assert_eq!(m.manifest.tokenizer, None);
+
+    // bf16: matrices keep their exact bytes; norms and small tensors f32.
+    let out = d.path().join("bf16.slip");
+    run(&input, &out, QuantChoice::Bf16).unwrap();
+    let m = SlipModel::open(&out).unwrap();
+    for (canon, name, shift) in mapping(&t, true, prefix, false) {
+        let tt = m.tensor(&canon).unwrap();
+        let (shape, vals) = &src[&name];
+        let small = shift || canon.ends_with("norm") || canon.contains("conv") || canon.contains("A_log") || canon.contains("dt_bias");
+        if small {
+            assert_eq!(tt.qtype, QuantType::F32, "{canon}");
+        } else {
+            assert_eq!(tt.qtype, QuantType::Bf16, "{canon}");
+            assert_eq!(shape.len(), 2);
+            assert_eq!(tt.view().data, &to_bytes(vals, Dtype::BF16)[..], "{canon} bytes");
+        }
+    }
+    let pool = &m.manifest.experts;
+    assert!(pool.parts.iter().all(|p| p.qtype == QuantType::Bf16));
+    let mut buf = vec![0u8; pool.record_stride as usize];
+    m.read_expert(3, 2, &mut buf).unwrap();
+    let w = m.expert_views(&buf).unwrap();
+    let want = expert_src(&src, &t, prefix, 3, 2);
+    assert_eq!(w.up.data, &to_bytes(&want[1], Dtype::BF16)[..]);
+    assert_eq!(w.down.data, &to_bytes(&want[2], Dtype::BF16)[..]);
+}
+
+// ------------------------------------------------------------ qwen3_moe
+
+fn qwen3_checkpoint(input: &Path) -> (Tiny, FloatMap) {
+    let t = Tiny::qwen3();
+    let src = hf_tensors(&t, false, "model.", false, true);
+    save(input, &floats_to_raw(&src, Dtype::F32), 1);
+    write_json(&input.join("config.json"), &t.qwen3_config());
+    (t, src)
+}
+
+#[test]
+fn qwen3_moe_f32_plain_norms() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let (t, src) = qwen3_checkpoint(&input);
+    let out = d.path().join("out");
+    run(&input, &out, QuantChoice::F32).unwrap();
+    let m = SlipModel::open(&out).unwrap();
+    check_dense_f32(&m, &src, &mapping(&t, false, "model.", true));
+    check_experts_f32(&m, &src, &t, "model.");
+    let c = &m.manifest.config;
+    assert_eq!(c.architecture, Architecture::Qwen3Moe);
+    assert_eq!(c.rotary_dim, c.head_dim);
+    assert_eq!(c.rope_theta, 1e6);
+    assert!(!c.attn_output_gate && c.norm_topk_prob);
+    assert_eq!(c.shared_expert_intermediate_size, 0);
+    assert_eq!(m.manifest.eos_token_ids, vec![2, 3]);
+}
+
+#[test]
+fn qwen3_moe_q4_and_q8_layouts() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let (t, src) = qwen3_checkpoint(&input);
+    for (quant, main) in [(QuantChoice::Q4, QuantType::Q4), (QuantChoice::Q8, QuantType::Q8)] {
+        let out = d.path().join(format!("{quant}"));
+        let report = run(&input, &out, quant).unwrap();
+        assert!(report.bytes_out > 0 && report.bytes_in > 0);
+        let m = SlipModel::open(&out).unwrap();
+        for (canon, name, _) in mapping(&t, false, "model.", true) {
+            let tt = m.tensor(&canon).unwrap();
+            let want = if canon.ends_with("norm") {
+                QuantType::F32
+            } else if canon.ends_with("router") {
+                QuantType::Q8
+            } else {
+                main
+            };
+            assert_eq!(tt.qtype, want, "{quant} {canon}");
+            // Dequantized values are close to the source.
+            let got = slipstream_kernels::quantize::to_f32(&tt.view());
+            let src_vals = &src[&name].1;
+            let tol = if want == QuantType::Q4 { 0.15 } else { 0.01 };
+            for (i, (a, b)) in got.iter().zip(src_vals).enumerate() {
+                assert!((a - b).abs() <= tol, "{quant} {canon}[{i}]: {a} vs {b}");
+            }
+        }
+        assert!(m.manifest.experts.parts.iter().all(|p| p.qtype == main));
+        let mut buf = vec![0u8; m.manifest.experts.record_stride as usize];
+        m.read_expert(1, 3, &mut buf).unwrap();
+        let w = m.expert_views(&buf).unwrap();
+        let want = expert_src(&src, &t, "model.", 1, 3);
+        let got = slipstream_kernels::quantize::to_f32(&w.down);
+        let tol = if main == QuantType::Q4 { 0.15 } else { 0.01 };
+        assert!(got.iter().zip(&want[2]).all(|(a, b)| (a - b).abs() <= tol));
+    }
+}
+
+#[test]
+fn odd_row_length_stays_f32_under_q4() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let t = Tiny {
+        inter: 48, // down_proj rows of 48 cannot be grouped by 64
+        ..Tiny::qwen3()
+    };
+    let src = hf_tensors(&t, false, "model.", false, true);
+    save(&input, &floats_to_raw(&src, Dtype::F32), 1);
+    write_json(&input.join("config.json"), &t.qwen3_config());
+    let out = d.path().join("out");
+    let r = run(&input, &out, QuantChoice::Q4).unwrap();
+    let q: Vec<QuantType> = r.expert_layout.iter().map(|p| p.1).collect();
+    assert_eq!(q, vec![QuantType::Q4, QuantType::Q4, QuantType::F32]);
+    SlipModel::open(&out).unwrap();
+}
+
+#[test]
+fn progress_events_add_up() {
+    let d = tmp();
+    let input = d.path().join("in");
+    qwen3_checkpoint(&input);
+    let events = std::cell::RefCell::new(Vec::new());
+    let r = repack(
+        &RepackOptions {
+            input: input.clone(),
+            output: d.path().join("out"),
+            quant: QuantChoice::default(),
+        },
+        &|e| events.borrow_mut().push(e),
+    )
+    .unwrap();
+    let ev = events.into_inner();
+    let ProgressEvent::Started { total_bytes, tensors, experts, .. } = ev[0] else {
+        panic!("first event must be Started")
+    };
+    assert!(matches!(ev.last(), Some(ProgressEvent::Finishing)));
+    let mut sum = 0;
+    let (mut nt, mut ne) = (0, 0);
+    for e in &ev {
+        match e {
+            ProgressEvent::Tensor { bytes_in, .. } => {
+                sum += bytes_in;
+                nt += 1
+            }
+            ProgressEvent::Expert { bytes_in, .. } => {
+                sum += bytes_in;
+                ne += 1
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(sum, total_bytes);
+    assert_eq!(sum, r.bytes_in);
+    assert_eq!((nt, ne), (tensors, experts));
+    assert_eq!(ne, 2 * 4);
+}
+
+// ------------------------------------------------------------ MLX
+
+struct MlxModel {
+    dense: BTreeMap<String, MlxQ>,
+    experts: Vec<[MlxQ; 3]>,
+    floats: FloatMap,
+}
+
+fn mlx_checkpoint(input: &Path, t: &Tiny) -> MlxModel {
+    let p = "language_model.model.";
+    let h = t.hidden;
+    let mut raw = BTreeMap::new();
+    let mut dense = BTreeMap::new();
+    let mut floats = FloatMap::new();
+    let mut q = |canon: &str, base: String, shape: &[usize], bits: usize, raw: &mut BTreeMap<String, Raw>| {
+        let m = MlxQ::random(&base, shape, bits, 64);
+        m.insert(&base, raw);
+        dense.insert(canon.to_string(), m);
+    };
+    q("embed", format!("{p}embed_tokens"), &[t.vocab, h], 4, &mut raw);
+    q("lm_head", "language_model.lm_head".into(), &[t.vocab, h], 4, &mut raw);
+    let mut fl = |canon: &str, name: String, shape: &[usize], dtype: Dtype, raw: &mut BTreeMap<String, Raw>| {
+        let mut v = values(&name, shape.iter().product());
+        if dtype == Dtype::BF16 {
+            v = v.iter().map(|x| half::bf16::from_f32(1.0 + x).to_f32()).collect();
+        }
+        raw.insert(
+            name.clone(),
+            Raw {
+                dtype,
+                shape: shape.to_vec(),
+                data: to_bytes(&v, dtype),
+            },
+        );
+        floats.insert(canon.to_string(), (shape.to_vec(), v));
+    };
+    fl("final_norm", format!("{p}norm.weight"), &[h], Dtype::BF16, &mut raw);
+    let mut experts = Vec::new();
+    let mut quant_cfg = serde_json::Map::new();
+    quant_cfg.insert("group_size".into(), json!(64));
+    quant_cfg.insert("bits".into(), json!(4));
+    quant_cfg.insert("mode".into(), json!("affine"));
+    for (l, full) in t.full.iter().enumerate() {
+        let lp = format!("{p}layers.{l}.");
+        let c = |s: &str| format!("layers.{l}.{s}");
+        fl(&c("input_norm"), format!("{lp}input_layernorm.weight"), &[h], Dtype::BF16, &mut raw);
+        fl(&c("post_attn_norm"), format!("{lp}post_attention_layernorm.weight"), &[h], Dtype::BF16, &mut raw);
+        if *full {
+            let a = format!("{lp}self_attn.");
+            q(&c("attn.q_proj"), format!("{a}q_proj"), &[t.heads * t.head_dim * 2, h], 4, &mut raw);
+            q(&c("attn.k_proj"), format!("{a}k_proj"), &[t.kv_heads * t.head_dim, h], 4, &mut raw);
+            q(&c("attn.v_proj"), format!("{a}v_proj"), &[t.kv_heads * t.head_dim, h], 4, &mut raw);
+            q(&c("attn.o_proj"), format!("{a}o_proj"), &[h, t.heads * t.head_dim], 4, &mut raw);
+            fl(&c("attn.q_norm"), format!("{a}q_norm.weight"), &[t.head_dim], Dtype::BF16, &mut raw);
+            fl(&c("attn.k_norm"), format!("{a}k_norm.weight"), &[t.head_dim], Dtype::BF16, &mut raw);
+        } else {
+            let g = format!("{lp}linear_attn.");
+            q(&c("gdn.in_proj_qkv"), format!("{g}in_proj_qkv"), &[t.conv_dim(), h], 4, &mut raw);
+            q(&c("gdn.in_proj_z"), format!("{g}in_proj_z"), &[t.nv * t.dv, h], 4, &mut raw);
+            q(&c("gdn.in_proj_b"), format!("{g}in_proj_b"), &[t.nv, h], 4, &mut raw);
+            q(&c("gdn.in_proj_a"), format!("{g}in_proj_a"), &[t.nv, h], 4, &mut raw);
+            q(&c("gdn.out_proj"), format!("{g}out_proj"), &[h, t.nv * t.dv], 4, &mut raw);
+            fl(&c("gdn.conv"), format!("{g}conv1d.weight"), &[t.conv_dim(), t.kernel, 1], Dtype::BF16, &mut raw);
+            fl(&c("gdn.A_log"), format!("{g}A_log"), &[t.nv], Dtype::F32, &mut raw);
+            fl(&c("gdn.dt_bias"), format!("{g}dt_bias"), &[t.nv], Dtype::BF16, &mut raw);
+            fl(&c("gdn.norm"), format!("{g}norm.weight"), &[t.dv], Dtype::BF16, &mut raw);
+        }
+        let m = format!("{lp}mlp.");
+        q(&c("moe.router"), format!("{m}gate"), &[t.experts, h], 8, &mut raw);
+        q(&c("moe.shared_gate"), format!("{m}shared_expert_gate"), &[1, h], 8, &mut raw);
+        quant_cfg.insert(format!("{m}gate"), json!({"group_size": 64, "bits": 8}));
+        quant_cfg.insert(format!("{m}shared_expert_gate"), json!({"group_size": 64, "bits": 8}));
+        q(&c("moe.shared.gate_proj"), format!("{m}shared_expert.gate_proj"), &[t.shared, h], 4, &mut raw);
+        q(&c("moe.shared.up_proj"), format!("{m}shared_expert.up_proj"), &[t.shared, h], 4, &mut raw);
+        q(&c("moe.shared.down_proj"), format!("{m}shared_expert.down_proj"), &[h, t.shared], 4, &mut raw);
+        let sw = |x: &str, shape: &[usize], raw: &mut BTreeMap<String, Raw>| {
+            let base = format!("{m}switch_mlp.{x}");
+            let q = MlxQ::random(&base, shape, 4, 64);
+            q.insert(&base, raw);
+            q
+        };
+        experts.push([
+            sw("gate_proj", &[t.experts, t.inter, h], &mut raw),
+            sw("up_proj", &[t.experts, t.inter, h], &mut raw),
+            sw("down_proj", &[t.experts, h, t.inter], &mut raw),
+        ]);
+    }
+    save(input, &raw, 2);
+    let mut cfg = t.qwen35_config();
+    cfg.as_object_mut().unwrap().insert("quantization".into(), serde_json::Value::Object(quant_cfg));
+    write_json(&input.join("config.json"), &cfg);
+    MlxModel { dense, experts, floats }
+}
+
+#[test]
+fn mlx_4bit_is_copied_bit_exactly() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let t = Tiny::qwen35();
+    let mlx = mlx_checkpoint(&input, &t);
+    let out = d.path().join("out");
+    let r = run(&input, &out, QuantChoice::Q4).unwrap();
+    assert_eq!(r.kind, SourceKind::Mlx);
+    let m = SlipModel::open(&out).unwrap();
+    assert_eq!(m.manifest.source.kind, "mlx");
+    assert_eq!(m.manifest.dense.len(), mlx.dense.len() + mlx.floats.len());
+    for (canon, q) in &mlx.dense {
+        let tt = m.tensor(canon).unwrap();
+        assert_eq!(
+            tt.qtype,
+            QuantType::Affine {
+                bits: q.bits as u8,
+                group: 64,
+                scale: ScaleType::Bf16
+            },
+            "{canon}"
+        );
+        assert_eq!(tt.view().data, &q.stored()[..], "{canon} bytes");
+    }
+    // Float tensors: as stored (norms already shifted: no +1), conv [C, K].
+    for (canon, (_, vals)) in &mlx.floats {
+        bits_eq(&stored_f32(&m, canon), vals, canon);
+    }
+    let conv = m.tensor("layers.0.gdn.conv").unwrap();
+    assert_eq!((conv.rows, conv.cols), (t.conv_dim(), t.kernel));
+    let pool = &m.manifest.experts;
+    let mut buf = vec![0u8; pool.record_stride as usize];
+    for (l, parts) in mlx.experts.iter().enumerate() {
+        for e in 0..t.experts {
+            m.read_expert(l, e, &mut buf).unwrap();
+            let w = m.expert_views(&buf).unwrap();
+            for (k, view) in [w.gate, w.up, w.down].iter().enumerate() {
+                assert_eq!(view.qtype, QuantType::Affine { bits: 4, group: 64, scale: ScaleType::Bf16 });
+                assert_eq!(view.data, &parts[k].stored_slice(e, t.experts)[..], "layer {l} expert {e} part {k}");
+            }
+        }
+    }
+    // --quant does not touch quantized tensors.
+    let out2 = d.path().join("out2");
+    run(&input, &out2, QuantChoice::F32).unwrap();
+    let m2 = SlipModel::open(&out2).unwrap();
+    assert_eq!(
+        m2.tensor("embed").unwrap().view().data,
+        m.tensor("embed").unwrap().view().data
+    );
+    assert_eq!(m2.manifest.model_hash, m.manifest.model_hash);
+}
+
+// ------------------------------------------------------------ errors
+
+fn err_of(input: &Path, out: &Path) -> String {
+    let e = run(input, out, QuantChoice::Q4).expect_err("repack should fail");
+    assert!(!out.exists(), "no output on error");
+    e.to_string()
+}
+
+fn rewrite(input: &Path, f: impl FnOnce(&mut FloatMap)) {
+    let t = Tiny::qwen3();
+    let mut src = hf_tensors(&t, false, "model.", false, true);
+    f(&mut src);
+    save(input, &floats_to_raw(&src, Dtype::F32), 1);
+}
+
+#[test]
+fn error_missing_tensor_names_it() {
+    let d = tmp();
+    let input = d.path().join("in");
+    qwen3_checkpoint(&input);
+    rewrite(&input, |m| {
+        m.remove("model.layers.1.self_attn.k_norm.weight");
+    });
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("model.layers.1.self_attn.k_norm.weight") && e.contains("missing"), "{e}");
+
+    rewrite(&input, |m| {
+        m.remove("model.layers.0.mlp.experts.3.down_proj.weight");
+    });
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("model.layers.0.mlp.experts.3.down_proj.weight"), "{e}");
+}
+
+#[test]
+fn error_wrong_shape_names_tensor_and_shapes() {
+    let d = tmp();
+    let input = d.path().join("in");
+    qwen3_checkpoint(&input);
+    rewrite(&input, |m| {
+        m.insert("model.layers.1.self_attn.q_proj.weight".into(), (vec![10, 64], values("x", 640)));
+    });
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("model.layers.1.self_attn.q_proj.weight"), "{e}");
+    assert!(e.contains("[64, 64]") && e.contains("[10, 64]"), "{e}");
+}
+
+#[test]
+fn error_unknown_architecture() {
+    let d = tmp();
+    let input = d.path().join("in");
+    qwen3_checkpoint(&input);
+    let mut cfg = Tiny::qwen3().qwen3_config();
+    cfg["model_type"] = json!("llama");
+    write_json(&input.join("config.json"), &cfg);
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("\"llama\"") && e.contains("qwen3_5_moe") && e.contains("qwen3_moe"), "{e}");
+}
+
+#[test]
+fn error_truncated_safetensors() {
+    let d = tmp();
+    let input = d.path().join("in");
+    qwen3_checkpoint(&input);
+    let f = input.join("model.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 100).unwrap();
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    // Garbage header too.
+    std::fs::write(&f, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!").unwrap();
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("model.safetensors") && e.contains("corrupt"), "{e}");
+}
+
+#[test]
+fn error_unsupported_dtype() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let (t, src) = qwen3_checkpoint(&input);
+    let _ = t;
+    let mut raw = floats_to_raw(&src, Dtype::F32);
+    let name = "model.layers.0.input_layernorm.weight".to_string();
+    let r = raw.get_mut(&name).unwrap();
+    r.dtype = Dtype::I32; // same byte size, wrong type
+    save(&input, &raw, 1);
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains(&name) && e.contains("I32"), "{e}");
+
+    let r = raw.get_mut(&name).unwrap();
+    r.dtype = Dtype::F64;
+    r.data.extend(vec![0u8; r.data.len()]);
+    save(&input, &raw, 1);
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains(&name) && e.contains("F64"), "{e}");
+}
+
+#[test]
+fn error_unsupported_config_features() {
+    let d = tmp();
+    let input = d.path().join("in");
+    qwen3_checkpoint(&input);
+    let base = Tiny::qwen3().qwen3_config();
+    for (key, val, needle) in [
+        ("mlp_only_layers", json!([1]), "mlp_only_layers"),
+        ("decoder_sparse_step", json!(2), "decoder_sparse_step"),
+        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}), "yarn"),
+    ] {
+        let mut cfg = base.clone();
+        cfg[key] = val;
+        write_json(&input.join("config.json"), &cfg);
+        let e = err_of(&input, &d.path().join("out"));
+        assert!(e.contains(needle) && e.contains("unsupported"), "{e}");
+    }
+    // Missing config field.
+    let mut cfg = base.clone();
+    cfg.as_object_mut().unwrap().remove("hidden_size");
+    write_json(&input.join("config.json"), &cfg);
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("hidden_size") && e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn error_no_checkpoint_files() {
+    let d = tmp();
+    let input = d.path().join("in");
+    std::fs::create_dir_all(&input).unwrap();
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("config.json"), "{e}");
+    write_json(&input.join("config.json"), &Tiny::qwen3().qwen3_config());
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(e.contains("safetensors"), "{e}");
+}
+
+// ------------------------------------------------------------ fixtures
+
+fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+#[test]
+fn repacks_reference_fixtures() {
+    for name in ["qwen3_5_moe_fused", "qwen3_5_moe_split", "qwen3_moe", "qwen3_5_moe_mlx4"] {
+        let input = fixtures_dir().join(name);
+        if !input.join("config.json").exists() {
+            eprintln!("fixture {name} not present, skipped");
+            continue;
+        }
+        let d = tmp();
+        for quant in [QuantChoice::F32, QuantChoice::Q4] {
+            let out = d.path().join(format!("{name}-{quant}"));
+            let r = run(&input, &out, quant).unwrap_or_else(|e| panic!("{name} {quant}: {e}"));
+            let m = SlipModel::open(&out).unwrap();
+            let mut got: Vec<String> = m.manifest.dense.iter().map(|e| e.name.clone()).collect();
+            let mut want = canonical_dense_names(&m.manifest.config);
+            got.sort();
+            want.sort();
+            assert_eq!(got, want, "{name}");
+            assert!(r.bytes_in > 0 && r.experts_written > 0, "{name}");
+            assert!(m.manifest.tokenizer.is_some() && m.manifest.chat_template.is_some(), "{name}");
+            assert!(!m.manifest.eos_token_ids.is_empty(), "{name}");
+            let mut buf = vec![0u8; m.manifest.experts.record_stride as usize];
+            m.read_expert(m.manifest.experts.num_layers - 1, m.manifest.experts.num_experts - 1, &mut buf)
+                .unwrap();
+        }
+    }
+}
+
+/// The MLX fixture was made by mlx_lm.convert from the fused fixture's
+/// weights: after repacking, both must hold the same numbers (to bf16 /
+/// 4-bit precision). This checks the +1 norm convention, the conv layout and
+/// the code packing against real mlx-lm output.
+#[test]
+fn mlx_fixture_matches_its_float_source() {
+    let (fused, mlx) = (fixtures_dir().join("qwen3_5_moe_fused"), fixtures_dir().join("qwen3_5_moe_mlx4"));
+    if !fused.join("config.json").exists() || !mlx.join("config.json").exists() {
+        eprintln!("fixtures qwen3_5_moe_fused / qwen3_5_moe_mlx4 not present, skipped");
+        return;
+    }
+    let d = tmp();
+    run(&fused, &d.path().join("f"), QuantChoice::F32).unwrap();
+    run(&mlx, &d.path().join("m"), QuantChoice::F32).unwrap();
+    let f = SlipModel::open(&d.path().join("f")).unwrap();
+    let m = SlipModel::open(&d.path().join("m")).unwrap();
+    assert_eq!(f.manifest.config, m.manifest.config);
+    let deq = |t: &slipstream_core::TensorView| slipstream_kernels::quantize::to_f32(t);
+    let mut checked = 0;
+    for entry in &f.manifest.dense {
+        let a = deq(&f.tensor(&entry.name).unwrap().view());
+        let mt = m.tensor(&entry.name).unwrap();
+        let b = deq(&mt.view());
+        assert_eq!(a.len(), b.len(), "{}", entry.name);
+        let amax = a.iter().fold(0f32, |x, y| x.max(y.abs()));
+        let tol = match mt.qtype {
+            QuantType::Affine { bits: 4, .. } => amax / 7.0,
+            QuantType::Affine { .. } => amax / 100.0,
+            _ => amax / 128.0, // bf16
+        };
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            assert!((x - y).abs() <= tol, "{}[{i}]: float {x} vs mlx {y} (tol {tol})", entry.name);
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, m.manifest.dense.len());
+    let pool = &f.manifest.experts;
+    let mut fb = vec![0u8; pool.record_stride as usize];
+    let mut mb = vec![0u8; m.manifest.experts.record_stride as usize];
+    for l in 0..pool.num_layers {
+        for e in [0, pool.num_experts - 1] {
+            f.read_expert(l, e, &mut fb).unwrap();
+            m.read_expert(l, e, &mut mb).unwrap();
+            let (fw, mw) = (f.expert_views(&fb).unwrap(), m.expert_views(&mb).unwrap());
+            for (a, b) in [(fw.gate, mw.gate), (fw.up, mw.up), (fw.down, mw.down)] {
+                let (a, b) = (deq(&a), deq(&b));
+                let amax = a.iter().fold(0f32, |x, y| x.max(y.abs()));
+                assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= amax / 7.0), "layer {l} expert {e}");
+            }
+        }
+    }
+}
