@@ -91,14 +91,14 @@ impl ModelConfig {
             if self.num_attention_heads == 0
                 || self.num_key_value_heads == 0
                 || self.head_dim == 0
-                || self.num_attention_heads % self.num_key_value_heads != 0
+                || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
             {
                 return bad(format!(
                     "attention heads {} must be a positive multiple of kv heads {}",
                     self.num_attention_heads, self.num_key_value_heads
                 ));
             }
-            if self.rotary_dim > self.head_dim || self.rotary_dim % 2 != 0 {
+            if self.rotary_dim > self.head_dim || !self.rotary_dim.is_multiple_of(2) {
                 return bad(format!(
                     "rotary dim {} must be even and <= head dim {}",
                     self.rotary_dim, self.head_dim
@@ -107,7 +107,7 @@ impl ModelConfig {
         }
         if self.layer_types.contains(&LayerKind::LinearAttention)
             && (self.linear_num_key_heads == 0
-                || self.linear_num_value_heads % self.linear_num_key_heads != 0
+                || !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads)
                 || self.linear_conv_kernel == 0)
         {
             return bad(format!(

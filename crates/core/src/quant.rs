@@ -70,7 +70,7 @@ impl QuantType {
                     "affine quantization with {bits} bits is not supported (4 or 8)"
                 )));
             }
-            if group == 0 || cols % group as usize != 0 || group % 8 != 0 {
+            if group == 0 || !cols.is_multiple_of(group as usize) || group % 8 != 0 {
                 return Err(crate::CoreError::Invalid(format!(
                     "row length {cols} is not a multiple of the quantization group {group}"
                 )));

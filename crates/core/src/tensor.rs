@@ -83,7 +83,13 @@ pub struct Tensor {
 
 impl std::fmt::Debug for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor[{}, {}] {}", self.rows, self.cols, self.qtype.name())
+        write!(
+            f,
+            "Tensor[{}, {}] {}",
+            self.rows,
+            self.cols,
+            self.qtype.name()
+        )
     }
 }
 
@@ -99,7 +105,9 @@ impl Tensor {
     ) -> Result<Self, CoreError> {
         let total = (*bytes).as_ref().len();
         if start.checked_add(len).is_none_or(|end| end > total) {
-            return Err(CoreError::Invalid("tensor extent outside its buffer".into()));
+            return Err(CoreError::Invalid(
+                "tensor extent outside its buffer".into(),
+            ));
         }
         let t = Tensor {
             qtype,
@@ -117,7 +125,14 @@ impl Tensor {
     pub fn from_f32(rows: usize, cols: usize, values: Vec<f32>) -> Result<Self, CoreError> {
         let bytes: Vec<u8> = bytemuck::cast_slice(&values).to_vec();
         let len = bytes.len();
-        Tensor::new(QuantType::F32, rows, cols, std::sync::Arc::new(bytes), 0, len)
+        Tensor::new(
+            QuantType::F32,
+            rows,
+            cols,
+            std::sync::Arc::new(bytes),
+            0,
+            len,
+        )
     }
 
     fn raw(&self) -> &[u8] {

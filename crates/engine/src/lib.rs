@@ -161,9 +161,7 @@ impl Engine {
                 Logits::Last if last => Logits::Last,
                 _ => Logits::None,
             };
-            let logits = self
-                .model
-                .forward(state, piece, &mut self.store, w, None)?;
+            let logits = self.model.forward(state, piece, &mut self.store, w, None)?;
             out.extend_from_slice(&logits);
         }
         Ok(out)

@@ -48,7 +48,10 @@ pub fn write_f32(path: &Path, shape: &[usize], data: &[f32]) -> anyhow::Result<(
 /// Reads a float32 `.npy` written by NumPy or [`write_f32`]: (shape, data).
 pub fn read_f32(path: &Path) -> anyhow::Result<(Vec<usize>, Vec<f32>)> {
     let bytes = std::fs::read(path)?;
-    anyhow::ensure!(bytes.len() > 10 && &bytes[..6] == b"\x93NUMPY", "not an npy file");
+    anyhow::ensure!(
+        bytes.len() > 10 && &bytes[..6] == b"\x93NUMPY",
+        "not an npy file"
+    );
     let (hlen, start) = if bytes[6] == 1 {
         (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10)
     } else {

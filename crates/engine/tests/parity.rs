@@ -48,7 +48,7 @@ fn rel_error(ours: &[f32], reference: &[f32]) -> f32 {
     max_diff / max_ref
 }
 
-fn check(name: &str, quant: QuantChoice, chunk: usize) -> f32 {
+fn check(name: &str, quant: QuantChoice, chunk: usize) -> Vec<f32> {
     let dir = fixtures().join(name);
     let r = reference(&dir);
     let tmp = tempfile::tempdir().unwrap();
@@ -83,14 +83,20 @@ fn check(name: &str, quant: QuantChoice, chunk: usize) -> f32 {
         .unwrap();
     // Compare the greedy tokens up to the first EOS (generation stops there).
     let n = gen.tokens.len();
-    assert_eq!(gen.tokens[..], r.greedy[..n], "{name}: greedy tokens differ");
+    assert_eq!(
+        gen.tokens[..],
+        r.greedy[..n],
+        "{name}: greedy tokens differ"
+    );
     let vocab = r.shape[1];
     let rows = gen.logits.len() / vocab;
     assert_eq!(rows, r.prompt.len() + n - 1);
     let err = rel_error(&gen.logits, &r.logits[..rows * vocab]);
-    eprintln!("{name} ({quant}, chunk {chunk}): max rel logit error {err:.3e} over {rows} positions");
+    eprintln!(
+        "{name} ({quant}, chunk {chunk}): max rel logit error {err:.3e} over {rows} positions"
+    );
     assert!(err < 1e-4, "{name}: relative logit error {err:e} >= 1e-4");
-    err
+    gen.logits
 }
 
 #[test]
@@ -114,8 +120,24 @@ fn qwen3_5_moe_mlx4_matches_dequantized_reference() {
 }
 
 #[test]
-fn small_prefill_chunks_give_the_same_logits() {
-    // Chunks of 5 tokens cross both layer kinds' state hand-off many times.
-    check("qwen3_5_moe_fused", QuantChoice::F32, 5);
-    check("qwen3_moe", QuantChoice::F32, 3);
+fn prefill_chunk_size_is_bit_identical() {
+    // Chunks of a few tokens cross both layer kinds' state hand-off many
+    // times; the numbers must not move by a single bit.
+    for (name, quant) in [
+        ("qwen3_5_moe_fused", QuantChoice::F32),
+        ("qwen3_5_moe_mlx4", QuantChoice::Q4),
+        ("qwen3_moe", QuantChoice::F32),
+    ] {
+        let whole = check(name, quant, 4096);
+        for chunk in [1, 3, 5] {
+            let chunked = check(name, quant, chunk);
+            assert!(
+                whole
+                    .iter()
+                    .zip(&chunked)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{name}: logits with prefill chunk {chunk} differ from one chunk"
+            );
+        }
+    }
 }

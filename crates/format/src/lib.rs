@@ -24,8 +24,6 @@ pub use manifest::{
 pub use reader::SlipModel;
 pub use writer::{ExpertPoolLayout, ManifestInfo, SlipWriter};
 
-
-
 /// Record alignment in the expert pool: the page size, and what O_DIRECT needs.
 pub const RECORD_ALIGN: usize = 4096;
 /// Alignment of every dense tensor inside `dense.bin`.
@@ -93,4 +91,3 @@ pub fn checksum(bytes: &[u8]) -> u64 {
 pub(crate) fn align_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
-

@@ -52,8 +52,7 @@ impl SlipModel {
                 supported: FORMAT_VERSION,
             });
         }
-        let manifest: Manifest =
-            serde_json::from_value(probe).map_err(|e| bad(format!("{e}")))?;
+        let manifest: Manifest = serde_json::from_value(probe).map_err(|e| bad(format!("{e}")))?;
         manifest
             .config
             .validate()
@@ -64,7 +63,7 @@ impl SlipModel {
         {
             return Err(bad("expert checksum table does not match the pool".into()));
         }
-        if pool.record_stride % crate::RECORD_ALIGN as u64 != 0
+        if !pool.record_stride.is_multiple_of(crate::RECORD_ALIGN as u64)
             || pool.record_bytes > pool.record_stride
             || pool
                 .parts
@@ -85,7 +84,8 @@ impl SlipModel {
         // SAFETY: the file is opened read-only and slipstream never writes a
         // model in place (writers build a new directory and rename it), so the
         // mapping is not mutated underneath us by this program.
-        let dense = unsafe { Mmap::map(&dense_file) }.map_err(|e| FormatError::io(&dense_path, e))?;
+        let dense =
+            unsafe { Mmap::map(&dense_file) }.map_err(|e| FormatError::io(&dense_path, e))?;
         for entry in &manifest.dense {
             let end = entry.offset.checked_add(entry.nbytes);
             if end.is_none_or(|end| end > dense.len() as u64)
@@ -203,10 +203,7 @@ impl SlipModel {
 }
 
 fn check_size(path: &Path, file: &File, expected: u64) -> Result<()> {
-    let found = file
-        .metadata()
-        .map_err(|e| FormatError::io(path, e))?
-        .len();
+    let found = file.metadata().map_err(|e| FormatError::io(path, e))?.len();
     if found != expected {
         return Err(FormatError::Size {
             path: path.display().to_string(),

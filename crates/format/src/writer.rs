@@ -217,7 +217,11 @@ impl SlipWriter {
             .map_err(|e| FormatError::io(&experts_path, e))?;
 
         let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(serde_json::to_string(&info.config).unwrap_or_default().as_bytes());
+        h.update(
+            serde_json::to_string(&info.config)
+                .unwrap_or_default()
+                .as_bytes(),
+        );
         for e in &self.dense_entries {
             h.update(e.name.as_bytes());
             h.update(e.checksum.as_bytes());

@@ -36,7 +36,9 @@ fn config() -> ModelConfig {
 }
 
 fn part_bytes(seed: u8, n: usize) -> Vec<u8> {
-    (0..n).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..n)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
@@ -52,8 +54,13 @@ fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
         ],
     };
     let mut w = SlipWriter::create(&target, layout).unwrap();
-    w.add_dense("embed", QuantType::F32, [16, 64], &part_bytes(1, 16 * 64 * 4))
-        .unwrap();
+    w.add_dense(
+        "embed",
+        QuantType::F32,
+        [16, 64],
+        &part_bytes(1, 16 * 64 * 4),
+    )
+    .unwrap();
     w.add_dense("norm", QuantType::Bf16, [1, 64], &part_bytes(2, 128))
         .unwrap();
     let n = q4.nbytes(64, 64);
@@ -85,8 +92,14 @@ fn round_trip_is_bit_exact() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_model(dir.path());
     let m = SlipModel::open(&path).unwrap();
-    assert_eq!(m.tensor("embed").unwrap().view().data, &part_bytes(1, 16 * 64 * 4)[..]);
-    assert_eq!(m.tensor("norm").unwrap().view().data, &part_bytes(2, 128)[..]);
+    assert_eq!(
+        m.tensor("embed").unwrap().view().data,
+        &part_bytes(1, 16 * 64 * 4)[..]
+    );
+    assert_eq!(
+        m.tensor("norm").unwrap().view().data,
+        &part_bytes(2, 128)[..]
+    );
     assert_eq!(m.manifest.experts.record_stride % 4096, 0);
     let mut buf = vec![0u8; m.manifest.experts.record_bytes as usize];
     let n = QuantType::Q4.nbytes(64, 64);
@@ -100,7 +113,10 @@ fn round_trip_is_bit_exact() {
             assert_eq!(views.down.data, &part_bytes(seed + 100, n)[..]);
         }
     }
-    assert!(matches!(m.tensor("nope"), Err(FormatError::MissingTensor(_))));
+    assert!(matches!(
+        m.tensor("nope"),
+        Err(FormatError::MissingTensor(_))
+    ));
     // No temp directory is left behind.
     let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
     assert_eq!(leftovers.len(), 1);
@@ -139,7 +155,14 @@ fn flipped_byte_in_expert_record_is_an_error() {
     m.read_expert(1, 1, &mut buf).unwrap();
     let err = m.read_expert(1, 2, &mut buf).unwrap_err();
     assert!(
-        matches!(err, FormatError::ExpertChecksum { layer: 1, expert: 2, .. }),
+        matches!(
+            err,
+            FormatError::ExpertChecksum {
+                layer: 1,
+                expert: 2,
+                ..
+            }
+        ),
         "{err}"
     );
 }
@@ -174,7 +197,10 @@ fn bad_manifests_are_errors() {
         Err(FormatError::Version { found: 99, .. })
     ));
     std::fs::remove_file(&mpath).unwrap();
-    assert!(matches!(SlipModel::open(&path), Err(FormatError::Io { .. })));
+    assert!(matches!(
+        SlipModel::open(&path),
+        Err(FormatError::Io { .. })
+    ));
 }
 
 #[test]

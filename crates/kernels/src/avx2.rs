@@ -246,7 +246,8 @@ fn affine_rows<const BITS: u32>(
     };
     let bf16 = scale == ScaleType::Bf16;
     let group = group as usize;
-    let row = |r: usize| AffineRow::new(w, r);
+    let (c, s, b) = w.affine_parts();
+    let row = |r: usize| AffineRow::from_parts(c, s, b, w.cols, BITS as u8, group, r);
     if BITS == 4 && group.is_multiple_of(16) {
         block_loop!(
             2,

@@ -22,11 +22,9 @@ pub fn matmul(w: &TensorView, x: &[f32], n: usize, y: &mut [f32]) {
     check_weight(w);
     assert_eq!(x.len(), n * w.cols, "matmul: x length != n * cols");
     assert_eq!(y.len(), n * w.rows, "matmul: y length != n * rows");
-    for (xt, yt) in x
-        .chunks_exact(w.cols.max(1))
-        .zip(y.chunks_exact_mut(w.rows.max(1)))
-    {
-        matvec(w, xt, yt);
+    let (c, r) = (w.cols, w.rows);
+    for t in 0..n {
+        matvec(w, &x[t * c..(t + 1) * c], &mut y[t * r..(t + 1) * r]);
     }
 }
 
@@ -97,8 +95,22 @@ impl<'a> AffineRow<'a> {
             unreachable!("AffineRow on a non-affine tensor");
         };
         let (c, s, b) = w.affine_parts();
-        let cb = w.cols * bits as usize / 8;
-        let sb = w.cols / group as usize * 2;
+        AffineRow::from_parts(c, s, b, w.cols, bits, group as usize, row)
+    }
+
+    /// Row `row` of the regions returned by `TensorView::affine_parts`.
+    #[inline]
+    pub fn from_parts(
+        c: &'a [u8],
+        s: &'a [u8],
+        b: &'a [u8],
+        cols: usize,
+        bits: u8,
+        group: usize,
+        row: usize,
+    ) -> AffineRow<'a> {
+        let cb = cols * bits as usize / 8;
+        let sb = cols / group * 2;
         AffineRow {
             codes: &c[row * cb..(row + 1) * cb],
             scales: &s[row * sb..(row + 1) * sb],

@@ -247,19 +247,16 @@ impl GatedDeltaNet {
         window.extend_from_slice(&state.conv);
         window.extend_from_slice(&qkv);
         let mut conv_out = vec![0.0f32; n * c];
-        conv_out
-            .par_chunks_mut(c)
-            .enumerate()
-            .for_each(|(t, row)| {
-                for (ch, o) in row.iter_mut().enumerate() {
-                    let taps = &self.conv[ch * kk..][..kk];
-                    let mut acc = 0.0f32;
-                    for (j, &w) in taps.iter().enumerate() {
-                        acc += w * window[(t + j) * c + ch];
-                    }
-                    *o = ops::silu(acc);
+        conv_out.par_chunks_mut(c).enumerate().for_each(|(t, row)| {
+            for (ch, o) in row.iter_mut().enumerate() {
+                let taps = &self.conv[ch * kk..][..kk];
+                let mut acc = 0.0f32;
+                for (j, &w) in taps.iter().enumerate() {
+                    acc += w * window[(t + j) * c + ch];
                 }
-            });
+                *o = ops::silu(acc);
+            }
+        });
         state.conv.copy_from_slice(&window[n * c..]);
 
         // Delta rule per value head; heads are independent.

@@ -12,7 +12,10 @@ pub fn load(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Transformer, Mo
     if cfg.architecture != Architecture::Qwen3Moe {
         return Err(ModelError::Config("not a qwen3_moe config".into()));
     }
-    if cfg.layer_types.iter().any(|k| *k != LayerKind::FullAttention)
+    if cfg
+        .layer_types
+        .iter()
+        .any(|k| *k != LayerKind::FullAttention)
         || cfg.attn_output_gate
         || cfg.shared_expert_intermediate_size != 0
     {

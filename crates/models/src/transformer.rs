@@ -58,7 +58,9 @@ impl Transformer {
             .layers
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Attention(a) => LayerState::Attn(AttnState::new(a.num_kv_heads * a.head_dim)),
+                Mixer::Attention(a) => {
+                    LayerState::Attn(AttnState::new(a.num_kv_heads * a.head_dim))
+                }
                 Mixer::Linear(g) => LayerState::Linear(LinearState {
                     conv: vec![0.0; (g.kernel - 1) * g.conv_dim()],
                     recurrent: vec![0.0; g.num_v_heads * g.k_dim * g.v_dim],

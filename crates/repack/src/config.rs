@@ -53,7 +53,10 @@ impl RawConfig {
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join("config.json");
         let root = read_json(&path)?;
-        let model_type = root.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
+        let model_type = root
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
         let text_type = root
             .get("text_config")
             .and_then(|t| t.get("model_type"))
@@ -103,10 +106,11 @@ impl RawConfig {
 
     fn usize_req(&self, key: &str) -> Result<usize> {
         match self.field(key) {
-            Some(v) => v
-                .as_u64()
-                .map(|x| x as usize)
-                .ok_or_else(|| self.bad(format!("\"{key}\" must be a non-negative integer, found {v}"))),
+            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
+                self.bad(format!(
+                    "\"{key}\" must be a non-negative integer, found {v}"
+                ))
+            }),
             None => Err(self.bad(format!("missing \"{key}\""))),
         }
     }
@@ -164,7 +168,11 @@ impl RawConfig {
         self.root
             .get("quantization_config")
             .and_then(|q| q.get("quant_method"))
-            .map(|m| m.as_str().map(str::to_string).unwrap_or_else(|| m.to_string()))
+            .map(|m| {
+                m.as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| m.to_string())
+            })
     }
 
     /// Builds the normalised configuration, refusing features we do not run.
@@ -199,7 +207,8 @@ impl RawConfig {
             return Err(self.unsupported("use_sliding_window = true".into()));
         }
         if self.bool_or("attention_bias", false)? {
-            return Err(self.unsupported("attention_bias = true (attention projections with biases)".into()));
+            return Err(self
+                .unsupported("attention_bias = true (attention projections with biases)".into()));
         }
         if let Some(act) = self.field("hidden_act").and_then(|v| v.as_str()) {
             if act != "silu" {
@@ -304,11 +313,31 @@ impl RawConfig {
             } else {
                 false
             },
-            linear_num_key_heads: if has_linear { self.usize_or("linear_num_key_heads", 16)? } else { 0 },
-            linear_key_head_dim: if has_linear { self.usize_or("linear_key_head_dim", 128)? } else { 0 },
-            linear_num_value_heads: if has_linear { self.usize_or("linear_num_value_heads", 32)? } else { 0 },
-            linear_value_head_dim: if has_linear { self.usize_or("linear_value_head_dim", 128)? } else { 0 },
-            linear_conv_kernel: if has_linear { self.usize_or("linear_conv_kernel_dim", 4)? } else { 0 },
+            linear_num_key_heads: if has_linear {
+                self.usize_or("linear_num_key_heads", 16)?
+            } else {
+                0
+            },
+            linear_key_head_dim: if has_linear {
+                self.usize_or("linear_key_head_dim", 128)?
+            } else {
+                0
+            },
+            linear_num_value_heads: if has_linear {
+                self.usize_or("linear_num_value_heads", 32)?
+            } else {
+                0
+            },
+            linear_value_head_dim: if has_linear {
+                self.usize_or("linear_value_head_dim", 128)?
+            } else {
+                0
+            },
+            linear_conv_kernel: if has_linear {
+                self.usize_or("linear_conv_kernel_dim", 4)?
+            } else {
+                0
+            },
             layer_types,
             num_experts,
             num_experts_per_tok: self.usize_req("num_experts_per_tok")?,
@@ -319,7 +348,11 @@ impl RawConfig {
                 0
             },
             // qwen3_5_moe always renormalises the top-k weights.
-            norm_topk_prob: if qwen35 { true } else { self.bool_or("norm_topk_prob", false)? },
+            norm_topk_prob: if qwen35 {
+                true
+            } else {
+                self.bool_or("norm_topk_prob", false)?
+            },
         };
         cfg.validate().map_err(|e| self.bad(e.to_string()))?;
         Ok(cfg)
@@ -356,7 +389,10 @@ fn push_ids(v: Option<&Value>, out: &mut Vec<u32>) {
 fn token_string(v: &Value) -> Option<String> {
     match v {
         Value::String(s) => Some(s.clone()),
-        Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+        Value::Object(o) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .map(str::to_string),
         _ => None,
     }
 }
@@ -377,10 +413,12 @@ pub(crate) fn read_tokenizer_info(dir: &Path, raw: &RawConfig) -> Result<Tokeniz
             path: tok_path.display().to_string(),
             source: e,
         })?;
-        tokenizer = Some(serde_json::from_slice(&bytes).map_err(|e| RepackError::Json {
-            path: tok_path.display().to_string(),
-            source: e,
-        })?);
+        tokenizer = Some(
+            serde_json::from_slice(&bytes).map_err(|e| RepackError::Json {
+                path: tok_path.display().to_string(),
+                source: e,
+            })?,
+        );
         info.tokenizer_json = Some(bytes);
     }
 
@@ -410,10 +448,13 @@ pub(crate) fn read_tokenizer_info(dir: &Path, raw: &RawConfig) -> Result<Tokeniz
     // transformers >= 4.43 saves the template beside the config; it wins.
     let jinja = dir.join("chat_template.jinja");
     if jinja.is_file() {
-        info.chat_template = Some(std::fs::read_to_string(&jinja).map_err(|e| RepackError::Io {
-            path: jinja.display().to_string(),
-            source: e,
-        })?);
+        info.chat_template =
+            Some(
+                std::fs::read_to_string(&jinja).map_err(|e| RepackError::Io {
+                    path: jinja.display().to_string(),
+                    source: e,
+                })?,
+            );
     }
 
     if let (Some(eos_tok), Some(tok)) = (info.special_tokens.get("eos_token"), &tokenizer) {

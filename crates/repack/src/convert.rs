@@ -69,7 +69,13 @@ pub(crate) fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut [f32], shift: bo
 
 /// Encodes a tensor into `qtype`'s byte layout. `shift` adds 1 to every
 /// element (zero-centred norm weights). Quantized sources are copied.
-pub(crate) fn encode(src: &PartSrc, rows: usize, cols: usize, qtype: QuantType, shift: bool) -> Vec<u8> {
+pub(crate) fn encode(
+    src: &PartSrc,
+    rows: usize,
+    cols: usize,
+    qtype: QuantType,
+    shift: bool,
+) -> Vec<u8> {
     match *src {
         PartSrc::Quant {
             codes,
@@ -87,7 +93,14 @@ pub(crate) fn encode(src: &PartSrc, rows: usize, cols: usize, qtype: QuantType, 
     }
 }
 
-fn encode_float(dtype: Dtype, data: &[u8], rows: usize, cols: usize, qtype: QuantType, shift: bool) -> Vec<u8> {
+fn encode_float(
+    dtype: Dtype,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+    qtype: QuantType,
+    shift: bool,
+) -> Vec<u8> {
     let n = rows * cols;
     let esz = dtype_bytes(dtype);
     debug_assert_eq!(data.len(), n * esz);
@@ -97,7 +110,9 @@ fn encode_float(dtype: Dtype, data: &[u8], rows: usize, cols: usize, qtype: Quan
             let same = !shift
                 && matches!(
                     (qtype, dtype),
-                    (QuantType::F32, Dtype::F32) | (QuantType::Bf16, Dtype::BF16) | (QuantType::F16, Dtype::F16)
+                    (QuantType::F32, Dtype::F32)
+                        | (QuantType::Bf16, Dtype::BF16)
+                        | (QuantType::F16, Dtype::F16)
                 );
             let mut out = vec![0u8; n * osz];
             out.par_chunks_mut(CHUNK * osz)

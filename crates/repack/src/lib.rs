@@ -42,6 +42,9 @@
 //! Norms, `gdn.conv`, `A_log` and `dt_bias` are always F32. The rules depend
 //! on shapes only, so every layer's experts share one record layout.
 
+// `%` rather than `is_multiple_of`: the workspace MSRV is 1.85.
+#![allow(clippy::manual_is_multiple_of)]
+
 mod config;
 mod convert;
 mod source;
@@ -98,7 +101,9 @@ impl std::str::FromStr for QuantChoice {
             "q8" => Ok(QuantChoice::Q8),
             "bf16" => Ok(QuantChoice::Bf16),
             "f32" => Ok(QuantChoice::F32),
-            _ => Err(format!("unknown quantization {s:?}: expected q4, q8, bf16 or f32")),
+            _ => Err(format!(
+                "unknown quantization {s:?}: expected q4, q8, bf16 or f32"
+            )),
         }
     }
 }
@@ -197,7 +202,9 @@ pub enum RepackError {
     Corrupt { path: String, reason: String },
     #[error("{path}: {message}")]
     Config { path: String, message: String },
-    #[error("unknown architecture: config.json has model_type {model_type:?}; supported: {supported}")]
+    #[error(
+        "unknown architecture: config.json has model_type {model_type:?}; supported: {supported}"
+    )]
     UnknownArchitecture {
         model_type: String,
         supported: &'static str,
@@ -293,7 +300,9 @@ impl MlxQuant {
     fn for_path(&self, path: &str) -> (usize, usize) {
         match self.overrides.get(path) {
             Some(Value::Object(o)) => (
-                o.get("bits").and_then(|v| v.as_u64()).map_or(self.bits, |b| b as usize),
+                o.get("bits")
+                    .and_then(|v| v.as_u64())
+                    .map_or(self.bits, |b| b as usize),
                 o.get("group_size")
                     .and_then(|v| v.as_u64())
                     .map_or(self.group, |g| g as usize),
@@ -390,10 +399,7 @@ impl<'a> Ctx<'a> {
         let w = self.get(&wname)?;
         let s = self.get(&sname)?;
         let b = self.get(&bname)?;
-        let (cfg_bits, cfg_group) = self
-            .mlx
-            .as_ref()
-            .map_or((4, 64), |q| q.for_path(base));
+        let (cfg_bits, cfg_group) = self.mlx.as_ref().map_or((4, 64), |q| q.for_path(base));
         let with_lead = |last: usize| -> Vec<usize> {
             let mut v: Vec<usize> = lead.into_iter().collect();
             v.push(rows);
@@ -410,7 +416,10 @@ impl<'a> Ctx<'a> {
         // Bits and group follow from the shapes; the config's values are
         // what we report when the shapes fit neither.
         let expected_w = with_lead(cols * cfg_bits / 32);
-        let lead_ok = |shape: &[usize]| shape.len() == expected_w.len() && shape[..shape.len() - 1] == expected_w[..expected_w.len() - 1];
+        let lead_ok = |shape: &[usize]| {
+            shape.len() == expected_w.len()
+                && shape[..shape.len() - 1] == expected_w[..expected_w.len() - 1]
+        };
         if !lead_ok(w.shape) {
             return Err(shape_err(&wname, &expected_w, w.shape));
         }
@@ -454,10 +463,12 @@ impl<'a> Ctx<'a> {
             group: group as u32,
             scale,
         };
-        qtype.check_cols(cols).map_err(|e| RepackError::UnexpectedTensor {
-            name: wname.clone(),
-            message: e.to_string(),
-        })?;
+        qtype
+            .check_cols(cols)
+            .map_err(|e| RepackError::UnexpectedTensor {
+                name: wname.clone(),
+                message: e.to_string(),
+            })?;
         Ok((qtype, [w, s, b]))
     }
 
@@ -510,7 +521,14 @@ impl<'a> Ctx<'a> {
         self.float_shaped(name, &[n])
     }
 
-    fn job(&self, name: String, rows: usize, cols: usize, src: PartSrc<'a>, role: Role) -> DenseJob<'a> {
+    fn job(
+        &self,
+        name: String,
+        rows: usize,
+        cols: usize,
+        src: PartSrc<'a>,
+        role: Role,
+    ) -> DenseJob<'a> {
         let qtype = self.qtype_of(&src, role, cols);
         let shift = matches!(role, Role::Norm { shift: true });
         DenseJob {
@@ -526,7 +544,12 @@ impl<'a> Ctx<'a> {
 
 /// Finds the text model's key prefix from where `embed_tokens` lives.
 fn find_prefix(ck: &Checkpoint, arch: Architecture) -> Result<String> {
-    for p in ["model.language_model.", "language_model.model.", "model.", ""] {
+    for p in [
+        "model.language_model.",
+        "language_model.model.",
+        "model.",
+        "",
+    ] {
         if ck.contains(&format!("{p}embed_tokens.weight")) {
             return Ok(p.to_string());
         }
@@ -562,7 +585,13 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
     let router = Role::Matrix { router: true };
 
     let mut head = Vec::new();
-    head.push(ctx.job("embed".into(), v, h, ctx.linear(&format!("{p}embed_tokens"), v, h)?, mat));
+    head.push(ctx.job(
+        "embed".into(),
+        v,
+        h,
+        ctx.linear(&format!("{p}embed_tokens"), v, h)?,
+        mat,
+    ));
 
     let e_count = cfg.num_experts;
     let inter = cfg.moe_intermediate_size;
@@ -571,20 +600,63 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
         let lp = format!("{p}layers.{l}.");
         let out = |s: &str| format!("layers.{l}.{s}");
         let mut dense = Vec::new();
-        dense.push(ctx.job(out("input_norm"), 1, h, ctx.vector(&format!("{lp}input_layernorm.weight"), h)?, norm));
+        dense.push(ctx.job(
+            out("input_norm"),
+            1,
+            h,
+            ctx.vector(&format!("{lp}input_layernorm.weight"), h)?,
+            norm,
+        ));
         match kind {
             LayerKind::FullAttention => {
                 let hd = cfg.head_dim;
-                let q_rows = cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
+                let q_rows =
+                    cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
                 let kv_rows = cfg.num_key_value_heads * hd;
                 let o_cols = cfg.num_attention_heads * hd;
                 let a = format!("{lp}self_attn.");
-                dense.push(ctx.job(out("attn.q_proj"), q_rows, h, ctx.linear(&format!("{a}q_proj"), q_rows, h)?, mat));
-                dense.push(ctx.job(out("attn.k_proj"), kv_rows, h, ctx.linear(&format!("{a}k_proj"), kv_rows, h)?, mat));
-                dense.push(ctx.job(out("attn.v_proj"), kv_rows, h, ctx.linear(&format!("{a}v_proj"), kv_rows, h)?, mat));
-                dense.push(ctx.job(out("attn.o_proj"), h, o_cols, ctx.linear(&format!("{a}o_proj"), h, o_cols)?, mat));
-                dense.push(ctx.job(out("attn.q_norm"), 1, hd, ctx.vector(&format!("{a}q_norm.weight"), hd)?, norm));
-                dense.push(ctx.job(out("attn.k_norm"), 1, hd, ctx.vector(&format!("{a}k_norm.weight"), hd)?, norm));
+                dense.push(ctx.job(
+                    out("attn.q_proj"),
+                    q_rows,
+                    h,
+                    ctx.linear(&format!("{a}q_proj"), q_rows, h)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("attn.k_proj"),
+                    kv_rows,
+                    h,
+                    ctx.linear(&format!("{a}k_proj"), kv_rows, h)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("attn.v_proj"),
+                    kv_rows,
+                    h,
+                    ctx.linear(&format!("{a}v_proj"), kv_rows, h)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("attn.o_proj"),
+                    h,
+                    o_cols,
+                    ctx.linear(&format!("{a}o_proj"), h, o_cols)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("attn.q_norm"),
+                    1,
+                    hd,
+                    ctx.vector(&format!("{a}q_norm.weight"), hd)?,
+                    norm,
+                ));
+                dense.push(ctx.job(
+                    out("attn.k_norm"),
+                    1,
+                    hd,
+                    ctx.vector(&format!("{a}k_norm.weight"), hd)?,
+                    norm,
+                ));
             }
             LayerKind::LinearAttention => {
                 let conv_dim = cfg.linear_conv_dim();
@@ -592,10 +664,34 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
                 let vd = nv * cfg.linear_value_head_dim;
                 let k = cfg.linear_conv_kernel;
                 let g = format!("{lp}linear_attn.");
-                dense.push(ctx.job(out("gdn.in_proj_qkv"), conv_dim, h, ctx.linear(&format!("{g}in_proj_qkv"), conv_dim, h)?, mat));
-                dense.push(ctx.job(out("gdn.in_proj_z"), vd, h, ctx.linear(&format!("{g}in_proj_z"), vd, h)?, mat));
-                dense.push(ctx.job(out("gdn.in_proj_b"), nv, h, ctx.linear(&format!("{g}in_proj_b"), nv, h)?, mat));
-                dense.push(ctx.job(out("gdn.in_proj_a"), nv, h, ctx.linear(&format!("{g}in_proj_a"), nv, h)?, mat));
+                dense.push(ctx.job(
+                    out("gdn.in_proj_qkv"),
+                    conv_dim,
+                    h,
+                    ctx.linear(&format!("{g}in_proj_qkv"), conv_dim, h)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("gdn.in_proj_z"),
+                    vd,
+                    h,
+                    ctx.linear(&format!("{g}in_proj_z"), vd, h)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("gdn.in_proj_b"),
+                    nv,
+                    h,
+                    ctx.linear(&format!("{g}in_proj_b"), nv, h)?,
+                    mat,
+                ));
+                dense.push(ctx.job(
+                    out("gdn.in_proj_a"),
+                    nv,
+                    h,
+                    ctx.linear(&format!("{g}in_proj_a"), nv, h)?,
+                    mat,
+                ));
                 // HF [C, 1, K], MLX [C, K, 1]: the same bytes as [C, K].
                 let cname = format!("{g}conv1d.weight");
                 let ct = ctx.float(&cname)?;
@@ -607,11 +703,35 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
                     data: ct.data,
                 };
                 dense.push(ctx.job(out("gdn.conv"), conv_dim, k, conv, Role::Small));
-                dense.push(ctx.job(out("gdn.A_log"), 1, nv, ctx.vector(&format!("{g}A_log"), nv)?, Role::Small));
-                dense.push(ctx.job(out("gdn.dt_bias"), 1, nv, ctx.vector(&format!("{g}dt_bias"), nv)?, Role::Small));
+                dense.push(ctx.job(
+                    out("gdn.A_log"),
+                    1,
+                    nv,
+                    ctx.vector(&format!("{g}A_log"), nv)?,
+                    Role::Small,
+                ));
+                dense.push(ctx.job(
+                    out("gdn.dt_bias"),
+                    1,
+                    nv,
+                    ctx.vector(&format!("{g}dt_bias"), nv)?,
+                    Role::Small,
+                ));
                 let dv = cfg.linear_value_head_dim;
-                dense.push(ctx.job(out("gdn.norm"), 1, dv, ctx.vector(&format!("{g}norm.weight"), dv)?, Role::Norm { shift: false }));
-                dense.push(ctx.job(out("gdn.out_proj"), h, vd, ctx.linear(&format!("{g}out_proj"), h, vd)?, mat));
+                dense.push(ctx.job(
+                    out("gdn.norm"),
+                    1,
+                    dv,
+                    ctx.vector(&format!("{g}norm.weight"), dv)?,
+                    Role::Norm { shift: false },
+                ));
+                dense.push(ctx.job(
+                    out("gdn.out_proj"),
+                    h,
+                    vd,
+                    ctx.linear(&format!("{g}out_proj"), h, vd)?,
+                    mat,
+                ));
             }
         }
         dense.push(ctx.job(
@@ -622,18 +742,50 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
             norm,
         ));
         let m = format!("{lp}mlp.");
-        dense.push(ctx.job(out("moe.router"), e_count, h, ctx.linear(&format!("{m}gate"), e_count, h)?, router));
+        dense.push(ctx.job(
+            out("moe.router"),
+            e_count,
+            h,
+            ctx.linear(&format!("{m}gate"), e_count, h)?,
+            router,
+        ));
         if qwen35 {
             let is = cfg.shared_expert_intermediate_size;
-            dense.push(ctx.job(out("moe.shared_gate"), 1, h, ctx.linear(&format!("{m}shared_expert_gate"), 1, h)?, router));
+            dense.push(ctx.job(
+                out("moe.shared_gate"),
+                1,
+                h,
+                ctx.linear(&format!("{m}shared_expert_gate"), 1, h)?,
+                router,
+            ));
             let s = format!("{m}shared_expert.");
-            dense.push(ctx.job(out("moe.shared.gate_proj"), is, h, ctx.linear(&format!("{s}gate_proj"), is, h)?, mat));
-            dense.push(ctx.job(out("moe.shared.up_proj"), is, h, ctx.linear(&format!("{s}up_proj"), is, h)?, mat));
-            dense.push(ctx.job(out("moe.shared.down_proj"), h, is, ctx.linear(&format!("{s}down_proj"), h, is)?, mat));
+            dense.push(ctx.job(
+                out("moe.shared.gate_proj"),
+                is,
+                h,
+                ctx.linear(&format!("{s}gate_proj"), is, h)?,
+                mat,
+            ));
+            dense.push(ctx.job(
+                out("moe.shared.up_proj"),
+                is,
+                h,
+                ctx.linear(&format!("{s}up_proj"), is, h)?,
+                mat,
+            ));
+            dense.push(ctx.job(
+                out("moe.shared.down_proj"),
+                h,
+                is,
+                ctx.linear(&format!("{s}down_proj"), h, is)?,
+                mat,
+            ));
         }
 
         // Routed experts, in whichever layout the checkpoint has.
-        let experts: Vec<[PartSrc<'a>; 3]> = if ck.contains(&format!("{m}switch_mlp.gate_proj.weight")) {
+        let experts: Vec<[PartSrc<'a>; 3]> = if ck
+            .contains(&format!("{m}switch_mlp.gate_proj.weight"))
+        {
             let sw = format!("{m}switch_mlp.");
             let g = ctx.stacked(&format!("{sw}gate_proj"), e_count, inter, h)?;
             let u = ctx.stacked(&format!("{sw}up_proj"), e_count, inter, h)?;
@@ -641,11 +793,17 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
             (0..e_count).map(|i| [g[i], u[i], d[i]]).collect()
         } else if ck.contains(&format!("{m}experts.gate_up_proj")) {
             let gu_name = format!("{m}experts.gate_up_proj");
-            let PartSrc::Float { dtype, data } = ctx.float_shaped(&gu_name, &[e_count, 2 * inter, h])? else {
+            let PartSrc::Float { dtype, data } =
+                ctx.float_shaped(&gu_name, &[e_count, 2 * inter, h])?
+            else {
                 unreachable!()
             };
             let dn_name = format!("{m}experts.down_proj");
-            let PartSrc::Float { dtype: ddt, data: ddata } = ctx.float_shaped(&dn_name, &[e_count, h, inter])? else {
+            let PartSrc::Float {
+                dtype: ddt,
+                data: ddata,
+            } = ctx.float_shaped(&dn_name, &[e_count, h, inter])?
+            else {
                 unreachable!()
             };
             let half = inter * h * dtype_bytes(dtype);
@@ -654,8 +812,14 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
                 .map(|i| {
                     let gu = &data[i * 2 * half..(i + 1) * 2 * half];
                     [
-                        PartSrc::Float { dtype, data: &gu[..half] },
-                        PartSrc::Float { dtype, data: &gu[half..] },
+                        PartSrc::Float {
+                            dtype,
+                            data: &gu[..half],
+                        },
+                        PartSrc::Float {
+                            dtype,
+                            data: &gu[half..],
+                        },
                         PartSrc::Float {
                             dtype: ddt,
                             data: &ddata[i * dper..(i + 1) * dper],
@@ -687,7 +851,13 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
     }
 
     let mut tail = Vec::new();
-    tail.push(ctx.job("final_norm".into(), 1, h, ctx.vector(&format!("{p}norm.weight"), h)?, norm));
+    tail.push(ctx.job(
+        "final_norm".into(),
+        1,
+        h,
+        ctx.vector(&format!("{p}norm.weight"), h)?,
+        norm,
+    ));
     let lm_base = ["lm_head", "language_model.lm_head", "model.lm_head"]
         .into_iter()
         .find(|b| ck.contains(&format!("{b}.weight")));
@@ -707,7 +877,13 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
     let names = ["gate", "up", "down"];
     let layout_of = |parts: &[PartSrc; 3]| -> Vec<(String, QuantType, [usize; 2])> {
         (0..3)
-            .map(|k| (names[k].to_string(), ctx.qtype_of(&parts[k], Role::Matrix { router: false }, shapes[k][1]), shapes[k]))
+            .map(|k| {
+                (
+                    names[k].to_string(),
+                    ctx.qtype_of(&parts[k], Role::Matrix { router: false }, shapes[k][1]),
+                    shapes[k],
+                )
+            })
             .collect()
     };
     let expert_layout = layout_of(&layers[0].experts[0]);
@@ -716,7 +892,10 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
             let here = layout_of(parts);
             if here != expert_layout {
                 let show = |lay: &[(String, QuantType, [usize; 2])]| {
-                    lay.iter().map(|(n, q, _)| format!("{n} {}", q.name())).collect::<Vec<_>>().join(", ")
+                    lay.iter()
+                        .map(|(n, q, _)| format!("{n} {}", q.name()))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 };
                 return Err(RepackError::Unsupported(format!(
                     "expert {e} of layer {l} is stored as [{}] but expert 0 of layer 0 as [{}]; \
@@ -788,7 +967,11 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
     let cfg = raw.model_config()?;
     let ck = Checkpoint::open(&opts.input)?;
     let is_mlx = raw.mlx_quantization().is_some() || ck.names().any(|n| n.ends_with(".scales"));
-    let kind = if is_mlx { SourceKind::Mlx } else { SourceKind::HfSafetensors };
+    let kind = if is_mlx {
+        SourceKind::Mlx
+    } else {
+        SourceKind::HfSafetensors
+    };
     let mlx = match raw.mlx_quantization() {
         Some(q) => Some(MlxQuant::from_config(&raw, q)?),
         None => None,
@@ -804,7 +987,9 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
     let hf_shift = cfg.architecture == Architecture::Qwen35Moe && kind == SourceKind::HfSafetensors;
     let plan = build_plan(&ctx, &cfg, hf_shift)?;
 
-    let dense_jobs = plan.head.len() + plan.layers.iter().map(|l| l.dense.len()).sum::<usize>() + plan.tail.len();
+    let dense_jobs = plan.head.len()
+        + plan.layers.iter().map(|l| l.dense.len()).sum::<usize>()
+        + plan.tail.len();
     let n_layers = plan.layers.len();
     let total_bytes: u64 = plan
         .head
@@ -845,8 +1030,17 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         let handle = s.spawn(move || -> Result<SlipWriter> {
             for msg in rx {
                 match msg {
-                    Msg::Dense { name, qtype, shape, bytes } => writer.add_dense(&name, qtype, shape, &bytes)?,
-                    Msg::Experts { layer, first, records } => {
+                    Msg::Dense {
+                        name,
+                        qtype,
+                        shape,
+                        bytes,
+                    } => writer.add_dense(&name, qtype, shape, &bytes)?,
+                    Msg::Experts {
+                        layer,
+                        first,
+                        records,
+                    } => {
                         for (i, r) in records.iter().enumerate() {
                             writer.write_expert(layer, first + i, &[&r[0], &r[1], &r[2]])?;
                         }
@@ -900,7 +1094,13 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
                             })
                         })
                         .collect();
-                    alive = tx.send(Msg::Experts { layer: l, first, records }).is_ok();
+                    alive = tx
+                        .send(Msg::Experts {
+                            layer: l,
+                            first,
+                            records,
+                        })
+                        .is_ok();
                     if !alive {
                         break 'outer;
                     }
@@ -923,7 +1123,9 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         let _ = alive;
         drop(tx);
         handle.join().unwrap_or_else(|_| {
-            Err(RepackError::Unsupported("the writer thread panicked".into()))
+            Err(RepackError::Unsupported(
+                "the writer thread panicked".into(),
+            ))
         })
     });
     let mut writer = write_result?;
@@ -973,7 +1175,14 @@ pub fn canonical_dense_names(cfg: &ModelConfig) -> Vec<String> {
         push("input_norm");
         match kind {
             LayerKind::FullAttention => {
-                for s in ["attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "attn.q_norm", "attn.k_norm"] {
+                for s in [
+                    "attn.q_proj",
+                    "attn.k_proj",
+                    "attn.v_proj",
+                    "attn.o_proj",
+                    "attn.q_norm",
+                    "attn.k_norm",
+                ] {
                     push(s);
                 }
             }
@@ -996,7 +1205,12 @@ pub fn canonical_dense_names(cfg: &ModelConfig) -> Vec<String> {
         push("post_attn_norm");
         push("moe.router");
         if cfg.shared_expert_intermediate_size > 0 {
-            for s in ["moe.shared_gate", "moe.shared.gate_proj", "moe.shared.up_proj", "moe.shared.down_proj"] {
+            for s in [
+                "moe.shared_gate",
+                "moe.shared.gate_proj",
+                "moe.shared.up_proj",
+                "moe.shared.down_proj",
+            ] {
                 push(s);
             }
         }

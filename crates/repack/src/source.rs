@@ -73,7 +73,10 @@ impl Checkpoint {
                     path: index_path.display().to_string(),
                     reason: format!("weight_map entry for {name} is not a file name"),
                 })?;
-                if !files.iter().any(|f| f.file_name().is_some_and(|n| n == file)) {
+                if !files
+                    .iter()
+                    .any(|f| f.file_name().is_some_and(|n| n == file))
+                {
                     files.push(dir.join(file));
                 }
                 wm.insert(name.clone(), file.to_string());

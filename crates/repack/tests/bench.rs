@@ -45,18 +45,50 @@ fn bench_repack_throughput() {
             } else {
                 let p = format!("model.layers.{shard}.");
                 fill(&format!("{p}input_layernorm.weight"), vec![h], &mut raw);
-                fill(&format!("{p}post_attention_layernorm.weight"), vec![h], &mut raw);
-                fill(&format!("{p}self_attn.q_proj.weight"), vec![1024, h], &mut raw);
-                fill(&format!("{p}self_attn.k_proj.weight"), vec![256, h], &mut raw);
-                fill(&format!("{p}self_attn.v_proj.weight"), vec![256, h], &mut raw);
-                fill(&format!("{p}self_attn.o_proj.weight"), vec![h, 1024], &mut raw);
+                fill(
+                    &format!("{p}post_attention_layernorm.weight"),
+                    vec![h],
+                    &mut raw,
+                );
+                fill(
+                    &format!("{p}self_attn.q_proj.weight"),
+                    vec![1024, h],
+                    &mut raw,
+                );
+                fill(
+                    &format!("{p}self_attn.k_proj.weight"),
+                    vec![256, h],
+                    &mut raw,
+                );
+                fill(
+                    &format!("{p}self_attn.v_proj.weight"),
+                    vec![256, h],
+                    &mut raw,
+                );
+                fill(
+                    &format!("{p}self_attn.o_proj.weight"),
+                    vec![h, 1024],
+                    &mut raw,
+                );
                 fill(&format!("{p}self_attn.q_norm.weight"), vec![128], &mut raw);
                 fill(&format!("{p}self_attn.k_norm.weight"), vec![128], &mut raw);
                 fill(&format!("{p}mlp.gate.weight"), vec![experts, h], &mut raw);
                 for e in 0..experts {
-                    fill(&format!("{p}mlp.experts.{e}.gate_proj.weight"), vec![inter, h], &mut raw);
-                    fill(&format!("{p}mlp.experts.{e}.up_proj.weight"), vec![inter, h], &mut raw);
-                    fill(&format!("{p}mlp.experts.{e}.down_proj.weight"), vec![h, inter], &mut raw);
+                    fill(
+                        &format!("{p}mlp.experts.{e}.gate_proj.weight"),
+                        vec![inter, h],
+                        &mut raw,
+                    );
+                    fill(
+                        &format!("{p}mlp.experts.{e}.up_proj.weight"),
+                        vec![inter, h],
+                        &mut raw,
+                    );
+                    fill(
+                        &format!("{p}mlp.experts.{e}.down_proj.weight"),
+                        vec![h, inter],
+                        &mut raw,
+                    );
                 }
             }
             let dir = input.join(format!("s{shard}"));
@@ -68,7 +100,10 @@ fn bench_repack_throughput() {
                 map.insert(k.clone(), json!(file));
             }
         }
-        write_json(&input.join("model.safetensors.index.json"), &json!({"weight_map": map}));
+        write_json(
+            &input.join("model.safetensors.index.json"),
+            &json!({"weight_map": map}),
+        );
         write_json(
             &input.join("config.json"),
             &json!({
@@ -79,7 +114,12 @@ fn bench_repack_throughput() {
             }),
         );
     }
-    for quant in [QuantChoice::Bf16, QuantChoice::F32, QuantChoice::Q4, QuantChoice::Q8] {
+    for quant in [
+        QuantChoice::Bf16,
+        QuantChoice::F32,
+        QuantChoice::Q4,
+        QuantChoice::Q8,
+    ] {
         let out = root.join(format!("bench-{quant}.slip"));
         let r = repack(
             &RepackOptions {
@@ -117,13 +157,27 @@ fn bench_conversion_steps() {
     eprintln!("bf16 decode: {:.0} M elem/s", n as f64 / dt / 1e6);
     for bits in [4u8, 8] {
         let t = std::time::Instant::now();
-        let q = slipstream_kernels::quantize::quantize_affine(&back, n / 1024, 1024, bits, 64, slipstream_core::ScaleType::F16);
+        let q = slipstream_kernels::quantize::quantize_affine(
+            &back,
+            n / 1024,
+            1024,
+            bits,
+            64,
+            slipstream_core::ScaleType::F16,
+        );
         let dt = t.elapsed().as_secs_f64();
-        eprintln!("quantize q{bits}: {:.0} M elem/s ({} bytes)", n as f64 / dt / 1e6, q.len());
+        eprintln!(
+            "quantize q{bits}: {:.0} M elem/s ({} bytes)",
+            n as f64 / dt / 1e6,
+            q.len()
+        );
     }
     let t = std::time::Instant::now();
     let h = xxhash_rust_free_checksum(&bytes);
-    eprintln!("sum {h}: {:.0} MB/s", bytes.len() as f64 / t.elapsed().as_secs_f64() / 1e6);
+    eprintln!(
+        "sum {h}: {:.0} MB/s",
+        bytes.len() as f64 / t.elapsed().as_secs_f64() / 1e6
+    );
 }
 
 fn xxhash_rust_free_checksum(b: &[u8]) -> u64 {

@@ -49,8 +49,16 @@ fn bits_eq(a: &[f32], b: &[f32], what: &str) {
 /// (canonical name, source name, 1+w shift, rows, cols) of every dense tensor.
 fn mapping(t: &Tiny, qwen35: bool, prefix: &str, lm_head: bool) -> Vec<(String, String, bool)> {
     let mut v = vec![
-        ("embed".to_string(), format!("{prefix}embed_tokens.weight"), false),
-        ("final_norm".to_string(), format!("{prefix}norm.weight"), qwen35),
+        (
+            "embed".to_string(),
+            format!("{prefix}embed_tokens.weight"),
+            false,
+        ),
+        (
+            "final_norm".to_string(),
+            format!("{prefix}norm.weight"),
+            qwen35,
+        ),
     ];
     if lm_head {
         v.push(("lm_head".into(), "lm_head.weight".into(), false));
@@ -58,28 +66,70 @@ fn mapping(t: &Tiny, qwen35: bool, prefix: &str, lm_head: bool) -> Vec<(String, 
     for (l, full) in t.full.iter().enumerate() {
         let p = format!("{prefix}layers.{l}.");
         let c = |s: &str| format!("layers.{l}.{s}");
-        v.push((c("input_norm"), format!("{p}input_layernorm.weight"), qwen35));
-        v.push((c("post_attn_norm"), format!("{p}post_attention_layernorm.weight"), qwen35));
+        v.push((
+            c("input_norm"),
+            format!("{p}input_layernorm.weight"),
+            qwen35,
+        ));
+        v.push((
+            c("post_attn_norm"),
+            format!("{p}post_attention_layernorm.weight"),
+            qwen35,
+        ));
         if *full {
             for x in ["q_proj", "k_proj", "v_proj", "o_proj"] {
-                v.push((c(&format!("attn.{x}")), format!("{p}self_attn.{x}.weight"), false));
+                v.push((
+                    c(&format!("attn.{x}")),
+                    format!("{p}self_attn.{x}.weight"),
+                    false,
+                ));
             }
-            v.push((c("attn.q_norm"), format!("{p}self_attn.q_norm.weight"), qwen35));
-            v.push((c("attn.k_norm"), format!("{p}self_attn.k_norm.weight"), qwen35));
+            v.push((
+                c("attn.q_norm"),
+                format!("{p}self_attn.q_norm.weight"),
+                qwen35,
+            ));
+            v.push((
+                c("attn.k_norm"),
+                format!("{p}self_attn.k_norm.weight"),
+                qwen35,
+            ));
         } else {
-            for x in ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"] {
-                v.push((c(&format!("gdn.{x}")), format!("{p}linear_attn.{x}.weight"), false));
+            for x in [
+                "in_proj_qkv",
+                "in_proj_z",
+                "in_proj_b",
+                "in_proj_a",
+                "out_proj",
+            ] {
+                v.push((
+                    c(&format!("gdn.{x}")),
+                    format!("{p}linear_attn.{x}.weight"),
+                    false,
+                ));
             }
-            v.push((c("gdn.conv"), format!("{p}linear_attn.conv1d.weight"), false));
+            v.push((
+                c("gdn.conv"),
+                format!("{p}linear_attn.conv1d.weight"),
+                false,
+            ));
             v.push((c("gdn.A_log"), format!("{p}linear_attn.A_log"), false));
             v.push((c("gdn.dt_bias"), format!("{p}linear_attn.dt_bias"), false));
             v.push((c("gdn.norm"), format!("{p}linear_attn.norm.weight"), false));
         }
         v.push((c("moe.router"), format!("{p}mlp.gate.weight"), false));
         if qwen35 {
-            v.push((c("moe.shared_gate"), format!("{p}mlp.shared_expert_gate.weight"), false));
+            v.push((
+                c("moe.shared_gate"),
+                format!("{p}mlp.shared_expert_gate.weight"),
+                false,
+            ));
             for x in ["gate_proj", "up_proj", "down_proj"] {
-                v.push((c(&format!("moe.shared.{x}")), format!("{p}mlp.shared_expert.{x}.weight"), false));
+                v.push((
+                    c(&format!("moe.shared.{x}")),
+                    format!("{p}mlp.shared_expert.{x}.weight"),
+                    false,
+                ));
             }
         }
     }
@@ -138,7 +188,11 @@ fn check_experts_f32(m: &SlipModel, src: &FloatMap, t: &Tiny, prefix: &str) {
             let want = expert_src(src, t, prefix, l, e);
             for (k, view) in [w.gate, w.up, w.down].iter().enumerate() {
                 assert_eq!(view.qtype, QuantType::F32);
-                bits_eq(&f32_of(view.data), &want[k], &format!("layer {l} expert {e} part {k}"));
+                bits_eq(
+                    &f32_of(view.data),
+                    &want[k],
+                    &format!("layer {l} expert {e} part {k}"),
+                );
             }
         }
     }
@@ -161,7 +215,10 @@ fn qwen35_fused_f32_is_bit_exact() {
     // Tensors outside the text model are skipped.
     let mut extra = FloatMap::new();
     extra.insert("mtp.fc.weight".into(), (vec![4, 4], values("mtp", 16)));
-    extra.insert("model.visual.blocks.0.attn.qkv.weight".into(), (vec![4, 4], values("vis", 16)));
+    extra.insert(
+        "model.visual.blocks.0.attn.qkv.weight".into(),
+        (vec![4, 4], values("vis", 16)),
+    );
     raw.extend(floats_to_raw(&extra, Dtype::F32));
     save(&input, &raw, 1);
     write_json(&input.join("config.json"), &t.qwen35_config());
@@ -170,7 +227,10 @@ fn qwen35_fused_f32_is_bit_exact() {
     let out = d.path().join("out.slip");
     let report = run(&input, &out, QuantChoice::F32).unwrap();
     assert_eq!(report.kind, SourceKind::HfSafetensors);
-    assert_eq!(report.ignored_tensors, vec!["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"]);
+    assert_eq!(
+        report.ignored_tensors,
+        vec!["model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight"]
+    );
     let m = SlipModel::open(&out).unwrap();
     check_dense_f32(&m, &src, &mapping(&t, true, prefix, true));
     check_experts_f32(&m, &src, &t, prefix);
@@ -182,7 +242,12 @@ fn qwen35_fused_f32_is_bit_exact() {
     assert_eq!(c.architecture, Architecture::Qwen35Moe);
     assert_eq!(
         c.layer_types,
-        vec![LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::LinearAttention, LayerKind::FullAttention]
+        vec![
+            LayerKind::LinearAttention,
+            LayerKind::LinearAttention,
+            LayerKind::LinearAttention,
+            LayerKind::FullAttention
+        ]
     );
     assert_eq!(c.rotary_dim, 8);
     assert_eq!(c.rope_theta, 1e7);
@@ -190,12 +255,32 @@ fn qwen35_fused_f32_is_bit_exact() {
     assert_eq!(c.linear_conv_dim(), t.conv_dim());
     assert_eq!(c.shared_expert_intermediate_size, 64);
     assert_eq!(m.manifest.eos_token_ids, vec![2, 7]);
-    assert_eq!(m.manifest.special_tokens.get("eos_token").map(String::as_str), Some("<|im_end|>"));
-    assert_eq!(m.manifest.special_tokens.get("pad_token").map(String::as_str), Some("<|endoftext|>"));
+    assert_eq!(
+        m.manifest
+            .special_tokens
+            .get("eos_token")
+            .map(String::as_str),
+        Some("<|im_end|>")
+    );
+    assert_eq!(
+        m.manifest
+            .special_tokens
+            .get("pad_token")
+            .map(String::as_str),
+        Some("<|endoftext|>")
+    );
     assert!(!m.manifest.special_tokens.contains_key("bos_token"));
-    assert!(m.manifest.chat_template.as_deref().unwrap().contains("messages"));
+    assert!(m
+        .manifest
+        .chat_template
+        .as_deref()
+        .unwrap()
+        .contains("messages"));
     assert_eq!(m.manifest.tokenizer.as_deref(), Some("tokenizer.json"));
-    assert_eq!(m.read_file("tokenizer.json").unwrap(), std::fs::read(input.join("tokenizer.json")).unwrap());
+    assert_eq!(
+        m.read_file("tokenizer.json").unwrap(),
+        std::fs::read(input.join("tokenizer.json")).unwrap()
+    );
     assert_eq!(m.manifest.source.kind, "hf-safetensors");
     assert_eq!(m.manifest.source.quant, "f32");
 
@@ -240,7 +325,12 @@ fn qwen35_split_bf16_sharded_flat_config_tied() {
     assert!(m.manifest.config.tie_word_embeddings);
     assert_eq!(
         m.manifest.config.layer_types,
-        vec![LayerKind::LinearAttention, LayerKind::FullAttention, LayerKind::LinearAttention, LayerKind::FullAttention]
+        vec![
+            LayerKind::LinearAttention,
+            LayerKind::FullAttention,
+            LayerKind::LinearAttention,
+            LayerKind::FullAttention
+        ]
     );
     // No generation config / tokenizer: eos from config.json only.
     assert_eq!(m.manifest.eos_token_ids, vec![2]);
@@ -253,13 +343,21 @@ fn qwen35_split_bf16_sharded_flat_config_tied() {
     for (canon, name, shift) in mapping(&t, true, prefix, false) {
         let tt = m.tensor(&canon).unwrap();
         let (shape, vals) = &src[&name];
-        let small = shift || canon.ends_with("norm") || canon.contains("conv") || canon.contains("A_log") || canon.contains("dt_bias");
+        let small = shift
+            || canon.ends_with("norm")
+            || canon.contains("conv")
+            || canon.contains("A_log")
+            || canon.contains("dt_bias");
         if small {
             assert_eq!(tt.qtype, QuantType::F32, "{canon}");
         } else {
             assert_eq!(tt.qtype, QuantType::Bf16, "{canon}");
             assert_eq!(shape.len(), 2);
-            assert_eq!(tt.view().data, &to_bytes(vals, Dtype::BF16)[..], "{canon} bytes");
+            assert_eq!(
+                tt.view().data,
+                &to_bytes(vals, Dtype::BF16)[..],
+                "{canon} bytes"
+            );
         }
     }
     let pool = &m.manifest.experts;
@@ -306,7 +404,10 @@ fn qwen3_moe_q4_and_q8_layouts() {
     let d = tmp();
     let input = d.path().join("in");
     let (t, src) = qwen3_checkpoint(&input);
-    for (quant, main) in [(QuantChoice::Q4, QuantType::Q4), (QuantChoice::Q8, QuantType::Q8)] {
+    for (quant, main) in [
+        (QuantChoice::Q4, QuantType::Q4),
+        (QuantChoice::Q8, QuantType::Q8),
+    ] {
         let out = d.path().join(format!("{quant}"));
         let report = run(&input, &out, quant).unwrap();
         assert!(report.bytes_out > 0 && report.bytes_in > 0);
@@ -374,7 +475,13 @@ fn progress_events_add_up() {
     )
     .unwrap();
     let ev = events.into_inner();
-    let ProgressEvent::Started { total_bytes, tensors, experts, .. } = ev[0] else {
+    let ProgressEvent::Started {
+        total_bytes,
+        tensors,
+        experts,
+        ..
+    } = ev[0]
+    else {
         panic!("first event must be Started")
     };
     assert!(matches!(ev.last(), Some(ProgressEvent::Finishing)));
@@ -413,17 +520,40 @@ fn mlx_checkpoint(input: &Path, t: &Tiny) -> MlxModel {
     let mut raw = BTreeMap::new();
     let mut dense = BTreeMap::new();
     let mut floats = FloatMap::new();
-    let mut q = |canon: &str, base: String, shape: &[usize], bits: usize, raw: &mut BTreeMap<String, Raw>| {
+    let mut q = |canon: &str,
+                 base: String,
+                 shape: &[usize],
+                 bits: usize,
+                 raw: &mut BTreeMap<String, Raw>| {
         let m = MlxQ::random(&base, shape, bits, 64);
         m.insert(&base, raw);
         dense.insert(canon.to_string(), m);
     };
-    q("embed", format!("{p}embed_tokens"), &[t.vocab, h], 4, &mut raw);
-    q("lm_head", "language_model.lm_head".into(), &[t.vocab, h], 4, &mut raw);
-    let mut fl = |canon: &str, name: String, shape: &[usize], dtype: Dtype, raw: &mut BTreeMap<String, Raw>| {
+    q(
+        "embed",
+        format!("{p}embed_tokens"),
+        &[t.vocab, h],
+        4,
+        &mut raw,
+    );
+    q(
+        "lm_head",
+        "language_model.lm_head".into(),
+        &[t.vocab, h],
+        4,
+        &mut raw,
+    );
+    let mut fl = |canon: &str,
+                  name: String,
+                  shape: &[usize],
+                  dtype: Dtype,
+                  raw: &mut BTreeMap<String, Raw>| {
         let mut v = values(&name, shape.iter().product());
         if dtype == Dtype::BF16 {
-            v = v.iter().map(|x| half::bf16::from_f32(1.0 + x).to_f32()).collect();
+            v = v
+                .iter()
+                .map(|x| half::bf16::from_f32(1.0 + x).to_f32())
+                .collect();
         }
         raw.insert(
             name.clone(),
@@ -435,7 +565,13 @@ fn mlx_checkpoint(input: &Path, t: &Tiny) -> MlxModel {
         );
         floats.insert(canon.to_string(), (shape.to_vec(), v));
     };
-    fl("final_norm", format!("{p}norm.weight"), &[h], Dtype::BF16, &mut raw);
+    fl(
+        "final_norm",
+        format!("{p}norm.weight"),
+        &[h],
+        Dtype::BF16,
+        &mut raw,
+    );
     let mut experts = Vec::new();
     let mut quant_cfg = serde_json::Map::new();
     quant_cfg.insert("group_size".into(), json!(64));
@@ -444,36 +580,171 @@ fn mlx_checkpoint(input: &Path, t: &Tiny) -> MlxModel {
     for (l, full) in t.full.iter().enumerate() {
         let lp = format!("{p}layers.{l}.");
         let c = |s: &str| format!("layers.{l}.{s}");
-        fl(&c("input_norm"), format!("{lp}input_layernorm.weight"), &[h], Dtype::BF16, &mut raw);
-        fl(&c("post_attn_norm"), format!("{lp}post_attention_layernorm.weight"), &[h], Dtype::BF16, &mut raw);
+        fl(
+            &c("input_norm"),
+            format!("{lp}input_layernorm.weight"),
+            &[h],
+            Dtype::BF16,
+            &mut raw,
+        );
+        fl(
+            &c("post_attn_norm"),
+            format!("{lp}post_attention_layernorm.weight"),
+            &[h],
+            Dtype::BF16,
+            &mut raw,
+        );
         if *full {
             let a = format!("{lp}self_attn.");
-            q(&c("attn.q_proj"), format!("{a}q_proj"), &[t.heads * t.head_dim * 2, h], 4, &mut raw);
-            q(&c("attn.k_proj"), format!("{a}k_proj"), &[t.kv_heads * t.head_dim, h], 4, &mut raw);
-            q(&c("attn.v_proj"), format!("{a}v_proj"), &[t.kv_heads * t.head_dim, h], 4, &mut raw);
-            q(&c("attn.o_proj"), format!("{a}o_proj"), &[h, t.heads * t.head_dim], 4, &mut raw);
-            fl(&c("attn.q_norm"), format!("{a}q_norm.weight"), &[t.head_dim], Dtype::BF16, &mut raw);
-            fl(&c("attn.k_norm"), format!("{a}k_norm.weight"), &[t.head_dim], Dtype::BF16, &mut raw);
+            q(
+                &c("attn.q_proj"),
+                format!("{a}q_proj"),
+                &[t.heads * t.head_dim * 2, h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("attn.k_proj"),
+                format!("{a}k_proj"),
+                &[t.kv_heads * t.head_dim, h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("attn.v_proj"),
+                format!("{a}v_proj"),
+                &[t.kv_heads * t.head_dim, h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("attn.o_proj"),
+                format!("{a}o_proj"),
+                &[h, t.heads * t.head_dim],
+                4,
+                &mut raw,
+            );
+            fl(
+                &c("attn.q_norm"),
+                format!("{a}q_norm.weight"),
+                &[t.head_dim],
+                Dtype::BF16,
+                &mut raw,
+            );
+            fl(
+                &c("attn.k_norm"),
+                format!("{a}k_norm.weight"),
+                &[t.head_dim],
+                Dtype::BF16,
+                &mut raw,
+            );
         } else {
             let g = format!("{lp}linear_attn.");
-            q(&c("gdn.in_proj_qkv"), format!("{g}in_proj_qkv"), &[t.conv_dim(), h], 4, &mut raw);
-            q(&c("gdn.in_proj_z"), format!("{g}in_proj_z"), &[t.nv * t.dv, h], 4, &mut raw);
-            q(&c("gdn.in_proj_b"), format!("{g}in_proj_b"), &[t.nv, h], 4, &mut raw);
-            q(&c("gdn.in_proj_a"), format!("{g}in_proj_a"), &[t.nv, h], 4, &mut raw);
-            q(&c("gdn.out_proj"), format!("{g}out_proj"), &[h, t.nv * t.dv], 4, &mut raw);
-            fl(&c("gdn.conv"), format!("{g}conv1d.weight"), &[t.conv_dim(), t.kernel, 1], Dtype::BF16, &mut raw);
-            fl(&c("gdn.A_log"), format!("{g}A_log"), &[t.nv], Dtype::F32, &mut raw);
-            fl(&c("gdn.dt_bias"), format!("{g}dt_bias"), &[t.nv], Dtype::BF16, &mut raw);
-            fl(&c("gdn.norm"), format!("{g}norm.weight"), &[t.dv], Dtype::BF16, &mut raw);
+            q(
+                &c("gdn.in_proj_qkv"),
+                format!("{g}in_proj_qkv"),
+                &[t.conv_dim(), h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("gdn.in_proj_z"),
+                format!("{g}in_proj_z"),
+                &[t.nv * t.dv, h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("gdn.in_proj_b"),
+                format!("{g}in_proj_b"),
+                &[t.nv, h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("gdn.in_proj_a"),
+                format!("{g}in_proj_a"),
+                &[t.nv, h],
+                4,
+                &mut raw,
+            );
+            q(
+                &c("gdn.out_proj"),
+                format!("{g}out_proj"),
+                &[h, t.nv * t.dv],
+                4,
+                &mut raw,
+            );
+            fl(
+                &c("gdn.conv"),
+                format!("{g}conv1d.weight"),
+                &[t.conv_dim(), t.kernel, 1],
+                Dtype::BF16,
+                &mut raw,
+            );
+            fl(
+                &c("gdn.A_log"),
+                format!("{g}A_log"),
+                &[t.nv],
+                Dtype::F32,
+                &mut raw,
+            );
+            fl(
+                &c("gdn.dt_bias"),
+                format!("{g}dt_bias"),
+                &[t.nv],
+                Dtype::BF16,
+                &mut raw,
+            );
+            fl(
+                &c("gdn.norm"),
+                format!("{g}norm.weight"),
+                &[t.dv],
+                Dtype::BF16,
+                &mut raw,
+            );
         }
         let m = format!("{lp}mlp.");
-        q(&c("moe.router"), format!("{m}gate"), &[t.experts, h], 8, &mut raw);
-        q(&c("moe.shared_gate"), format!("{m}shared_expert_gate"), &[1, h], 8, &mut raw);
+        q(
+            &c("moe.router"),
+            format!("{m}gate"),
+            &[t.experts, h],
+            8,
+            &mut raw,
+        );
+        q(
+            &c("moe.shared_gate"),
+            format!("{m}shared_expert_gate"),
+            &[1, h],
+            8,
+            &mut raw,
+        );
         quant_cfg.insert(format!("{m}gate"), json!({"group_size": 64, "bits": 8}));
-        quant_cfg.insert(format!("{m}shared_expert_gate"), json!({"group_size": 64, "bits": 8}));
-        q(&c("moe.shared.gate_proj"), format!("{m}shared_expert.gate_proj"), &[t.shared, h], 4, &mut raw);
-        q(&c("moe.shared.up_proj"), format!("{m}shared_expert.up_proj"), &[t.shared, h], 4, &mut raw);
-        q(&c("moe.shared.down_proj"), format!("{m}shared_expert.down_proj"), &[h, t.shared], 4, &mut raw);
+        quant_cfg.insert(
+            format!("{m}shared_expert_gate"),
+            json!({"group_size": 64, "bits": 8}),
+        );
+        q(
+            &c("moe.shared.gate_proj"),
+            format!("{m}shared_expert.gate_proj"),
+            &[t.shared, h],
+            4,
+            &mut raw,
+        );
+        q(
+            &c("moe.shared.up_proj"),
+            format!("{m}shared_expert.up_proj"),
+            &[t.shared, h],
+            4,
+            &mut raw,
+        );
+        q(
+            &c("moe.shared.down_proj"),
+            format!("{m}shared_expert.down_proj"),
+            &[h, t.shared],
+            4,
+            &mut raw,
+        );
         let sw = |x: &str, shape: &[usize], raw: &mut BTreeMap<String, Raw>| {
             let base = format!("{m}switch_mlp.{x}");
             let q = MlxQ::random(&base, shape, 4, 64);
@@ -488,9 +759,15 @@ fn mlx_checkpoint(input: &Path, t: &Tiny) -> MlxModel {
     }
     save(input, &raw, 2);
     let mut cfg = t.qwen35_config();
-    cfg.as_object_mut().unwrap().insert("quantization".into(), serde_json::Value::Object(quant_cfg));
+    cfg.as_object_mut()
+        .unwrap()
+        .insert("quantization".into(), serde_json::Value::Object(quant_cfg));
     write_json(&input.join("config.json"), &cfg);
-    MlxModel { dense, experts, floats }
+    MlxModel {
+        dense,
+        experts,
+        floats,
+    }
 }
 
 #[test]
@@ -531,8 +808,19 @@ fn mlx_4bit_is_copied_bit_exactly() {
             m.read_expert(l, e, &mut buf).unwrap();
             let w = m.expert_views(&buf).unwrap();
             for (k, view) in [w.gate, w.up, w.down].iter().enumerate() {
-                assert_eq!(view.qtype, QuantType::Affine { bits: 4, group: 64, scale: ScaleType::Bf16 });
-                assert_eq!(view.data, &parts[k].stored_slice(e, t.experts)[..], "layer {l} expert {e} part {k}");
+                assert_eq!(
+                    view.qtype,
+                    QuantType::Affine {
+                        bits: 4,
+                        group: 64,
+                        scale: ScaleType::Bf16
+                    }
+                );
+                assert_eq!(
+                    view.data,
+                    &parts[k].stored_slice(e, t.experts)[..],
+                    "layer {l} expert {e} part {k}"
+                );
             }
         }
     }
@@ -571,13 +859,19 @@ fn error_missing_tensor_names_it() {
         m.remove("model.layers.1.self_attn.k_norm.weight");
     });
     let e = err_of(&input, &d.path().join("out"));
-    assert!(e.contains("model.layers.1.self_attn.k_norm.weight") && e.contains("missing"), "{e}");
+    assert!(
+        e.contains("model.layers.1.self_attn.k_norm.weight") && e.contains("missing"),
+        "{e}"
+    );
 
     rewrite(&input, |m| {
         m.remove("model.layers.0.mlp.experts.3.down_proj.weight");
     });
     let e = err_of(&input, &d.path().join("out"));
-    assert!(e.contains("model.layers.0.mlp.experts.3.down_proj.weight"), "{e}");
+    assert!(
+        e.contains("model.layers.0.mlp.experts.3.down_proj.weight"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -586,7 +880,10 @@ fn error_wrong_shape_names_tensor_and_shapes() {
     let input = d.path().join("in");
     qwen3_checkpoint(&input);
     rewrite(&input, |m| {
-        m.insert("model.layers.1.self_attn.q_proj.weight".into(), (vec![10, 64], values("x", 640)));
+        m.insert(
+            "model.layers.1.self_attn.q_proj.weight".into(),
+            (vec![10, 64], values("x", 640)),
+        );
     });
     let e = err_of(&input, &d.path().join("out"));
     assert!(e.contains("model.layers.1.self_attn.q_proj.weight"), "{e}");
@@ -602,7 +899,10 @@ fn error_unknown_architecture() {
     cfg["model_type"] = json!("llama");
     write_json(&input.join("config.json"), &cfg);
     let e = err_of(&input, &d.path().join("out"));
-    assert!(e.contains("\"llama\"") && e.contains("qwen3_5_moe") && e.contains("qwen3_moe"), "{e}");
+    assert!(
+        e.contains("\"llama\"") && e.contains("qwen3_5_moe") && e.contains("qwen3_moe"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -612,13 +912,24 @@ fn error_truncated_safetensors() {
     qwen3_checkpoint(&input);
     let f = input.join("model.safetensors");
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 100).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
     let e = err_of(&input, &d.path().join("out"));
-    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("truncated"),
+        "{e}"
+    );
     // Garbage header too.
     std::fs::write(&f, b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!").unwrap();
     let e = err_of(&input, &d.path().join("out"));
-    assert!(e.contains("model.safetensors") && e.contains("corrupt"), "{e}");
+    assert!(
+        e.contains("model.safetensors") && e.contains("corrupt"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -652,7 +963,11 @@ fn error_unsupported_config_features() {
     for (key, val, needle) in [
         ("mlp_only_layers", json!([1]), "mlp_only_layers"),
         ("decoder_sparse_step", json!(2), "decoder_sparse_step"),
-        ("rope_scaling", json!({"rope_type": "yarn", "factor": 4.0}), "yarn"),
+        (
+            "rope_scaling",
+            json!({"rope_type": "yarn", "factor": 4.0}),
+            "yarn",
+        ),
     ] {
         let mut cfg = base.clone();
         cfg[key] = val;
@@ -665,7 +980,10 @@ fn error_unsupported_config_features() {
     cfg.as_object_mut().unwrap().remove("hidden_size");
     write_json(&input.join("config.json"), &cfg);
     let e = err_of(&input, &d.path().join("out"));
-    assert!(e.contains("hidden_size") && e.contains("config.json"), "{e}");
+    assert!(
+        e.contains("hidden_size") && e.contains("config.json"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -688,7 +1006,12 @@ fn fixtures_dir() -> PathBuf {
 
 #[test]
 fn repacks_reference_fixtures() {
-    for name in ["qwen3_5_moe_fused", "qwen3_5_moe_split", "qwen3_moe", "qwen3_5_moe_mlx4"] {
+    for name in [
+        "qwen3_5_moe_fused",
+        "qwen3_5_moe_split",
+        "qwen3_moe",
+        "qwen3_5_moe_mlx4",
+    ] {
         let input = fixtures_dir().join(name);
         if !input.join("config.json").exists() {
             eprintln!("fixture {name} not present, skipped");
@@ -705,11 +1028,18 @@ fn repacks_reference_fixtures() {
             want.sort();
             assert_eq!(got, want, "{name}");
             assert!(r.bytes_in > 0 && r.experts_written > 0, "{name}");
-            assert!(m.manifest.tokenizer.is_some() && m.manifest.chat_template.is_some(), "{name}");
+            assert!(
+                m.manifest.tokenizer.is_some() && m.manifest.chat_template.is_some(),
+                "{name}"
+            );
             assert!(!m.manifest.eos_token_ids.is_empty(), "{name}");
             let mut buf = vec![0u8; m.manifest.experts.record_stride as usize];
-            m.read_expert(m.manifest.experts.num_layers - 1, m.manifest.experts.num_experts - 1, &mut buf)
-                .unwrap();
+            m.read_expert(
+                m.manifest.experts.num_layers - 1,
+                m.manifest.experts.num_experts - 1,
+                &mut buf,
+            )
+            .unwrap();
         }
     }
 }
@@ -720,7 +1050,10 @@ fn repacks_reference_fixtures() {
 /// the code packing against real mlx-lm output.
 #[test]
 fn mlx_fixture_matches_its_float_source() {
-    let (fused, mlx) = (fixtures_dir().join("qwen3_5_moe_fused"), fixtures_dir().join("qwen3_5_moe_mlx4"));
+    let (fused, mlx) = (
+        fixtures_dir().join("qwen3_5_moe_fused"),
+        fixtures_dir().join("qwen3_5_moe_mlx4"),
+    );
     if !fused.join("config.json").exists() || !mlx.join("config.json").exists() {
         eprintln!("fixtures qwen3_5_moe_fused / qwen3_5_moe_mlx4 not present, skipped");
         return;
@@ -745,7 +1078,11 @@ fn mlx_fixture_matches_its_float_source() {
             _ => amax / 128.0, // bf16
         };
         for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-            assert!((x - y).abs() <= tol, "{}[{i}]: float {x} vs mlx {y} (tol {tol})", entry.name);
+            assert!(
+                (x - y).abs() <= tol,
+                "{}[{i}]: float {x} vs mlx {y} (tol {tol})",
+                entry.name
+            );
         }
         checked += 1;
     }
@@ -761,7 +1098,10 @@ fn mlx_fixture_matches_its_float_source() {
             for (a, b) in [(fw.gate, mw.gate), (fw.up, mw.up), (fw.down, mw.down)] {
                 let (a, b) = (deq(&a), deq(&b));
                 let amax = a.iter().fold(0f32, |x, y| x.max(y.abs()));
-                assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= amax / 7.0), "layer {l} expert {e}");
+                assert!(
+                    a.iter().zip(&b).all(|(x, y)| (x - y).abs() <= amax / 7.0),
+                    "layer {l} expert {e}"
+                );
             }
         }
     }

@@ -42,7 +42,9 @@ impl ResidentStore {
             records
                 .par_chunks_mut(record_bytes)
                 .enumerate()
-                .try_for_each(|(i, buf)| model.read_expert(i / num_experts, i % num_experts, buf))?;
+                .try_for_each(|(i, buf)| {
+                    model.read_expert(i / num_experts, i % num_experts, buf)
+                })?;
         }
         let bytes_read = records.len() as u64;
         Ok(ResidentStore {

@@ -152,7 +152,11 @@ fn put(m: &mut FloatMap, name: String, shape: &[usize]) {
 pub fn hf_tensors(t: &Tiny, qwen35: bool, prefix: &str, fused: bool, lm_head: bool) -> FloatMap {
     let mut m = FloatMap::new();
     let h = t.hidden;
-    put(&mut m, format!("{prefix}embed_tokens.weight"), &[t.vocab, h]);
+    put(
+        &mut m,
+        format!("{prefix}embed_tokens.weight"),
+        &[t.vocab, h],
+    );
     put(&mut m, format!("{prefix}norm.weight"), &[h]);
     if lm_head {
         put(&mut m, "lm_head.weight".into(), &[t.vocab, h]);
@@ -164,9 +168,21 @@ pub fn hf_tensors(t: &Tiny, qwen35: bool, prefix: &str, fused: bool, lm_head: bo
         if *full {
             let q = t.heads * t.head_dim * if qwen35 { 2 } else { 1 };
             put(&mut m, format!("{p}self_attn.q_proj.weight"), &[q, h]);
-            put(&mut m, format!("{p}self_attn.k_proj.weight"), &[t.kv_heads * t.head_dim, h]);
-            put(&mut m, format!("{p}self_attn.v_proj.weight"), &[t.kv_heads * t.head_dim, h]);
-            put(&mut m, format!("{p}self_attn.o_proj.weight"), &[h, t.heads * t.head_dim]);
+            put(
+                &mut m,
+                format!("{p}self_attn.k_proj.weight"),
+                &[t.kv_heads * t.head_dim, h],
+            );
+            put(
+                &mut m,
+                format!("{p}self_attn.v_proj.weight"),
+                &[t.kv_heads * t.head_dim, h],
+            );
+            put(
+                &mut m,
+                format!("{p}self_attn.o_proj.weight"),
+                &[h, t.heads * t.head_dim],
+            );
             put(&mut m, format!("{p}self_attn.q_norm.weight"), &[t.head_dim]);
             put(&mut m, format!("{p}self_attn.k_norm.weight"), &[t.head_dim]);
         } else {
@@ -175,7 +191,11 @@ pub fn hf_tensors(t: &Tiny, qwen35: bool, prefix: &str, fused: bool, lm_head: bo
             put(&mut m, format!("{g}in_proj_z.weight"), &[t.nv * t.dv, h]);
             put(&mut m, format!("{g}in_proj_b.weight"), &[t.nv, h]);
             put(&mut m, format!("{g}in_proj_a.weight"), &[t.nv, h]);
-            put(&mut m, format!("{g}conv1d.weight"), &[t.conv_dim(), 1, t.kernel]);
+            put(
+                &mut m,
+                format!("{g}conv1d.weight"),
+                &[t.conv_dim(), 1, t.kernel],
+            );
             put(&mut m, format!("{g}A_log"), &[t.nv]);
             put(&mut m, format!("{g}dt_bias"), &[t.nv]);
             put(&mut m, format!("{g}norm.weight"), &[t.dv]);
@@ -184,18 +204,50 @@ pub fn hf_tensors(t: &Tiny, qwen35: bool, prefix: &str, fused: bool, lm_head: bo
         put(&mut m, format!("{p}mlp.gate.weight"), &[t.experts, h]);
         if qwen35 {
             put(&mut m, format!("{p}mlp.shared_expert_gate.weight"), &[1, h]);
-            put(&mut m, format!("{p}mlp.shared_expert.gate_proj.weight"), &[t.shared, h]);
-            put(&mut m, format!("{p}mlp.shared_expert.up_proj.weight"), &[t.shared, h]);
-            put(&mut m, format!("{p}mlp.shared_expert.down_proj.weight"), &[h, t.shared]);
+            put(
+                &mut m,
+                format!("{p}mlp.shared_expert.gate_proj.weight"),
+                &[t.shared, h],
+            );
+            put(
+                &mut m,
+                format!("{p}mlp.shared_expert.up_proj.weight"),
+                &[t.shared, h],
+            );
+            put(
+                &mut m,
+                format!("{p}mlp.shared_expert.down_proj.weight"),
+                &[h, t.shared],
+            );
         }
         if fused {
-            put(&mut m, format!("{p}mlp.experts.gate_up_proj"), &[t.experts, 2 * t.inter, h]);
-            put(&mut m, format!("{p}mlp.experts.down_proj"), &[t.experts, h, t.inter]);
+            put(
+                &mut m,
+                format!("{p}mlp.experts.gate_up_proj"),
+                &[t.experts, 2 * t.inter, h],
+            );
+            put(
+                &mut m,
+                format!("{p}mlp.experts.down_proj"),
+                &[t.experts, h, t.inter],
+            );
         } else {
             for e in 0..t.experts {
-                put(&mut m, format!("{p}mlp.experts.{e}.gate_proj.weight"), &[t.inter, h]);
-                put(&mut m, format!("{p}mlp.experts.{e}.up_proj.weight"), &[t.inter, h]);
-                put(&mut m, format!("{p}mlp.experts.{e}.down_proj.weight"), &[h, t.inter]);
+                put(
+                    &mut m,
+                    format!("{p}mlp.experts.{e}.gate_proj.weight"),
+                    &[t.inter, h],
+                );
+                put(
+                    &mut m,
+                    format!("{p}mlp.experts.{e}.up_proj.weight"),
+                    &[t.inter, h],
+                );
+                put(
+                    &mut m,
+                    format!("{p}mlp.experts.{e}.down_proj.weight"),
+                    &[h, t.inter],
+                );
             }
         }
     }
@@ -214,7 +266,10 @@ pub fn round_bf16(m: &mut FloatMap) {
 pub fn to_bytes(v: &[f32], dtype: Dtype) -> Vec<u8> {
     match dtype {
         Dtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        Dtype::BF16 => v.iter().flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes()).collect(),
+        Dtype::BF16 => v
+            .iter()
+            .flat_map(|x| bf16::from_f32(*x).to_bits().to_le_bytes())
+            .collect(),
         Dtype::F16 => v
             .iter()
             .flat_map(|x| half::f16::from_f32(*x).to_bits().to_le_bytes())
@@ -250,7 +305,10 @@ fn serialize(tensors: &BTreeMap<String, Raw>, names: &[&String]) -> Vec<u8> {
         .iter()
         .map(|n| {
             let r = &tensors[*n];
-            ((*n).clone(), StView::new(r.dtype, r.shape.clone(), &r.data).unwrap())
+            (
+                (*n).clone(),
+                StView::new(r.dtype, r.shape.clone(), &r.data).unwrap(),
+            )
         })
         .collect();
     safetensors::serialize(views, None).unwrap()
@@ -274,7 +332,11 @@ pub fn save(dir: &Path, tensors: &BTreeMap<String, Raw>, shards: usize) {
         }
     }
     let index = json!({"metadata": {}, "weight_map": map});
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::to_vec_pretty(&index).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_vec_pretty(&index).unwrap(),
+    )
+    .unwrap();
 }
 
 pub fn write_json(path: &Path, v: &Value) {
@@ -303,7 +365,10 @@ pub fn write_tokenizer_files(dir: &Path) {
             "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"
         }),
     );
-    write_json(&dir.join("generation_config.json"), &json!({"eos_token_id": [2, 7]}));
+    write_json(
+        &dir.join("generation_config.json"),
+        &json!({"eos_token_id": [2, 7]}),
+    );
 }
 
 // ---------------------------------------------------------------- MLX
@@ -331,8 +396,14 @@ impl MlxQ {
             .map(|x| (x.to_bits()).wrapping_mul(2654435761))
             .collect();
         let ng = n / group;
-        let scales = r[nw..nw + ng].iter().map(|x| bf16::from_f32(*x * 0.1).to_bits()).collect();
-        let biases = r[nw + ng..nw + 2 * ng].iter().map(|x| bf16::from_f32(*x).to_bits()).collect();
+        let scales = r[nw..nw + ng]
+            .iter()
+            .map(|x| bf16::from_f32(*x * 0.1).to_bits())
+            .collect();
+        let biases = r[nw + ng..nw + 2 * ng]
+            .iter()
+            .map(|x| bf16::from_f32(*x).to_bits())
+            .collect();
         assert_eq!(cols % group, 0);
         MlxQ {
             words,
