@@ -91,7 +91,9 @@ impl ModelConfig {
             if self.num_attention_heads == 0
                 || self.num_key_value_heads == 0
                 || self.head_dim == 0
-                || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
+                || !self
+                    .num_attention_heads
+                    .is_multiple_of(self.num_key_value_heads)
             {
                 return bad(format!(
                     "attention heads {} must be a positive multiple of kv heads {}",
@@ -107,7 +109,9 @@ impl ModelConfig {
         }
         if self.layer_types.contains(&LayerKind::LinearAttention)
             && (self.linear_num_key_heads == 0
-                || !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads)
+                || !self
+                    .linear_num_value_heads
+                    .is_multiple_of(self.linear_num_key_heads)
                 || self.linear_conv_kernel == 0)
         {
             return bad(format!(

@@ -36,17 +36,36 @@ pub trait TensorSource {
     fn has_tensor(&self, name: &str) -> bool;
 }
 
+/// One layer's expert demand for a batch of tokens (a decode step or a
+/// prefill chunk).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRequest<'a> {
+    pub layer: usize,
+    /// Distinct expert ids, ascending.
+    pub experts: &'a [u32],
+    /// `counts[i]`: tokens of the batch routed to `experts[i]`.
+    pub counts: &'a [u32],
+    /// Tokens in the batch.
+    pub tokens: u32,
+}
+
 /// The only way a model reaches routed experts. Implementations decide where
 /// the weights live (all resident, a bounded cache over the SSD, VRAM, ...);
 /// none of them may change the numbers a model computes.
 pub trait ExpertSource: Send {
-    /// Calls `compute(expert, weights)` exactly once for every distinct id in
-    /// `experts` of `layer`, in whatever order the weights become available.
+    /// Announces the experts the next [`ExpertSource::with_experts`] call of
+    /// this layer will need, so reads can start while the caller computes
+    /// something else (the shared expert). Optional.
+    fn begin(&mut self, _request: &ExpertRequest<'_>) -> Result<(), BoxError> {
+        Ok(())
+    }
+
+    /// Calls `compute(expert, weights)` exactly once for every id in
+    /// `request.experts`, in whatever order the weights become available.
     /// Callers must make their result independent of that order.
     fn with_experts(
         &mut self,
-        layer: usize,
-        experts: &[u32],
+        request: &ExpertRequest<'_>,
         compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
     ) -> Result<(), BoxError>;
 }

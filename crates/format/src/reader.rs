@@ -63,7 +63,9 @@ impl SlipModel {
         {
             return Err(bad("expert checksum table does not match the pool".into()));
         }
-        if !pool.record_stride.is_multiple_of(crate::RECORD_ALIGN as u64)
+        if !pool
+            .record_stride
+            .is_multiple_of(crate::RECORD_ALIGN as u64)
             || pool.record_bytes > pool.record_stride
             || pool
                 .parts

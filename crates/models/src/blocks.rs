@@ -4,7 +4,7 @@
 //! Activations are row-major `[tokens, features]` f32.
 
 use rayon::prelude::*;
-use slipstream_core::{ExpertSource, Tensor, TensorSource};
+use slipstream_core::{ExpertRequest, ExpertSource, Tensor, TensorSource};
 use slipstream_kernels as k;
 
 use crate::ops;
@@ -420,10 +420,27 @@ impl Moe {
         let needed: Vec<u32> = (0..self.num_experts as u32)
             .filter(|&e| !tokens_of[e as usize].is_empty())
             .collect();
+        let counts: Vec<u32> = needed
+            .iter()
+            .map(|&e| tokens_of[e as usize].len() as u32)
+            .collect();
+        let request = ExpertRequest {
+            layer: self.layer,
+            experts: &needed,
+            counts: &counts,
+            tokens: n as u32,
+        };
+        // Reads start now; the shared expert runs while they land.
+        experts.begin(&request).map_err(ModelError::Store)?;
+        let shared = self.shared.as_ref().map(|(mlp, gate)| {
+            let s = mlp.forward(x, n);
+            let g = gate.forward(x, n);
+            (s, g)
+        });
         let mut per_rank = vec![0.0f32; n * kk * h];
         let mut gathered = Vec::new();
         experts
-            .with_experts(self.layer, &needed, &mut |e, w| {
+            .with_experts(&request, &mut |e, w| {
                 let users = &tokens_of[e as usize];
                 gathered.clear();
                 for &(t, _) in users {
@@ -458,9 +475,7 @@ impl Moe {
                 }
             }
         }
-        if let Some((mlp, gate)) = &self.shared {
-            let s = mlp.forward(x, n);
-            let g = gate.forward(x, n);
+        if let Some((s, g)) = shared {
             for t in 0..n {
                 let sg = ops::sigmoid(g[t]);
                 for (oi, &v) in out[t * h..][..h].iter_mut().zip(&s[t * h..][..h]) {

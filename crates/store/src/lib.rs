@@ -4,9 +4,12 @@
 //! from; the bytes handed to the model are the verified record bytes, so no
 //! store can change what the model computes.
 
+pub mod policy;
+pub mod trace;
+
 use std::sync::Arc;
 
-use slipstream_core::{BoxError, ExpertSource, ExpertWeights};
+use slipstream_core::{BoxError, ExpertRequest, ExpertSource, ExpertWeights};
 use slipstream_format::SlipModel;
 
 /// Counters every store keeps, per run.
@@ -67,11 +70,11 @@ impl ResidentStore {
 impl ExpertSource for ResidentStore {
     fn with_experts(
         &mut self,
-        layer: usize,
-        experts: &[u32],
+        request: &ExpertRequest<'_>,
         compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
     ) -> Result<(), BoxError> {
-        for &e in experts {
+        let layer = request.layer;
+        for &e in request.experts {
             let e_idx = e as usize;
             if e_idx >= self.num_experts {
                 return Err(format!("expert {e} requested, layer has {}", self.num_experts).into());

@@ -1,0 +1,4 @@
+//! Library side of the `slipstream` command: pieces the binary and its
+//! integration tests share.
+
+pub mod demo;

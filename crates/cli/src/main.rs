@@ -1,0 +1,344 @@
+//! `slipstream`: run and convert mixture-of-experts models.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use slipstream_cli::demo;
+use slipstream_engine::npy;
+use slipstream_engine::{
+    ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, StreamDecoder,
+};
+use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
+
+#[derive(Parser)]
+#[command(
+    name = "slipstream",
+    version,
+    about = "Run mixture-of-experts models larger than memory"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text (with no --model: the embedded demo model).
+    Run(RunArgs),
+    /// Convert a Hugging Face or MLX checkpoint directory into a .slip model.
+    Repack(RepackArgs),
+}
+
+#[derive(Args, Default)]
+struct RunArgs {
+    /// A .slip model directory; the embedded demo model when omitted.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt text.
+    #[arg(long, conflicts_with_all = ["prompt_file", "prompt_tokens"])]
+    prompt: Option<String>,
+    /// Read the prompt text from a file.
+    #[arg(long, conflicts_with = "prompt_tokens")]
+    prompt_file: Option<PathBuf>,
+    /// Prompt as token ids, comma separated (no tokenizer involved).
+    #[arg(long, value_delimiter = ',')]
+    prompt_tokens: Option<Vec<u32>>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    system: Option<String>,
+    /// Let the chat template open a thinking block (templates that support it).
+    #[arg(long, requires = "chat")]
+    think: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_new: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Token ids that also end generation, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    stop_token: Vec<u32>,
+    /// Write float32 logits [positions, vocab] of every prompt position and
+    /// every generated step to this .npy file.
+    #[arg(long)]
+    dump_logits: Option<PathBuf>,
+    /// Write the run's statistics as JSON to this file.
+    #[arg(long)]
+    stats_json: Option<PathBuf>,
+    /// Most prompt tokens per prefill chunk.
+    #[arg(long, default_value_t = 4096)]
+    prefill_chunk: usize,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print generated token ids instead of text.
+    #[arg(long)]
+    print_ids: bool,
+}
+
+#[derive(Args)]
+struct RepackArgs {
+    /// Checkpoint directory (config.json + safetensors, HF or MLX).
+    #[arg(long)]
+    input: PathBuf,
+    /// Output .slip directory (replaced atomically).
+    #[arg(long)]
+    output: PathBuf,
+    /// Storage of float tensors: q4 (MLX-style 4-bit, group 64), q8, bf16, f32.
+    #[arg(long, default_value = "q4")]
+    quant: QuantChoice,
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("SLIPSTREAM_LOG")
+                .unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::Run(args)) => run(args),
+        Some(Command::Repack(args)) => repack_cmd(args),
+        None => run(RunArgs {
+            max_new: 128,
+            top_p: 1.0,
+            prefill_chunk: 4096,
+            ..Default::default()
+        }),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// A progress bar fed by repack events.
+fn repack_progress(bar: &ProgressBar) -> impl Fn(ProgressEvent) + '_ {
+    move |ev| match ev {
+        ProgressEvent::Started {
+            total_bytes,
+            tensors,
+            experts,
+            kind,
+            architecture,
+        } => {
+            bar.set_length(total_bytes);
+            bar.set_message(format!(
+                "{} {} ({tensors} tensors, {experts} experts)",
+                kind.name(),
+                architecture.name()
+            ));
+        }
+        ProgressEvent::Tensor { bytes_in, .. } | ProgressEvent::Expert { bytes_in, .. } => {
+            bar.inc(bytes_in)
+        }
+        ProgressEvent::Finishing => bar.set_message("syncing"),
+    }
+}
+
+fn new_bar() -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {bytes}/{total_bytes} {bytes_per_sec} {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
+}
+
+fn repack_cmd(args: RepackArgs) -> Result<()> {
+    let bar = new_bar();
+    let report = repack(
+        &RepackOptions {
+            input: args.input.clone(),
+            output: args.output.clone(),
+            quant: args.quant,
+        },
+        &repack_progress(&bar),
+    );
+    bar.finish_and_clear();
+    let report = report.with_context(|| format!("repacking {}", args.input.display()))?;
+    eprintln!(
+        "repacked {} ({}, {}) -> {}: {} tensors, {} experts, {:.1} MB in, {:.1} MB out, {:.2} s, {:.0} MB/s",
+        args.input.display(),
+        report.kind.name(),
+        report.config.architecture.name(),
+        args.output.display(),
+        report.tensors_written,
+        report.experts_written,
+        report.bytes_in as f64 / 1e6,
+        report.bytes_out as f64 / 1e6,
+        report.seconds,
+        report.mb_per_s
+    );
+    Ok(())
+}
+
+fn run(args: RunArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .context("setting up compute threads")?;
+    }
+    let model_path = match &args.model {
+        Some(p) => p.clone(),
+        None => {
+            let bar = new_bar();
+            let path = demo::ensure_demo_model(&repack_progress(&bar));
+            bar.finish_and_clear();
+            path.context("preparing the embedded demo model")?
+        }
+    };
+    let mut engine = Engine::open(
+        &model_path,
+        EngineConfig {
+            prefill_chunk: args.prefill_chunk.max(1),
+        },
+    )
+    .with_context(|| format!("opening model {}", model_path.display()))?;
+
+    let prompt_text = match (&args.prompt, &args.prompt_file, &args.prompt_tokens) {
+        (Some(p), _, _) => Some(p.clone()),
+        (None, Some(f), _) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("reading prompt file {}", f.display()))?,
+        ),
+        (None, None, Some(_)) => None,
+        (None, None, None) => Some(demo::DEFAULT_PROMPT.to_string()),
+    };
+    let prompt: Vec<u32> = match (prompt_text, &args.prompt_tokens) {
+        (None, Some(ids)) => ids.clone(),
+        (Some(text), _) => {
+            let codec = engine
+                .codec
+                .as_ref()
+                .context("this model has no tokenizer; pass --prompt-tokens")?;
+            let text = if args.chat {
+                let template = engine
+                    .template
+                    .as_ref()
+                    .context("this model has no chat template; drop --chat")?;
+                let mut messages = Vec::new();
+                if let Some(s) = &args.system {
+                    messages.push(ChatMessage {
+                        role: "system".into(),
+                        content: s.clone(),
+                    });
+                }
+                messages.push(ChatMessage {
+                    role: "user".into(),
+                    content: text,
+                });
+                template.render(&messages, true, args.think)?
+            } else {
+                text
+            };
+            codec.encode(&text)?
+        }
+        (None, None) => bail!("no prompt"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt is empty after tokenization");
+    }
+
+    let req = GenerateRequest {
+        prompt: prompt.clone(),
+        max_new_tokens: args.max_new,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            min_p: args.min_p,
+            seed: args.seed,
+        },
+        stop_tokens: args.stop_token.clone(),
+        keep_logits: args.dump_logits.is_some(),
+    };
+
+    let mut stdout = std::io::stdout().lock();
+    let print_text = !args.print_ids && engine.codec.is_some();
+    if print_text && args.prompt_tokens.is_none() && !args.chat {
+        if let Some(codec) = &engine.codec {
+            let _ = write!(stdout, "{}", codec.decode(&prompt)?);
+            let _ = stdout.flush();
+        }
+    }
+    let mut decoder = StreamDecoder::default();
+    let mut sink_err = None;
+    let codec = engine.codec.take();
+    let gen = engine.generate(&req, &mut |id| {
+        let piece = if print_text {
+            match codec.as_ref().map(|c| decoder.push(c, id)) {
+                Some(Ok(s)) => s,
+                Some(Err(e)) => {
+                    sink_err = Some(e);
+                    return false;
+                }
+                None => String::new(),
+            }
+        } else {
+            format!("{id} ")
+        };
+        // A closed stdout (e.g. piped into `head`) ends generation quietly.
+        write!(stdout, "{piece}")
+            .and_then(|_| stdout.flush())
+            .is_ok()
+    });
+    engine.codec = codec;
+    let gen = gen?;
+    if let Some(e) = sink_err {
+        return Err(e.into());
+    }
+    let _ = writeln!(stdout);
+
+    let s = &gen.stats;
+    eprintln!(
+        "[stats] prompt {} tokens | time to first token {:.3} s | prefill {:.1} tok/s | decode {:.2} tok/s ({} tokens) | peak RSS {:.1} MB | experts {} hits {} misses {:.1} MB read",
+        s.prompt_tokens,
+        s.time_to_first_token_s,
+        s.prefill_tokens_per_s,
+        s.decode_tokens_per_s,
+        s.generated_tokens,
+        s.peak_rss_bytes as f64 / 1e6,
+        s.expert_hits,
+        s.expert_misses,
+        s.expert_bytes_read as f64 / 1e6,
+    );
+    if let Some(path) = &args.stats_json {
+        let json = serde_json::json!({
+            "model": model_path.display().to_string(),
+            "prompt_tokens": prompt,
+            "generated_tokens": gen.tokens,
+            "finish": format!("{:?}", gen.finish).to_lowercase(),
+            "stats": s,
+        });
+        std::fs::write(path, serde_json::to_vec_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.dump_logits {
+        let vocab = engine.model_config().vocab_size;
+        let rows = gen.logits.len() / vocab;
+        npy::write_f32(path, &[rows, vocab], &gen.logits)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,244 @@
+//! End-to-end tests of the `slipstream` binary: repack a committed fixture,
+//! run it from token ids and from text, dump logits, run the demo model,
+//! and fail cleanly on bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use slipstream_engine::npy;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_slipstream"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn ok(out: Output) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "failed:\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    (stdout, stderr)
+}
+
+fn failed(out: Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "should have failed: {stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "panic instead of an error: {stderr}"
+    );
+    assert!(stderr.starts_with("error:"), "unclear error: {stderr}");
+    stderr
+}
+
+fn repack_fixture(name: &str, quant: &str, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{name}.slip"));
+    let (_, stderr) = ok(bin()
+        .args(["repack", "--input"])
+        .arg(fixture(name))
+        .arg("--output")
+        .arg(&out)
+        .args(["--quant", quant])
+        .output()
+        .unwrap());
+    assert!(stderr.contains("MB/s"), "repack prints its speed: {stderr}");
+    out
+}
+
+fn reference_ids(name: &str, key: &str) -> Vec<u32> {
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap())
+            .unwrap();
+    json[key]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn prompt_tokens_and_dump_logits_match_the_reference() {
+    let tmp = tempfile::tempdir().unwrap();
+    let name = "qwen3_5_moe_fused";
+    let model = repack_fixture(name, "f32", tmp.path());
+    let prompt = reference_ids(name, "prompt_tokens");
+    let greedy = reference_ids(name, "greedy_tokens");
+    let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
+    let dump = tmp.path().join("logits.npy");
+    let stats = tmp.path().join("stats.json");
+    let (stdout, stderr) = ok(bin()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args([
+            "--prompt-tokens",
+            &ids.join(","),
+            "--max-new",
+            "8",
+            "--print-ids",
+        ])
+        .arg("--dump-logits")
+        .arg(&dump)
+        .arg("--stats-json")
+        .arg(&stats)
+        .output()
+        .unwrap());
+    let got: Vec<u32> = stdout
+        .split_whitespace()
+        .map(|s| s.parse().unwrap())
+        .collect();
+    assert_eq!(got, greedy);
+    for field in ["time to first token", "prefill", "decode", "peak RSS"] {
+        assert!(stderr.contains(field), "stats line lacks {field}: {stderr}");
+    }
+    let (shape, ours) = npy::read_f32(&dump).unwrap();
+    let (rshape, reference) = npy::read_f32(&fixture(name).join("logits.npy")).unwrap();
+    assert_eq!(shape, vec![prompt.len() + greedy.len() - 1, rshape[1]]);
+    let max_ref = reference.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let max_diff = ours
+        .iter()
+        .zip(&reference)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        max_diff / max_ref < 1e-4,
+        "dumped logits differ: {}",
+        max_diff / max_ref
+    );
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    assert_eq!(json["stats"]["prompt_tokens"], prompt.len());
+}
+
+#[test]
+fn text_prompt_and_chat_template_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_moe", "q4", tmp.path());
+    let (stdout, _) = ok(bin()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args(["--prompt", "We hold these truths", "--max-new", "6"])
+        .output()
+        .unwrap());
+    assert!(stdout.starts_with("We hold these truths"), "{stdout}");
+    let (stdout, _) = ok(bin()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args([
+            "--chat",
+            "--prompt",
+            "Hello",
+            "--max-new",
+            "4",
+            "--temperature",
+            "0.8",
+        ])
+        .args([
+            "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--seed", "5",
+        ])
+        .output()
+        .unwrap());
+    // Same seed, same text.
+    let (again, _) = ok(bin()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args([
+            "--chat",
+            "--prompt",
+            "Hello",
+            "--max-new",
+            "4",
+            "--temperature",
+            "0.8",
+        ])
+        .args([
+            "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--seed", "5",
+        ])
+        .output()
+        .unwrap());
+    assert_eq!(stdout, again);
+}
+
+#[test]
+fn demo_model_runs_with_no_arguments_and_is_cached() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = || {
+        bin()
+            .args(["run", "--max-new", "24"])
+            .env("SLIPSTREAM_CACHE", tmp.path())
+            .output()
+            .unwrap()
+    };
+    let (stdout, stderr) = ok(run());
+    assert!(stdout.len() > 40, "demo wrote too little: {stdout:?}");
+    assert!(stderr.contains("decode"), "{stderr}");
+    let cached: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(
+        cached.len(),
+        1,
+        "one cached model, no leftovers: {cached:?}"
+    );
+    assert!(cached[0].starts_with("demo-") && cached[0].ends_with(".slip"));
+    // Second run reuses the cache and, greedy, writes the same text.
+    let (again, _) = ok(run());
+    assert_eq!(stdout, again);
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_moe", "f32", tmp.path());
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", "1,2,99999"])
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("outside the vocabulary"), "{err}");
+
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(tmp.path().join("missing.slip"))
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("manifest.json"), "{err}");
+
+    // A flipped byte in an expert record is caught on read.
+    let experts = model.join("experts.bin");
+    let mut bytes = std::fs::read(&experts).unwrap();
+    bytes[100] ^= 0x10;
+    std::fs::write(&experts, bytes).unwrap();
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", "1,2,3"])
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("checksum mismatch"), "{err}");
+
+    let err = failed(
+        bin()
+            .args(["repack", "--input"])
+            .arg(tmp.path())
+            .arg("--output")
+            .arg(tmp.path().join("x.slip"))
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("config.json"), "{err}");
+    assert!(!tmp.path().join("x.slip").exists());
+}
