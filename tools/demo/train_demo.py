@@ -160,6 +160,7 @@ def main():
     sd = mf.qwen35_checkpoint_state(model, fused=True)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
+    (out_dir / "model.safetensors").chmod(0o644)
     mf.save_tokenizer(tok, out_dir)
 
     # sample from the saved bf16 checkpoint (computed in float32)

@@ -2,3 +2,5 @@
 //! integration tests share.
 
 pub mod demo;
+pub mod replay_cmd;
+pub mod synth_cmd;

@@ -10,9 +10,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
 use slipstream_engine::npy;
 use slipstream_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, StreamDecoder,
+    ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice, StreamDecoder,
 };
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
+use slipstream_store::{PolicyKind, Readahead, StreamConfig};
 
 #[derive(Parser)]
 #[command(
@@ -28,9 +29,27 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate text (with no --model: the embedded demo model).
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Convert a Hugging Face or MLX checkpoint directory into a .slip model.
     Repack(RepackArgs),
+    /// Replay a route trace through cache policies at several slot counts.
+    Replay(ReplayArgs),
+    /// Write a model with random weights at a real model's shapes.
+    Synth(slipstream_cli::synth_cmd::SynthArgs),
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// Trace written by `slipstream run --route-trace`.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Slot counts per layer, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "16,32,64,128")]
+    slots: Vec<usize>,
+    /// Policies, comma separated, or `all`: aging, lfu, lru, arc, lrfu,
+    /// s3-fifo, sieve, w-tinylfu, belady.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policies: Vec<String>,
 }
 
 #[derive(Args, Default)]
@@ -89,6 +108,41 @@ struct RunArgs {
     /// Print generated token ids instead of text.
     #[arg(long)]
     print_ids: bool,
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+/// Where routed experts live and how they are read.
+#[derive(Args, Default)]
+struct StoreArgs {
+    /// Expert slots per layer (the cache size).
+    #[arg(long, conflicts_with_all = ["memory_budget", "resident"])]
+    expert_cache_slots: Option<usize>,
+    /// Derive the slots from a memory budget, e.g. 8G (the choice is printed).
+    #[arg(long, value_parser = parse_size_arg, conflicts_with = "resident")]
+    memory_budget: Option<u64>,
+    /// Replacement policy: aging (LFU halved every 32 tokens), lfu, lru.
+    #[arg(long, default_value = "aging")]
+    expert_cache_policy: PolicyKind,
+    /// Reader threads for expert reads.
+    #[arg(long, default_value_t = 4)]
+    io_threads: usize,
+    /// Read experts with O_DIRECT so the page cache holds no second copy.
+    #[arg(long)]
+    direct_io: bool,
+    /// Read-ahead advice on the expert file: default, off, random.
+    #[arg(long, default_value = "default")]
+    readahead: Readahead,
+    /// Read every expert into memory at start (no streaming).
+    #[arg(long)]
+    resident: bool,
+    /// Record every layer's expert requests to this file (for `slipstream replay`).
+    #[arg(long)]
+    route_trace: Option<PathBuf>,
+}
+
+fn parse_size_arg(s: &str) -> Result<u64, String> {
+    slipstream_engine::parse_size(s)
 }
 
 #[derive(Args)]
@@ -114,8 +168,12 @@ fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Run(args)) => run(args),
+        Some(Command::Run(args)) => run(*args),
         Some(Command::Repack(args)) => repack_cmd(args),
+        Some(Command::Synth(args)) => slipstream_cli::synth_cmd::synth_command(args),
+        Some(Command::Replay(args)) => {
+            slipstream_cli::replay_cmd::replay_command(&args.trace, &args.slots, &args.policies)
+        }
         None => run(RunArgs {
             max_new: 128,
             top_p: 1.0,
@@ -209,13 +267,53 @@ fn run(args: RunArgs) -> Result<()> {
             path.context("preparing the embedded demo model")?
         }
     };
+    let prefill_chunk = args.prefill_chunk.max(1);
+    let store = if args.store.resident {
+        StoreChoice::Resident
+    } else {
+        let slots = match (args.store.expert_cache_slots, args.store.memory_budget) {
+            (Some(n), _) => n,
+            (None, Some(budget)) => {
+                let file = slipstream_format::SlipModel::open(&model_path)
+                    .with_context(|| format!("opening model {}", model_path.display()))?;
+                let context = args.max_new + 4096;
+                let n = slipstream_engine::slots_for_budget(&file, budget, context, prefill_chunk)
+                    .map_err(anyhow::Error::msg)?;
+                let p = slipstream_engine::predict_footprint(&file, n, context, prefill_chunk);
+                eprintln!(
+                    "[memory] budget {:.2} GB -> {n} expert slots per layer (predicted footprint {:.2} GB: dense {:.2}, slots {:.2}, state {:.2}, buffers {:.2})",
+                    budget as f64 / 1e9,
+                    p.total() as f64 / 1e9,
+                    p.dense as f64 / 1e9,
+                    p.slots as f64 / 1e9,
+                    p.state as f64 / 1e9,
+                    (p.scratch + p.activations + p.baseline) as f64 / 1e9
+                );
+                n
+            }
+            (None, None) => 64,
+        };
+        if slots == 0 {
+            bail!("--expert-cache-slots must be at least 1");
+        }
+        StoreChoice::Streaming(StreamConfig {
+            slots,
+            policy: args.store.expert_cache_policy,
+            io_threads: args.store.io_threads.max(1),
+            direct_io: args.store.direct_io,
+            readahead: args.store.readahead,
+        })
+    };
     let mut engine = Engine::open(
         &model_path,
         EngineConfig {
-            prefill_chunk: args.prefill_chunk.max(1),
+            prefill_chunk,
+            store,
+            route_trace: args.store.route_trace.clone(),
         },
     )
     .with_context(|| format!("opening model {}", model_path.display()))?;
+    tracing::info!("{}", engine.store_description());
 
     let prompt_text = match (&args.prompt, &args.prompt_file, &args.prompt_tokens) {
         (Some(p), _, _) => Some(p.clone()),
@@ -311,18 +409,27 @@ fn run(args: RunArgs) -> Result<()> {
     }
     let _ = writeln!(stdout);
 
+    engine.finish_trace()?;
     let s = &gen.stats;
     eprintln!(
-        "[stats] prompt {} tokens | time to first token {:.3} s | prefill {:.1} tok/s | decode {:.2} tok/s ({} tokens) | peak RSS {:.1} MB | experts {} hits {} misses {:.1} MB read",
+        "[stats] prompt {} tokens | time to first token {:.3} s | prefill {:.1} tok/s | decode {:.2} tok/s ({} tokens) | peak RSS {:.1} MB",
         s.prompt_tokens,
         s.time_to_first_token_s,
         s.prefill_tokens_per_s,
         s.decode_tokens_per_s,
         s.generated_tokens,
         s.peak_rss_bytes as f64 / 1e6,
+    );
+    eprintln!(
+        "[experts] {} | hits {} misses {} | decode: {:.1} misses/token, {:.2} MB read/token, {:.2} ms read wait/token | prefill: {} misses, {:.1} MB read",
+        engine.store_description(),
         s.expert_hits,
         s.expert_misses,
-        s.expert_bytes_read as f64 / 1e6,
+        s.decode_misses_per_token,
+        s.decode_bytes_read_per_token / 1e6,
+        s.decode_read_wait_ms_per_token,
+        s.prefill_expert_misses,
+        s.prefill_expert_bytes_read as f64 / 1e6,
     );
     if let Some(path) = &args.stats_json {
         let json = serde_json::json!({
@@ -331,6 +438,7 @@ fn run(args: RunArgs) -> Result<()> {
             "generated_tokens": gen.tokens,
             "finish": format!("{:?}", gen.finish).to_lowercase(),
             "stats": s,
+            "store": engine.store_description(),
         });
         std::fs::write(path, serde_json::to_vec_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;

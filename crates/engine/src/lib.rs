@@ -14,7 +14,10 @@ use std::time::Instant;
 use slipstream_core::ModelConfig;
 use slipstream_format::SlipModel;
 use slipstream_models::{Logits, ModelState, Transformer};
-use slipstream_store::{ResidentStore, StoreCounters};
+use slipstream_store::{
+    ExpertStore, Phase, ResidentStore, StoreCounters, StreamConfig, StreamingStore, TraceHeader,
+    TraceWriter, TracedStore,
+};
 
 pub use sampler::{Sampler, SamplingParams};
 pub use text::{ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
@@ -35,17 +38,31 @@ pub enum EngineError {
     Request(String),
 }
 
+/// Where routed experts live.
+#[derive(Debug, Clone)]
+pub enum StoreChoice {
+    /// Every expert read once at open and kept in memory.
+    Resident,
+    /// A bounded per-layer cache filled from the SSD.
+    Streaming(StreamConfig),
+}
+
 /// Settings of an engine, passed explicitly.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// Most prompt tokens run through the model at once.
     pub prefill_chunk: usize,
+    pub store: StoreChoice,
+    /// Record every expert request to this route trace file.
+    pub route_trace: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             prefill_chunk: 4096,
+            store: StoreChoice::Streaming(StreamConfig::default()),
+            route_trace: None,
         }
     }
 }
@@ -54,7 +71,7 @@ impl Default for EngineConfig {
 pub struct Engine {
     pub file: Arc<SlipModel>,
     pub model: Transformer,
-    store: ResidentStore,
+    store: TracedStore,
     pub codec: Option<TextCodec>,
     pub template: Option<ChatTemplate>,
     config: EngineConfig,
@@ -100,6 +117,15 @@ pub struct GenerationStats {
     /// Tokens after the first, per second of decode.
     pub decode_tokens_per_s: f64,
     pub peak_rss_bytes: u64,
+    pub prefill_expert_misses: u64,
+    pub prefill_expert_bytes_read: u64,
+    /// Decode counters cover the steps after the first token (the first
+    /// token's logits come from prefill).
+    pub decode_expert_hits: u64,
+    pub decode_expert_misses: u64,
+    pub decode_misses_per_token: f64,
+    pub decode_bytes_read_per_token: f64,
+    pub decode_read_wait_ms_per_token: f64,
     pub expert_hits: u64,
     pub expert_misses: u64,
     pub expert_bytes_read: u64,
@@ -110,8 +136,35 @@ impl Engine {
     pub fn open(path: &Path, config: EngineConfig) -> Result<Self, EngineError> {
         let file = Arc::new(SlipModel::open(path)?);
         let model = slipstream_models::load(&file.manifest.config, file.as_ref())?;
-        let store =
-            ResidentStore::open(file.clone()).map_err(|e| EngineError::Store(e.to_string()))?;
+        let inner: Box<dyn ExpertStore> = match &config.store {
+            StoreChoice::Resident => Box::new(
+                ResidentStore::open(file.clone()).map_err(|e| EngineError::Store(e.to_string()))?,
+            ),
+            StoreChoice::Streaming(sc) => Box::new(
+                StreamingStore::open(file.clone(), sc.clone())
+                    .map_err(|e| EngineError::Store(e.to_string()))?,
+            ),
+        };
+        let trace = match &config.route_trace {
+            Some(path) => {
+                let c = &file.manifest.config;
+                Some(
+                    TraceWriter::create(
+                        path,
+                        TraceHeader {
+                            layers: c.num_layers(),
+                            experts: c.num_experts,
+                            top_k: c.num_experts_per_tok,
+                        },
+                    )
+                    .map_err(|e| {
+                        EngineError::Request(format!("route trace {}: {e}", path.display()))
+                    })?,
+                )
+            }
+            None => None,
+        };
+        let store = TracedStore::new(inner, trace);
         let codec = match &file.manifest.tokenizer {
             Some(name) => Some(TextCodec::from_bytes(&file.read_file(name)?)?),
             None => None,
@@ -183,7 +236,7 @@ impl Engine {
                 "prompt token {bad} is outside the vocabulary (size {vocab})"
             )));
         }
-        let before = self.store.counters();
+        let before = self.store.inner.counters();
         let mut state = self.new_state();
         let mut sampler = Sampler::new(req.sampling.clone());
         let mut stops: Vec<u32> = req.stop_tokens.clone();
@@ -195,7 +248,10 @@ impl Engine {
         } else {
             Logits::Last
         };
+        self.store.set_phase(Phase::Prefill);
         let mut all_logits = self.prefill(&mut state, &req.prompt, want)?;
+        let after_prefill = self.store.inner.counters();
+        self.store.set_phase(Phase::Decode);
         let mut last: Vec<f32> = all_logits[all_logits.len() - vocab..].to_vec();
         if !req.keep_logits {
             all_logits.clear();
@@ -233,8 +289,17 @@ impl Engine {
             }
         }
         let decode_s = decode_start.elapsed().as_secs_f64();
-        let after = self.store.counters();
+        let after = self.store.inner.counters();
         let decoded = tokens.len().saturating_sub(1);
+        let prefill_c = after_prefill.since(&before);
+        let decode_c = after.since(&after_prefill);
+        let per_decoded = |v: u64| {
+            if decoded > 0 {
+                v as f64 / decoded as f64
+            } else {
+                0.0
+            }
+        };
         let stats = GenerationStats {
             prompt_tokens: req.prompt.len(),
             generated_tokens: tokens.len(),
@@ -242,6 +307,13 @@ impl Engine {
             prefill_tokens_per_s: rate(req.prompt.len(), prefill_s),
             decode_tokens_per_s: rate(decoded, decode_s),
             peak_rss_bytes: peak_rss_bytes(),
+            prefill_expert_misses: prefill_c.misses,
+            prefill_expert_bytes_read: prefill_c.bytes_read,
+            decode_expert_hits: decode_c.hits,
+            decode_expert_misses: decode_c.misses,
+            decode_misses_per_token: per_decoded(decode_c.misses),
+            decode_bytes_read_per_token: per_decoded(decode_c.bytes_read),
+            decode_read_wait_ms_per_token: per_decoded(decode_c.read_wait_ns) / 1e6,
             expert_hits: after.hits - before.hits,
             expert_misses: after.misses - before.misses,
             expert_bytes_read: after.bytes_read - before.bytes_read,
@@ -255,7 +327,24 @@ impl Engine {
     }
 
     pub fn store_counters(&self) -> StoreCounters {
-        self.store.counters()
+        self.store.inner.counters()
+    }
+
+    /// One line describing the expert store.
+    pub fn store_description(&self) -> String {
+        self.store.inner.describe()
+    }
+
+    /// Experts held in memory now, per layer.
+    pub fn resident_experts(&self) -> Vec<Vec<u32>> {
+        self.store.inner.resident_experts()
+    }
+
+    /// Completes the route trace file, if one is being recorded.
+    pub fn finish_trace(&mut self) -> Result<(), EngineError> {
+        self.store
+            .finish_trace()
+            .map_err(|e| EngineError::Request(format!("route trace: {e}")))
     }
 }
 
@@ -279,4 +368,114 @@ pub fn peak_rss_bytes() -> u64 {
         })
         .map(|kb| kb * 1024)
         .unwrap_or(0)
+}
+
+/// Parses sizes like `8G`, `512M`, `1.5GiB`, `4096` (bytes).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("bad size {s:?}: expected e.g. 8G or 512M"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        "t" | "tb" | "tib" => 1024.0_f64.powi(4),
+        _ => return Err(format!("bad size unit in {s:?}: use K, M, G or T")),
+    };
+    Ok((value * mult) as u64)
+}
+
+/// Predicted peak footprint of a streaming run, in bytes, by part.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FootprintPrediction {
+    /// Dense weights (mapped, all pages touched).
+    pub dense: u64,
+    /// Expert slots, all layers.
+    pub slots: u64,
+    /// Scratch buffers for streamed misses.
+    pub scratch: u64,
+    /// KV cache and linear-attention state at `context` tokens.
+    pub state: u64,
+    /// Activations of one prefill chunk (rough upper bound).
+    pub activations: u64,
+    /// Process baseline: code, allocator, tokenizer, thread stacks.
+    pub baseline: u64,
+}
+
+impl FootprintPrediction {
+    pub fn total(&self) -> u64 {
+        self.dense + self.slots + self.scratch + self.state + self.activations + self.baseline
+    }
+}
+
+/// Predicts the footprint of a run with `slots` expert slots per layer, a
+/// context of `context` tokens and prefill chunks of `chunk` tokens.
+pub fn predict_footprint(
+    file: &SlipModel,
+    slots: usize,
+    context: usize,
+    chunk: usize,
+) -> FootprintPrediction {
+    let m = &file.manifest;
+    let c = &m.config;
+    let stride = m.experts.record_stride;
+    let layers = c.num_layers() as u64;
+    let mut state = 0u64;
+    for kind in &c.layer_types {
+        state += match kind {
+            slipstream_core::config::LayerKind::FullAttention => {
+                // f32 K and V per token.
+                (2 * c.num_key_value_heads * c.head_dim * 4 * context) as u64
+            }
+            slipstream_core::config::LayerKind::LinearAttention => {
+                ((c.linear_conv_kernel - 1) * c.linear_conv_dim() * 4
+                    + c.linear_num_value_heads
+                        * c.linear_key_head_dim
+                        * c.linear_value_head_dim
+                        * 4) as u64
+            }
+        };
+    }
+    let tokens = chunk.min(context.max(1)) as u64;
+    // Widest per-token activations: qkv/z projections, router logits, logits.
+    let width = (c.hidden_size * 8)
+        .max(c.linear_conv_dim() * 2)
+        .max(c.num_attention_heads * c.head_dim * 3) as u64;
+    let activations = tokens * width * 4 + c.vocab_size as u64 * 4 * 2;
+    FootprintPrediction {
+        dense: m.dense_file_bytes,
+        slots: layers * slots.min(c.num_experts) as u64 * stride,
+        scratch: 8 * stride,
+        state,
+        activations,
+        baseline: 24 << 20,
+    }
+}
+
+/// The most slots per layer whose predicted footprint fits `budget`.
+pub fn slots_for_budget(
+    file: &SlipModel,
+    budget: u64,
+    context: usize,
+    chunk: usize,
+) -> Result<usize, String> {
+    let fixed = predict_footprint(file, 0, context, chunk);
+    let per_slot = file.manifest.experts.record_stride * file.manifest.config.num_layers() as u64;
+    let room = budget.saturating_sub(fixed.total());
+    let slots = (room / per_slot.max(1)) as usize;
+    if slots == 0 {
+        return Err(format!(
+            "a memory budget of {:.2} GB leaves no room for expert slots: dense weights, state and buffers need {:.2} GB and one slot per layer {:.2} GB",
+            budget as f64 / 1e9,
+            fixed.total() as f64 / 1e9,
+            per_slot as f64 / 1e9
+        ));
+    }
+    Ok(slots.min(file.manifest.config.num_experts))
 }

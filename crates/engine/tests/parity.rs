@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use slipstream_engine::{npy, Engine, EngineConfig, GenerateRequest, SamplingParams};
+use slipstream_engine::{npy, Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice};
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 
 fn fixtures() -> PathBuf {
@@ -66,6 +66,8 @@ fn check(name: &str, quant: QuantChoice, chunk: usize) -> Vec<f32> {
         &out,
         EngineConfig {
             prefill_chunk: chunk,
+            store: StoreChoice::Resident,
+            route_trace: None,
         },
     )
     .unwrap();

@@ -9,7 +9,8 @@
 //! Shapes: hidden 1024, 64 experts of intermediate 512 (per expert
 //! `gate_proj`/`up_proj`/`down_proj`), 8 query / 2 KV heads of 128, vocab
 //! 32768, untied `lm_head`. The layer count is chosen to reach the requested
-//! size (with fewer experts when even one layer is too big). Each layer is
+//! size (with fewer experts, down to 8, when even one layer is too big; the
+//! embedding and `lm_head` alone are 134 MB in bf16). Each layer is
 //! one shard, and the embedding, `lm_head` and final norm one more; tensors
 //! are generated and written in chunks, so memory stays at a few MB whatever
 //! the size. Values are deterministic pseudo-random numbers in [-1, 1).

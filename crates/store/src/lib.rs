@@ -4,8 +4,17 @@
 //! from; the bytes handed to the model are the verified record bytes, so no
 //! store can change what the model computes.
 
+pub mod policies;
 pub mod policy;
+pub mod reader;
+pub mod replay;
+pub mod streaming;
 pub mod trace;
+
+pub use policy::PolicyKind;
+pub use reader::Readahead;
+pub use streaming::{StreamConfig, StreamingStore};
+pub use trace::{Phase, TraceHeader, TraceWriter};
 
 use std::sync::Arc;
 
@@ -21,6 +30,90 @@ pub struct StoreCounters {
     pub misses: u64,
     /// Bytes read from the expert pool file.
     pub bytes_read: u64,
+    /// Time the compute thread spent blocked on expert reads.
+    pub read_wait_ns: u64,
+}
+
+impl StoreCounters {
+    /// Counters accumulated since `earlier`.
+    pub fn since(&self, earlier: &StoreCounters) -> StoreCounters {
+        StoreCounters {
+            hits: self.hits - earlier.hits,
+            misses: self.misses - earlier.misses,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            read_wait_ns: self.read_wait_ns - earlier.read_wait_ns,
+        }
+    }
+}
+
+/// An [`ExpertSource`] the engine can also ask for counters and state.
+pub trait ExpertStore: ExpertSource {
+    fn counters(&self) -> StoreCounters;
+    /// One line for logs: kind, slots, memory.
+    fn describe(&self) -> String;
+    /// Experts held in memory, per layer.
+    fn resident_experts(&self) -> Vec<Vec<u32>>;
+}
+
+/// Wraps a store and records every request into a route trace.
+pub struct TracedStore {
+    pub inner: Box<dyn ExpertStore>,
+    trace: Option<TraceWriter>,
+    phase: Phase,
+    trace_error: Option<std::io::Error>,
+}
+
+impl TracedStore {
+    pub fn new(inner: Box<dyn ExpertStore>, trace: Option<TraceWriter>) -> Self {
+        TracedStore {
+            inner,
+            trace,
+            phase: Phase::Prefill,
+            trace_error: None,
+        }
+    }
+
+    /// Marks the following requests as prefill or decode in the trace.
+    pub fn set_phase(&mut self, phase: Phase) {
+        self.phase = phase;
+    }
+
+    /// Completes the trace file (if any).
+    pub fn finish_trace(&mut self) -> std::io::Result<()> {
+        if let Some(e) = self.trace_error.take() {
+            return Err(e);
+        }
+        match self.trace.take() {
+            Some(t) => t.finish(),
+            None => Ok(()),
+        }
+    }
+}
+
+impl ExpertSource for TracedStore {
+    fn begin(&mut self, request: &ExpertRequest<'_>) -> Result<(), BoxError> {
+        if let Some(t) = self.trace.as_mut() {
+            if let Err(e) = t.record(
+                self.phase,
+                request.layer,
+                request.tokens,
+                request.experts,
+                request.counts,
+            ) {
+                self.trace_error.get_or_insert(e);
+                self.trace = None;
+            }
+        }
+        self.inner.begin(request)
+    }
+
+    fn with_experts(
+        &mut self,
+        request: &ExpertRequest<'_>,
+        compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
+    ) -> Result<(), BoxError> {
+        self.inner.with_experts(request, compute)
+    }
 }
 
 /// Every expert of every layer held in memory, read and verified once at open.
@@ -61,9 +154,23 @@ impl ResidentStore {
             },
         })
     }
+}
 
-    pub fn counters(&self) -> StoreCounters {
+impl ExpertStore for ResidentStore {
+    fn counters(&self) -> StoreCounters {
         self.counters
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "resident: all experts in memory ({:.1} MB)",
+            self.records.len() as f64 / 1e6
+        )
+    }
+
+    fn resident_experts(&self) -> Vec<Vec<u32>> {
+        let layers = self.model.manifest.experts.num_layers;
+        vec![(0..self.num_experts as u32).collect(); layers]
     }
 }
 

@@ -1,0 +1,79 @@
+//! `slipstream synth`: writes a synthetic model with random weights in the
+//! q4 layout of a real preset, with a calibrated router skew
+//! (see `slipstream-synth` and docs/SYNTH.md).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use slipstream_synth::{Preset, Skew, SynthEvent};
+
+/// Router skew kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SkewKind {
+    /// Calibrated popularity + persistence (real-session-like LRU misses).
+    Default,
+    /// Plain random router: near-uniform routing.
+    Uniform,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct SynthArgs {
+    /// Shapes to imitate: qwen3.6-35b-a3b or qwen3-30b-a3b.
+    #[arg(long)]
+    pub preset: Preset,
+    /// Keep only the first N layers (fast experiments).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Seed of every weight; the same seed writes the same bytes.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Router skew: default (calibrated) or uniform (none).
+    #[arg(long, value_enum, default_value_t = SkewKind::Default)]
+    pub skew: SkewKind,
+    /// Popularity strength: std of the per-layer router logit bias.
+    #[arg(long, default_value_t = slipstream_synth::DEFAULT_POPULARITY)]
+    pub skew_strength: f32,
+    /// Persistence strength: gain of the slowly varying context heads.
+    #[arg(long, default_value_t = slipstream_synth::DEFAULT_PERSISTENCE)]
+    pub skew_persistence: f32,
+    /// Model directory to write (replaced atomically if it exists).
+    #[arg(long)]
+    pub output: PathBuf,
+}
+
+pub fn synth_command(args: SynthArgs) -> anyhow::Result<()> {
+    let skew = match args.skew {
+        SkewKind::Uniform => Skew::UNIFORM,
+        SkewKind::Default => Skew {
+            popularity: args.skew_strength,
+            persistence: args.skew_persistence,
+        },
+    };
+    let opts = slipstream_synth::options(args.preset, args.layers, args.seed, skew, &args.output);
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let report = slipstream_synth::synthesize(&opts, &|ev| match ev {
+        SynthEvent::Started { total_bytes } => bar.set_length(total_bytes),
+        SynthEvent::Bytes(n) => bar.inc(n),
+        SynthEvent::Finishing => bar.set_message("syncing"),
+    })
+    .with_context(|| format!("writing {}", args.output.display()))?;
+    bar.finish_and_clear();
+    eprintln!(
+        "wrote {} ({} layers, {}): {:.2} GB in {:.1} s, {:.0} MB/s; no tokenizer (use --prompt-tokens), no EOS ids; model hash {}",
+        args.output.display(),
+        opts.config.num_layers(),
+        args.preset.name(),
+        report.bytes_out as f64 / 1e9,
+        report.seconds,
+        report.mb_per_s,
+        report.model_hash
+    );
+    Ok(())
+}

@@ -1,0 +1,226 @@
+//! Invariant 1: the expert cache never changes numerics. Every slot count,
+//! policy and I/O mode gives tokens and logits bit-identical to the
+//! all-resident run.
+
+use std::path::{Path, PathBuf};
+
+use slipstream_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice};
+use slipstream_repack::{repack, QuantChoice, RepackOptions};
+use slipstream_store::{PolicyKind, Readahead, StreamConfig};
+
+fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{name}-{quant}.slip"));
+    repack(
+        &RepackOptions {
+            input: Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures")
+                .join(name),
+            output: out.clone(),
+            quant,
+        },
+        &|_| {},
+    )
+    .unwrap();
+    out
+}
+
+fn prompt() -> Vec<u32> {
+    (0..23).map(|i| (i * 37 + 11) % 500).collect()
+}
+
+fn generate(model: &Path, store: StoreChoice, chunk: usize) -> (Vec<u32>, Vec<f32>, u64) {
+    let mut engine = Engine::open(
+        model,
+        EngineConfig {
+            prefill_chunk: chunk,
+            store,
+            route_trace: None,
+        },
+    )
+    .unwrap();
+    let gen = engine
+        .generate(
+            &GenerateRequest {
+                prompt: prompt(),
+                max_new_tokens: 12,
+                sampling: SamplingParams {
+                    temperature: 0.9,
+                    top_p: 0.95,
+                    seed: 3,
+                    ..Default::default()
+                },
+                stop_tokens: vec![],
+                keep_logits: true,
+            },
+            &mut |_| true,
+        )
+        .unwrap();
+    (gen.tokens, gen.logits, engine.store_counters().misses)
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+#[test]
+fn every_slot_count_policy_and_io_mode_is_bit_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, quant) in [
+        ("qwen3_5_moe_fused", QuantChoice::Q4),
+        ("qwen3_moe", QuantChoice::F32),
+        ("qwen3_5_moe_mlx4", QuantChoice::Q4),
+    ] {
+        let model = repacked(name, quant, tmp.path());
+        let (tokens, logits, _) = generate(&model, StoreChoice::Resident, 4096);
+        for slots in [1usize, 2, 7, 64, 8] {
+            for policy in PolicyKind::ALL {
+                for direct_io in [false, true] {
+                    for chunk in [4096, 4] {
+                        let cfg = StreamConfig {
+                            slots,
+                            policy,
+                            io_threads: 3,
+                            direct_io,
+                            readahead: Readahead::Random,
+                        };
+                        let (t, l, misses) = generate(&model, StoreChoice::Streaming(cfg), chunk);
+                        let what = format!(
+                            "{name}: slots {slots} {policy} direct {direct_io} chunk {chunk}"
+                        );
+                        assert_eq!(t, tokens, "{what}: tokens differ");
+                        assert!(same_bits(&l, &logits), "{what}: logits differ");
+                        assert!(misses > 0, "{what}: a cold cache must miss");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fewer_slots_miss_more() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
+    let misses = |slots| {
+        generate(
+            &model,
+            StoreChoice::Streaming(StreamConfig {
+                slots,
+                ..Default::default()
+            }),
+            4096,
+        )
+        .2
+    };
+    let (m1, m4, m8) = (misses(1), misses(4), misses(8));
+    assert!(m1 > m4 && m4 >= m8, "misses 1:{m1} 4:{m4} 8:{m8}");
+    // All 8 experts resident: only cold misses, at most 8 per layer.
+    assert!(m8 <= 8 * 6, "{m8}");
+}
+
+#[test]
+fn corrupted_record_read_at_run_time_names_layer_and_expert() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
+    let file = slipstream_format::SlipModel::open(&model).unwrap();
+    let off = file.manifest.experts.record_offset(2, 5) as usize + 64;
+    drop(file);
+    let path = model.join("experts.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[off] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+    let mut engine = Engine::open(&model, EngineConfig::default()).unwrap();
+    // Route every token of a long prompt so expert 5 of layer 2 is needed.
+    let err = engine
+        .generate(
+            &GenerateRequest {
+                prompt: (0..200).map(|i| (i * 13) % 500).collect(),
+                max_new_tokens: 4,
+                sampling: SamplingParams::default(),
+                stop_tokens: vec![],
+                keep_logits: false,
+            },
+            &mut |_| true,
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("expert 5 of layer 2") && err.contains("checksum"),
+        "{err}"
+    );
+}
+
+#[test]
+fn replaying_the_route_trace_reproduces_the_runtime_counters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
+    for policy in PolicyKind::ALL {
+        for slots in [1usize, 3, 5] {
+            let trace = tmp.path().join(format!("{policy}-{slots}.trace"));
+            let mut engine = Engine::open(
+                &model,
+                EngineConfig {
+                    prefill_chunk: 7,
+                    store: StoreChoice::Streaming(StreamConfig {
+                        slots,
+                        policy,
+                        ..Default::default()
+                    }),
+                    route_trace: Some(trace.clone()),
+                },
+            )
+            .unwrap();
+            let gen = engine
+                .generate(
+                    &GenerateRequest {
+                        prompt: prompt(),
+                        max_new_tokens: 40,
+                        sampling: SamplingParams {
+                            temperature: 1.0,
+                            seed: 11,
+                            ..Default::default()
+                        },
+                        stop_tokens: vec![],
+                        keep_logits: false,
+                    },
+                    &mut |_| true,
+                )
+                .unwrap();
+            engine.finish_trace().unwrap();
+            let counters = engine.store_counters();
+            let (header, records) = slipstream_store::trace::read_trace(&trace).unwrap();
+            let r = slipstream_store::replay::replay(
+                &header,
+                &records,
+                slots,
+                policy.name(),
+                slipstream_store::replay::PhaseFilter::All,
+            )
+            .unwrap();
+            assert_eq!(
+                (r.hits, r.misses),
+                (counters.hits, counters.misses),
+                "{policy} at {slots} slots"
+            );
+            assert_eq!(
+                r.decode_misses, gen.stats.decode_expert_misses,
+                "{policy} {slots}"
+            );
+            // Belady never misses more than the runtime's policy.
+            let best = slipstream_store::replay::replay(
+                &header,
+                &records,
+                slots,
+                "belady",
+                slipstream_store::replay::PhaseFilter::All,
+            )
+            .unwrap();
+            assert!(
+                best.misses <= r.misses,
+                "belady {} > {policy} {}",
+                best.misses,
+                r.misses
+            );
+        }
+    }
+}

@@ -1,0 +1,803 @@
+//! Synthetic `.slip` models: random weights written directly in the layout
+//! `slipstream repack --quant q4` produces from a real checkpoint (same
+//! canonical names, shapes and storage types), with a router skew that
+//! imitates a real model's expert popularity and token-to-token persistence
+//! using only the model's own weights. See `docs/SYNTH.md`.
+//!
+//! # How the skew is built (weights only; the architecture is unchanged)
+//! Channels `0..64` of the residual stream (quantization group 0) are a
+//! control block. The embedding sets channel 0 to a constant [`C0`] for every
+//! token and channels `1..64` to 0; every matrix that writes into the
+//! residual stream (`o_proj`, `gdn.out_proj`, expert and shared `down`) has
+//! rows `0..64` zero, so the block stays exactly `[C0, 0, ..]` through all
+//! layers, and every matrix that reads the stream has group 0 zero except
+//! where channel 0 is wanted. RMSNorm weights on channel 0 undo the
+//! residual stream's growth so normed inputs carry channel 0 ≈ 1.
+//! - **Popularity**: router row `e` of layer `l` has weight
+//!   `popularity * z[l][e]` on channel 0, `z` standard normal per layer
+//!   (a log-normal expert popularity, different in every layer).
+//! - **Persistence**: "context heads" whose output varies slowly along the
+//!   sequence. Gated DeltaNet layers: the first key heads read only
+//!   channel 0, so q and k are the same constant direction and the delta
+//!   rule reduces exactly to an exponential moving average of the value
+//!   vectors (memory `exp(g)(1-beta)` ≈ 0.94, ~17 tokens); z is constant.
+//!   Full-attention layers: KV head 0 and its query heads read only
+//!   channel 0 in their rotary dims, so q = k is constant and the score is
+//!   a pure RoPE recency kernel: a local average over the last tokens.
+//!   Their output columns are scaled by `persistence`, so the router sees a
+//!   slowly varying component.
+
+#![allow(clippy::manual_is_multiple_of)]
+
+pub mod gen;
+pub mod measure;
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::Instant;
+
+use rayon::prelude::*;
+use slipstream_core::config::LayerKind;
+use slipstream_core::{Architecture, ModelConfig, QuantType};
+use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
+
+use gen::{affine, derive_seed, f32_bytes, Group, Rng, GROUP};
+
+/// Value of control channel 0 in every token's embedding.
+pub const C0: f32 = 1.0;
+/// Standard deviation of the other embedding channels.
+pub const EMBED_STD: f32 = 1.0;
+/// Calibrated defaults (see docs/SYNTH.md).
+pub const DEFAULT_POPULARITY: f32 = 0.58;
+pub const DEFAULT_PERSISTENCE: f32 = 0.75;
+/// Growth of the residual stream's mean square per residual addition,
+/// measured on the presets (used to keep normed channel 0 near 1).
+pub const RESIDUAL_GROWTH: f32 = 0.1;
+/// Peak RoPE recency score (nats) of the full-attention context heads.
+const RECENCY_SCORE: f32 = 24.0;
+/// Per-step decay `exp(g)` of the DeltaNet context heads.
+const CONTEXT_DECAY: f32 = 0.99;
+/// Pre-sigmoid beta of the DeltaNet context heads (sigmoid(-3) = 0.047).
+const CONTEXT_BETA_LOGIT: f32 = -3.0;
+/// z of the DeltaNet context heads (silu(3) = 2.86, constant).
+const CONTEXT_Z: f32 = 3.0;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    #[error(transparent)]
+    Format(#[from] slipstream_format::FormatError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, SynthError>;
+
+/// Model shapes to imitate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// Qwen3.5/3.6 35B-A3B (`qwen3_5_moe`).
+    Qwen36_35bA3b,
+    /// Qwen3 30B-A3B (`qwen3_moe`).
+    Qwen3_30bA3b,
+}
+
+impl Preset {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Preset::Qwen36_35bA3b => "qwen3.6-35b-a3b",
+            Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
+        }
+    }
+}
+
+impl std::str::FromStr for Preset {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "qwen3.6-35b-a3b" | "qwen3.5-35b-a3b" | "qwen36-35b-a3b" | "35b" => {
+                Ok(Preset::Qwen36_35bA3b)
+            }
+            "qwen3-30b-a3b" | "30b" => Ok(Preset::Qwen3_30bA3b),
+            _ => Err(format!(
+                "unknown preset {s:?}: expected qwen3.6-35b-a3b or qwen3-30b-a3b"
+            )),
+        }
+    }
+}
+
+/// The config of a preset, optionally cut to its first `layers` layers.
+pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
+    let mut c = match preset {
+        Preset::Qwen36_35bA3b => ModelConfig {
+            architecture: Architecture::Qwen35Moe,
+            vocab_size: 248320,
+            hidden_size: 2048,
+            rms_norm_eps: 1e-6,
+            layer_types: (0..40)
+                .map(|i| {
+                    if (i + 1) % 4 == 0 {
+                        LayerKind::FullAttention
+                    } else {
+                        LayerKind::LinearAttention
+                    }
+                })
+                .collect(),
+            tie_word_embeddings: false,
+            max_position_embeddings: 262144,
+            num_attention_heads: 16,
+            num_key_value_heads: 2,
+            head_dim: 256,
+            rotary_dim: 64,
+            rope_theta: 1e7,
+            attn_output_gate: true,
+            linear_num_key_heads: 16,
+            linear_key_head_dim: 128,
+            linear_num_value_heads: 32,
+            linear_value_head_dim: 128,
+            linear_conv_kernel: 4,
+            num_experts: 256,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 512,
+            shared_expert_intermediate_size: 512,
+            norm_topk_prob: true,
+        },
+        Preset::Qwen3_30bA3b => ModelConfig {
+            architecture: Architecture::Qwen3Moe,
+            vocab_size: 151936,
+            hidden_size: 2048,
+            rms_norm_eps: 1e-6,
+            layer_types: vec![LayerKind::FullAttention; 48],
+            tie_word_embeddings: false,
+            max_position_embeddings: 40960,
+            num_attention_heads: 32,
+            num_key_value_heads: 4,
+            head_dim: 128,
+            rotary_dim: 128,
+            rope_theta: 1e6,
+            attn_output_gate: false,
+            linear_num_key_heads: 0,
+            linear_key_head_dim: 0,
+            linear_num_value_heads: 0,
+            linear_value_head_dim: 0,
+            linear_conv_kernel: 0,
+            num_experts: 128,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 768,
+            shared_expert_intermediate_size: 0,
+            norm_topk_prob: true,
+        },
+    };
+    if let Some(n) = layers {
+        c.layer_types.truncate(n.max(1));
+    }
+    c
+}
+
+/// Router skew. `Skew::UNIFORM` is a plain random model.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Skew {
+    /// Std of the per-layer router logit bias (log-normal popularity).
+    pub popularity: f32,
+    /// Gain of the context heads' output (token-to-token persistence);
+    /// 0 disables the context heads entirely.
+    pub persistence: f32,
+}
+
+impl Skew {
+    pub const UNIFORM: Skew = Skew {
+        popularity: 0.0,
+        persistence: 0.0,
+    };
+    pub const DEFAULT: Skew = Skew {
+        popularity: DEFAULT_POPULARITY,
+        persistence: DEFAULT_PERSISTENCE,
+    };
+}
+
+/// What to write.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    pub config: ModelConfig,
+    pub seed: u64,
+    pub skew: Skew,
+    pub output: PathBuf,
+    /// Informational, recorded in the manifest's source.
+    pub preset_name: String,
+    /// Experts generated per batch (parallel), written in order.
+    pub batch: usize,
+}
+
+/// Progress, reported from the calling thread.
+#[derive(Debug, Clone)]
+pub enum SynthEvent {
+    Started { total_bytes: u64 },
+    Bytes(u64),
+    Finishing,
+}
+
+/// Summary of a written model.
+#[derive(Debug, Clone)]
+pub struct SynthReport {
+    pub bytes_out: u64,
+    pub dense_bytes: u64,
+    pub expert_bytes: u64,
+    pub seconds: f64,
+    pub mb_per_s: f64,
+    pub model_hash: String,
+}
+
+/// The expert record layout of a config (Q4 gate, up, down).
+pub fn expert_layout(cfg: &ModelConfig) -> ExpertPoolLayout {
+    let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    ExpertPoolLayout {
+        num_layers: cfg.num_layers(),
+        num_experts: cfg.num_experts,
+        parts: vec![
+            ("gate".into(), QuantType::Q4, [i, h]),
+            ("up".into(), QuantType::Q4, [i, h]),
+            ("down".into(), QuantType::Q4, [h, i]),
+        ],
+    }
+}
+
+/// Estimated RMS of the residual stream after `adds` residual additions.
+fn rms_estimate(cfg: &ModelConfig, adds: usize) -> f32 {
+    let h = cfg.hidden_size as f32;
+    let base = (C0 * C0 + (h - GROUP as f32) * EMBED_STD * EMBED_STD) / h;
+    (base + RESIDUAL_GROWTH * adds as f32).sqrt()
+}
+
+/// One dense tensor ready to write.
+struct Dense {
+    name: String,
+    qtype: QuantType,
+    shape: [usize; 2],
+    bytes: Vec<u8>,
+}
+
+struct Gen<'a> {
+    cfg: &'a ModelConfig,
+    seed: u64,
+    skew: Skew,
+}
+
+impl Gen<'_> {
+    fn s(&self, name: &str) -> u64 {
+        derive_seed(self.seed, name, 0, 0)
+    }
+
+    fn q(
+        &self,
+        name: String,
+        bits: u8,
+        rows: usize,
+        cols: usize,
+        spec: &(dyn Fn(usize, usize) -> Group + Sync),
+    ) -> Dense {
+        let bytes = affine(rows, cols, bits, self.s(&name), true, spec);
+        Dense {
+            name,
+            qtype: if bits == 4 {
+                QuantType::Q4
+            } else {
+                QuantType::Q8
+            },
+            shape: [rows, cols],
+            bytes,
+        }
+    }
+
+    fn f(&self, name: String, rows: usize, cols: usize, v: Vec<f32>) -> Dense {
+        assert_eq!(v.len(), rows * cols);
+        Dense {
+            name,
+            qtype: QuantType::F32,
+            shape: [rows, cols],
+            bytes: f32_bytes(&v),
+        }
+    }
+
+    fn context(&self) -> bool {
+        self.skew.persistence > 0.0
+    }
+
+    /// A matrix reading the residual stream: random, group 0 zero.
+    fn reader(&self, name: String, bits: u8, rows: usize) -> Dense {
+        let h = self.cfg.hidden_size;
+        let std = 1.0 / (h as f32).sqrt();
+        self.q(name, bits, rows, h, &|_, g| {
+            if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            }
+        })
+    }
+
+    /// A matrix writing the residual stream: rows 0..64 zero; column group
+    /// `g` scaled by `gain(g)`.
+    fn writer(&self, name: String, cols: usize, gain: &(dyn Fn(usize) -> f32 + Sync)) -> Dense {
+        let h = self.cfg.hidden_size;
+        let std = 1.0 / (cols as f32).sqrt();
+        self.q(name, 4, h, cols, &|r, g| {
+            let k = gain(g);
+            if r < GROUP || k == 0.0 {
+                Group::Zero
+            } else {
+                Group::Rand(std * k)
+            }
+        })
+    }
+
+    fn norm(&self, name: String, n: usize, c0: f32) -> Dense {
+        let mut v = vec![1.0f32; n];
+        v[0] = c0;
+        self.f(name, 1, n, v)
+    }
+
+    fn embed(&self) -> Dense {
+        let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        self.q("embed".into(), 4, v, h, &|_, g| {
+            if g == 0 {
+                Group::First(C0)
+            } else {
+                Group::Rand(EMBED_STD)
+            }
+        })
+    }
+
+    fn attention(&self, l: usize) -> Vec<Dense> {
+        let c = self.cfg;
+        let h = c.hidden_size;
+        let (nh, nkv, hd, rd) = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.rotary_dim,
+        );
+        let per_head = hd * if c.attn_output_gate { 2 } else { 1 };
+        let q_per_kv = nh / nkv;
+        let ctx = self.context();
+        let std = 1.0 / (h as f32).sqrt();
+        let p = |s: &str| format!("layers.{l}.attn.{s}");
+        // Context heads: query heads of KV head 0 read only channel 0 in
+        // their rotary dims; so does KV head 0's key.
+        let q = self.q(p("q_proj"), 4, nh * per_head, h, &|r, g| {
+            let (head, within) = (r / per_head, r % per_head);
+            if ctx && head < q_per_kv && within < hd {
+                match (within < rd, g) {
+                    (true, 0) => Group::First(1.0),
+                    _ => Group::Zero,
+                }
+            } else if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            }
+        });
+        let k = self.q(p("k_proj"), 4, nkv * hd, h, &|r, g| {
+            if ctx && r < hd {
+                match (r < rd, g) {
+                    (true, 0) => Group::First(1.0),
+                    _ => Group::Zero,
+                }
+            } else if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            }
+        });
+        let v = self.reader(p("v_proj"), 4, nkv * hd);
+        let pers = self.skew.persistence;
+        let o = self.writer(p("o_proj"), nh * hd, &|g| {
+            if ctx && g * GROUP < q_per_kv * hd {
+                pers
+            } else {
+                1.0
+            }
+        });
+        // Shared q/k norm: the rotary dims of a context head carry a score
+        // of RECENCY_SCORE at distance 0 (q = k, scale 1/sqrt(hd)).
+        // A context q after RMSNorm has value sqrt(hd/rd) in each rotary
+        // dim; score(0) = rd * (hd/rd) * w^2 / sqrt(hd) = sqrt(hd) w^2.
+        let w = (RECENCY_SCORE / (hd as f32).sqrt()).sqrt();
+        let mut qn = vec![1.0f32; hd];
+        if ctx {
+            qn[..rd].fill(w);
+        }
+        vec![
+            q,
+            k,
+            v,
+            o,
+            self.f(p("q_norm"), 1, hd, qn.clone()),
+            self.f(p("k_norm"), 1, hd, qn),
+        ]
+    }
+
+    fn gdn(&self, l: usize) -> Vec<Dense> {
+        let c = self.cfg;
+        let h = c.hidden_size;
+        let (nk, dk, nv, dv, kk) = (
+            c.linear_num_key_heads,
+            c.linear_key_head_dim,
+            c.linear_num_value_heads,
+            c.linear_value_head_dim,
+            c.linear_conv_kernel,
+        );
+        let ratio = nv / nk;
+        let ctx = self.context();
+        // Context key heads (1/8 of them, at least one) and their value heads.
+        let ctx_k = if ctx { (nk / 8).max(1) } else { 0 };
+        let ctx_v = ctx_k * ratio;
+        let std = 1.0 / (h as f32).sqrt();
+        let p = |s: &str| format!("layers.{l}.gdn.{s}");
+        let qk_ctx = |r: usize| {
+            let kh = if r < nk * dk {
+                Some(r / dk)
+            } else if r < 2 * nk * dk {
+                Some((r - nk * dk) / dk)
+            } else {
+                None
+            };
+            kh.is_some_and(|kh| kh < ctx_k)
+        };
+        let v_ctx = |r: usize| r >= 2 * nk * dk && (r - 2 * nk * dk) / dv < ctx_v;
+        let conv_dim = c.linear_conv_dim();
+        let qkv = self.q(p("in_proj_qkv"), 4, conv_dim, h, &|r, g| {
+            if qk_ctx(r) {
+                if g == 0 {
+                    Group::First(1.0)
+                } else {
+                    Group::Zero
+                }
+            } else if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            }
+        });
+        let head_const = |head: usize, g: usize, v: f32| {
+            if head < ctx_v {
+                Some(if g == 0 { Group::First(v) } else { Group::Zero })
+            } else {
+                None
+            }
+        };
+        let z = self.q(p("in_proj_z"), 4, nv * dv, h, &|r, g| {
+            head_const(r / dv, g, CONTEXT_Z).unwrap_or(if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            })
+        });
+        let b = self.q(p("in_proj_b"), 4, nv, h, &|r, g| {
+            head_const(r, g, CONTEXT_BETA_LOGIT).unwrap_or(if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            })
+        });
+        let a = self.q(p("in_proj_a"), 4, nv, h, &|r, g| {
+            if r < ctx_v || g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(std)
+            }
+        });
+        let mut rng = Rng::new(self.s(&p("small")));
+        let mut conv = vec![0.0f32; conv_dim * kk];
+        for (r, taps) in conv.chunks_mut(kk).enumerate() {
+            if qk_ctx(r) || v_ctx(r) {
+                taps[kk - 1] = 1.0;
+            } else {
+                for t in taps.iter_mut() {
+                    *t = 0.5 * rng.normal();
+                }
+            }
+        }
+        // Context heads: exp(g) = CONTEXT_DECAY with a = 0, dt_bias = 0:
+        // g = -exp(A_log) * ln 2.
+        let ctx_alog = (-CONTEXT_DECAY.ln() / std::f32::consts::LN_2).ln();
+        let a_log: Vec<f32> = (0..nv)
+            .map(|j| {
+                if j < ctx_v {
+                    ctx_alog
+                } else {
+                    (1.0 + 15.0 * rng.uniform()).ln()
+                }
+            })
+            .collect();
+        let dt_bias: Vec<f32> = (0..nv)
+            .map(|j| {
+                if j < ctx_v {
+                    0.0
+                } else {
+                    rng.uniform() * 2.0 - 1.0
+                }
+            })
+            .collect();
+        let pers = self.skew.persistence;
+        let out = self.writer(p("out_proj"), nv * dv, &|g| {
+            if g * GROUP < ctx_v * dv {
+                pers
+            } else {
+                1.0
+            }
+        });
+        vec![
+            qkv,
+            z,
+            b,
+            a,
+            self.f(p("conv"), conv_dim, kk, conv),
+            self.f(p("A_log"), 1, nv, a_log),
+            self.f(p("dt_bias"), 1, nv, dt_bias),
+            self.f(p("norm"), 1, dv, vec![1.0; dv]),
+            out,
+        ]
+    }
+
+    fn layer(&self, l: usize) -> Vec<Dense> {
+        let c = self.cfg;
+        let h = c.hidden_size;
+        let mut v = Vec::new();
+        // Normed channel 0 ≈ 1 at the mixer and at the MoE.
+        let in_c0 = rms_estimate(c, 2 * l) / C0;
+        let post_c0 = rms_estimate(c, 2 * l + 1) / C0;
+        v.push(self.norm(format!("layers.{l}.input_norm"), h, in_c0));
+        match c.layer_types[l] {
+            LayerKind::FullAttention => v.extend(self.attention(l)),
+            LayerKind::LinearAttention => v.extend(self.gdn(l)),
+        }
+        v.push(self.norm(format!("layers.{l}.post_attn_norm"), h, post_c0));
+        // Router: popularity bias on channel 0.
+        let e = c.num_experts;
+        let mut rng = Rng::new(self.s(&format!("layers.{l}.popularity")));
+        let bias: Vec<f32> = (0..e)
+            .map(|_| self.skew.popularity * rng.normal())
+            .collect();
+        let std = 1.0 / (h as f32).sqrt();
+        v.push(self.q(format!("layers.{l}.moe.router"), 8, e, h, &|r, g| {
+            if g == 0 {
+                if bias[r] == 0.0 {
+                    Group::Zero
+                } else {
+                    Group::First(bias[r])
+                }
+            } else {
+                Group::Rand(std)
+            }
+        }));
+        let is = c.shared_expert_intermediate_size;
+        if is > 0 {
+            v.push(self.reader(format!("layers.{l}.moe.shared_gate"), 8, 1));
+            v.push(self.reader(format!("layers.{l}.moe.shared.gate_proj"), 4, is));
+            v.push(self.reader(format!("layers.{l}.moe.shared.up_proj"), 4, is));
+            v.push(self.writer(format!("layers.{l}.moe.shared.down_proj"), is, &|_| 1.0));
+        }
+        v
+    }
+
+    fn head_tail(&self) -> Vec<Dense> {
+        let h = self.cfg.hidden_size;
+        let mut v = vec![self.norm("final_norm".into(), h, 0.0)];
+        if !self.cfg.tie_word_embeddings {
+            v.push(self.reader("lm_head".into(), 4, self.cfg.vocab_size));
+        }
+        v
+    }
+
+    /// One expert record's parts (gate, up, down), generated sequentially.
+    fn expert(&self, layer: usize, expert: usize) -> [Vec<u8>; 3] {
+        let (h, i) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
+        let base = derive_seed(self.seed, "expert", layer as u64, expert as u64);
+        let sh = 1.0 / (h as f32).sqrt();
+        let si = 1.0 / (i as f32).sqrt();
+        let read = |_: usize, g: usize| {
+            if g == 0 {
+                Group::Zero
+            } else {
+                Group::Rand(sh)
+            }
+        };
+        [
+            affine(i, h, 4, base ^ 1, false, &read),
+            affine(i, h, 4, base ^ 2, false, &read),
+            affine(h, i, 4, base ^ 3, false, &|r, _| {
+                if r < GROUP {
+                    Group::Zero
+                } else {
+                    Group::Rand(si)
+                }
+            }),
+        ]
+    }
+}
+
+/// Checks that a config can be synthesized (control block, heads).
+fn check(cfg: &ModelConfig) -> Result<()> {
+    cfg.validate()
+        .map_err(|e| SynthError::Invalid(e.to_string()))?;
+    let bad = |m: &str| Err(SynthError::Invalid(m.to_string()));
+    if cfg.hidden_size % GROUP != 0 || cfg.hidden_size < 2 * GROUP {
+        return bad("hidden size must be a multiple of 64 and at least 128");
+    }
+    if cfg.moe_intermediate_size % GROUP != 0 || cfg.shared_expert_intermediate_size % GROUP != 0 {
+        return bad("intermediate sizes must be multiples of 64");
+    }
+    let has_full = cfg.layer_types.contains(&LayerKind::FullAttention);
+    if has_full && (cfg.head_dim % GROUP != 0 || cfg.rotary_dim == 0) {
+        return bad("head_dim must be a multiple of 64 with a rotary part");
+    }
+    if cfg.layer_types.contains(&LayerKind::LinearAttention)
+        && (cfg.linear_value_head_dim % GROUP != 0 || cfg.linear_key_head_dim % GROUP != 0)
+    {
+        return bad("linear head dims must be multiples of 64");
+    }
+    Ok(())
+}
+
+/// Writes a synthetic model. `progress` is called from this thread.
+pub fn synthesize(opts: &SynthOptions, progress: &dyn Fn(SynthEvent)) -> Result<SynthReport> {
+    let t0 = Instant::now();
+    let cfg = &opts.config;
+    check(cfg)?;
+    let g = Gen {
+        cfg,
+        seed: opts.seed,
+        skew: opts.skew,
+    };
+    let layout = expert_layout(cfg);
+    let mut w = SlipWriter::create(&opts.output, layout)?;
+    let record_bytes = w.pool().record_bytes;
+    let n_layers = cfg.num_layers();
+    let expert_total = record_bytes * (n_layers * cfg.num_experts) as u64;
+
+    // Dense byte count up front (for the progress bar): from the shapes.
+    let dense_total = dense_bytes_estimate(cfg);
+    progress(SynthEvent::Started {
+        total_bytes: dense_total + expert_total,
+    });
+    let mut dense_bytes = 0u64;
+    let mut put = |w: &mut SlipWriter, d: Dense| -> Result<()> {
+        w.add_dense(&d.name, d.qtype, d.shape, &d.bytes)?;
+        dense_bytes += d.bytes.len() as u64;
+        progress(SynthEvent::Bytes(d.bytes.len() as u64));
+        Ok(())
+    };
+    put(&mut w, g.embed())?;
+    for l in 0..n_layers {
+        for d in g.layer(l) {
+            put(&mut w, d)?;
+        }
+    }
+    for d in g.head_tail() {
+        put(&mut w, d)?;
+    }
+
+    // Experts: batches generated in parallel on a producer thread, written
+    // in order here.
+    let batch = opts.batch.max(1);
+    let e_count = cfg.num_experts;
+    type Batch = (usize, usize, Vec<[Vec<u8>; 3]>);
+    let (tx, rx) = mpsc::sync_channel::<Batch>(2);
+    let gref = &g;
+    let result: Result<()> = std::thread::scope(|s| {
+        s.spawn(move || {
+            for l in 0..n_layers {
+                let mut first = 0;
+                while first < e_count {
+                    let end = (first + batch).min(e_count);
+                    let recs: Vec<[Vec<u8>; 3]> = (first..end)
+                        .into_par_iter()
+                        .map(|e| gref.expert(l, e))
+                        .collect();
+                    if tx.send((l, first, recs)).is_err() {
+                        return;
+                    }
+                    first = end;
+                }
+            }
+        });
+        for (l, first, recs) in rx.iter() {
+            for (i, r) in recs.iter().enumerate() {
+                w.write_expert(l, first + i, &[&r[0], &r[1], &r[2]])?;
+                progress(SynthEvent::Bytes(record_bytes));
+            }
+        }
+        Ok(())
+    });
+    result?;
+    progress(SynthEvent::Finishing);
+    let source = SourceInfo {
+        kind: "synthetic".into(),
+        path: format!(
+            "slipstream synth --preset {} --layers {} --seed {} --skew-popularity {} --skew-persistence {}",
+            opts.preset_name,
+            n_layers,
+            opts.seed,
+            opts.skew.popularity,
+            opts.skew.persistence
+        ),
+        quant: "q4".into(),
+    };
+    let manifest = w.finish(ManifestInfo {
+        config: cfg.clone(),
+        tokenizer: None,
+        chat_template: None,
+        eos_token_ids: Vec::new(),
+        special_tokens: Default::default(),
+        source,
+    })?;
+    let seconds = t0.elapsed().as_secs_f64();
+    let bytes_out = manifest.dense_file_bytes + manifest.experts.file_bytes();
+    Ok(SynthReport {
+        bytes_out,
+        dense_bytes,
+        expert_bytes: expert_total,
+        seconds,
+        mb_per_s: bytes_out as f64 / 1e6 / seconds.max(1e-9),
+        model_hash: manifest.model_hash,
+    })
+}
+
+/// Bytes of the dense tensors of `cfg` (payload, without alignment).
+pub fn dense_bytes_estimate(cfg: &ModelConfig) -> u64 {
+    let h = cfg.hidden_size;
+    let q4 = |r: usize, c: usize| QuantType::Q4.nbytes(r, c) as u64;
+    let q8 = |r: usize, c: usize| QuantType::Q8.nbytes(r, c) as u64;
+    let f = |n: usize| 4 * n as u64;
+    let mut t = q4(cfg.vocab_size, h) + f(h);
+    if !cfg.tie_word_embeddings {
+        t += q4(cfg.vocab_size, h);
+    }
+    for kind in &cfg.layer_types {
+        t += 2 * f(h) + q8(cfg.num_experts, h);
+        t += match kind {
+            LayerKind::FullAttention => {
+                let hd = cfg.head_dim;
+                let qr = cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
+                q4(qr, h)
+                    + 2 * q4(cfg.num_key_value_heads * hd, h)
+                    + q4(h, cfg.num_attention_heads * hd)
+                    + 2 * f(hd)
+            }
+            LayerKind::LinearAttention => {
+                let nv = cfg.linear_num_value_heads;
+                let vd = nv * cfg.linear_value_head_dim;
+                let cd = cfg.linear_conv_dim();
+                q4(cd, h)
+                    + q4(vd, h)
+                    + 2 * q4(nv, h)
+                    + f(cd * cfg.linear_conv_kernel)
+                    + 2 * f(nv)
+                    + f(cfg.linear_value_head_dim)
+                    + q4(h, vd)
+            }
+        };
+        let is = cfg.shared_expert_intermediate_size;
+        if is > 0 {
+            t += q8(1, h) + 2 * q4(is, h) + q4(h, is);
+        }
+    }
+    t
+}
+
+/// Convenience: writes `preset` with `layers` to `output`.
+pub fn options(
+    preset: Preset,
+    layers: Option<usize>,
+    seed: u64,
+    skew: Skew,
+    output: &Path,
+) -> SynthOptions {
+    SynthOptions {
+        config: preset_config(preset, layers),
+        seed,
+        skew,
+        output: output.to_path_buf(),
+        preset_name: preset.name().to_string(),
+        batch: 32,
+    }
+}
