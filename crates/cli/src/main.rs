@@ -371,6 +371,7 @@ fn run(args: RunArgs) -> Result<()> {
         },
         stop_tokens: args.stop_token.clone(),
         keep_logits: args.dump_logits.is_some(),
+        cancel: None,
     };
 
     let mut stdout = std::io::stdout().lock();

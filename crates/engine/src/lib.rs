@@ -87,6 +87,8 @@ pub struct GenerateRequest {
     pub stop_tokens: Vec<u32>,
     /// Keep the logits of every prompt position and every generated step.
     pub keep_logits: bool,
+    /// Set from another thread to stop between prefill chunks or tokens.
+    pub cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Why generation ended.
@@ -111,6 +113,8 @@ pub struct Generation {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from the kept state instead of prefilled.
+    pub reused_prompt_tokens: usize,
     pub generated_tokens: usize,
     pub time_to_first_token_s: f64,
     pub prefill_tokens_per_s: f64,
@@ -204,7 +208,22 @@ impl Engine {
         tokens: &[u32],
         want: Logits,
     ) -> Result<Vec<f32>, EngineError> {
+        Ok(self
+            .prefill_cancellable(state, tokens, want, &|| false)?
+            .unwrap_or_default())
+    }
+
+    /// [`Engine::prefill`] that checks `cancelled` before each chunk and
+    /// returns `None` when it fires (the state then holds the chunks done).
+    pub fn prefill_cancellable(
+        &mut self,
+        state: &mut ModelState,
+        tokens: &[u32],
+        want: Logits,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Option<Vec<f32>>, EngineError> {
         let chunk = self.config.prefill_chunk.max(1);
+        let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, piece) in tokens.chunks(chunk).enumerate() {
@@ -214,16 +233,83 @@ impl Engine {
                 Logits::Last if last => Logits::Last,
                 _ => Logits::None,
             };
+            if cancelled() {
+                // The state is valid for the chunks done, but its logits
+                // are not those of its last token any more.
+                state.last_logits.clear();
+                return Ok(None);
+            }
+            // The last row is always computed: it is the state's next-token
+            // distribution, kept for reuse and snapshots.
+            let w = if last && w == Logits::None {
+                Logits::Last
+            } else {
+                w
+            };
             let logits = self.model.forward(state, piece, &mut self.store, w, None)?;
+            if last {
+                state.last_logits = logits[logits.len() - vocab..].to_vec();
+                if want == Logits::None {
+                    continue;
+                }
+            }
             out.extend_from_slice(&logits);
         }
-        Ok(out)
+        Ok(Some(out))
+    }
+
+    fn cancelled(&self, req: &GenerateRequest, reused: usize, before: StoreCounters) -> Generation {
+        let after = self.store.inner.counters().since(&before);
+        Generation {
+            tokens: Vec::new(),
+            finish: FinishReason::Cancelled,
+            logits: Vec::new(),
+            stats: GenerationStats {
+                prompt_tokens: req.prompt.len(),
+                reused_prompt_tokens: reused,
+                peak_rss_bytes: peak_rss_bytes(),
+                prefill_expert_misses: after.misses,
+                prefill_expert_bytes_read: after.bytes_read,
+                expert_hits: after.hits,
+                expert_misses: after.misses,
+                expert_bytes_read: after.bytes_read,
+                ..Default::default()
+            },
+        }
     }
 
     /// Generates from a fresh state. `on_token(id)` is called as each token
     /// is produced; returning `false` cancels.
     pub fn generate(
         &mut self,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let mut state = self.new_state();
+        self.generate_with_state(&mut state, req, on_token)
+    }
+
+    /// Generates continuing from `state` when its tokens are a prefix of
+    /// the prompt (only the rest is prefilled), from a fresh state otherwise.
+    /// On return `state` holds every token fed to the model (the prompt and
+    /// all generated tokens but the last). With `keep_logits`, logits rows
+    /// start at the first prefilled token. On error `state` is reset.
+    pub fn generate_with_state(
+        &mut self,
+        state: &mut ModelState,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let result = self.generate_inner(state, req, on_token);
+        if result.is_err() {
+            *state = self.new_state();
+        }
+        result
+    }
+
+    fn generate_inner(
+        &mut self,
+        state: &mut ModelState,
         req: &GenerateRequest,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
@@ -237,7 +323,19 @@ impl Engine {
             )));
         }
         let before = self.store.inner.counters();
-        let mut state = self.new_state();
+        let reusable = state.tokens.len() <= req.prompt.len()
+            && req.prompt.starts_with(&state.tokens)
+            && (state.tokens.len() < req.prompt.len() || !state.last_logits.is_empty())
+            && state.layers.len() == self.model.layers.len();
+        if !reusable {
+            *state = self.new_state();
+        }
+        let reused = state.tokens.len();
+        let cancelled = || {
+            req.cancel
+                .as_ref()
+                .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+        };
         let mut sampler = Sampler::new(req.sampling.clone());
         let mut stops: Vec<u32> = req.stop_tokens.clone();
         stops.extend_from_slice(self.eos_tokens());
@@ -249,10 +347,22 @@ impl Engine {
             Logits::Last
         };
         self.store.set_phase(Phase::Prefill);
-        let mut all_logits = self.prefill(&mut state, &req.prompt, want)?;
+        let suffix = &req.prompt[reused..];
+        let mut all_logits = if suffix.is_empty() {
+            Vec::new()
+        } else {
+            match self.prefill_cancellable(state, suffix, want, &cancelled)? {
+                Some(l) => l,
+                None => return Ok(self.cancelled(req, reused, before)),
+            }
+        };
         let after_prefill = self.store.inner.counters();
         self.store.set_phase(Phase::Decode);
-        let mut last: Vec<f32> = all_logits[all_logits.len() - vocab..].to_vec();
+        let mut last: Vec<f32> = if all_logits.is_empty() {
+            state.last_logits.clone()
+        } else {
+            all_logits[all_logits.len() - vocab..].to_vec()
+        };
         if !req.keep_logits {
             all_logits.clear();
         }
@@ -270,7 +380,7 @@ impl Engine {
                 first_token_s = t0.elapsed().as_secs_f64();
                 decode_start = Instant::now();
             }
-            if !on_token(next) {
+            if !on_token(next) || cancelled() {
                 finish = FinishReason::Cancelled;
                 break;
             }
@@ -283,7 +393,8 @@ impl Engine {
             }
             last = self
                 .model
-                .forward(&mut state, &[next], &mut self.store, Logits::Last, None)?;
+                .forward(state, &[next], &mut self.store, Logits::Last, None)?;
+            state.last_logits.clone_from(&last);
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);
             }
@@ -302,9 +413,10 @@ impl Engine {
         };
         let stats = GenerationStats {
             prompt_tokens: req.prompt.len(),
+            reused_prompt_tokens: reused,
             generated_tokens: tokens.len(),
             time_to_first_token_s: first_token_s,
-            prefill_tokens_per_s: rate(req.prompt.len(), prefill_s),
+            prefill_tokens_per_s: rate(req.prompt.len() - reused, prefill_s),
             decode_tokens_per_s: rate(decoded, decode_s),
             peak_rss_bytes: peak_rss_bytes(),
             prefill_expert_misses: prefill_c.misses,

@@ -79,6 +79,7 @@ fn check(name: &str, quant: QuantChoice, chunk: usize) -> Vec<f32> {
                 sampling: SamplingParams::default(),
                 stop_tokens: vec![],
                 keep_logits: true,
+                cancel: None,
             },
             &mut |_| true,
         )

@@ -51,6 +51,7 @@ fn generate(model: &Path, store: StoreChoice, chunk: usize) -> (Vec<u32>, Vec<f3
                 },
                 stop_tokens: vec![],
                 keep_logits: true,
+                cancel: None,
             },
             &mut |_| true,
         )
@@ -139,6 +140,7 @@ fn corrupted_record_read_at_run_time_names_layer_and_expert() {
                 sampling: SamplingParams::default(),
                 stop_tokens: vec![],
                 keep_logits: false,
+                cancel: None,
             },
             &mut |_| true,
         )
@@ -182,6 +184,7 @@ fn replaying_the_route_trace_reproduces_the_runtime_counters() {
                         },
                         stop_tokens: vec![],
                         keep_logits: false,
+                        cancel: None,
                     },
                     &mut |_| true,
                 )
@@ -223,4 +226,66 @@ fn replaying_the_route_trace_reproduces_the_runtime_counters() {
             );
         }
     }
+}
+
+#[test]
+fn continuing_a_kept_state_equals_a_fresh_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
+    let mut engine = Engine::open(&model, EngineConfig::default()).unwrap();
+    let req = |prompt: Vec<u32>| GenerateRequest {
+        prompt,
+        max_new_tokens: 6,
+        sampling: SamplingParams::default(),
+        stop_tokens: vec![],
+        keep_logits: false,
+        cancel: None,
+    };
+    // Turn 1, then turn 2 whose prompt extends everything fed so far.
+    let mut state = engine.new_state();
+    let first = engine
+        .generate_with_state(&mut state, &req(prompt()), &mut |_| true)
+        .unwrap();
+    let mut second_prompt = state.tokens.clone();
+    second_prompt.extend_from_slice(&first.tokens[first.tokens.len() - 1..]);
+    second_prompt.extend_from_slice(&[5, 6, 7]);
+    let kept = engine
+        .generate_with_state(&mut state, &req(second_prompt.clone()), &mut |_| true)
+        .unwrap();
+    assert_eq!(kept.stats.reused_prompt_tokens, prompt().len() + 5);
+    let fresh = engine.generate(&req(second_prompt), &mut |_| true).unwrap();
+    assert_eq!(kept.tokens, fresh.tokens);
+    assert_eq!(fresh.stats.reused_prompt_tokens, 0);
+}
+
+#[test]
+fn cancel_flag_stops_prefill_between_chunks() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_moe", QuantChoice::Q4, tmp.path());
+    let mut engine = Engine::open(
+        &model,
+        EngineConfig {
+            prefill_chunk: 4,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let flag = std::sync::Arc::new(AtomicBool::new(true));
+    let gen = engine
+        .generate(
+            &GenerateRequest {
+                prompt: prompt(),
+                max_new_tokens: 6,
+                sampling: SamplingParams::default(),
+                stop_tokens: vec![],
+                keep_logits: false,
+                cancel: Some(flag.clone()),
+            },
+            &mut |_| true,
+        )
+        .unwrap();
+    assert_eq!(gen.finish, slipstream_engine::FinishReason::Cancelled);
+    assert!(gen.tokens.is_empty());
+    flag.store(false, Ordering::Relaxed);
 }

@@ -57,6 +57,8 @@ pub struct ModelState {
     pub layers: Vec<LayerState>,
     /// Tokens consumed so far; the next token's position is `tokens.len()`.
     pub tokens: Vec<u32>,
+    /// Logits after the last consumed token (`[vocab]`), empty before any.
+    pub last_logits: Vec<f32>,
 }
 
 impl ModelState {
@@ -73,6 +75,6 @@ impl ModelState {
                 LayerState::Linear(s) => (s.conv.len() + s.recurrent.len()) * 4,
             })
             .sum::<usize>()
-            + self.tokens.len() * 4
+            + (self.tokens.len() + self.last_logits.len()) * 4
     }
 }

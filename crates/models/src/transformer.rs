@@ -71,6 +71,7 @@ impl Transformer {
         ModelState {
             layers,
             tokens: Vec::new(),
+            last_logits: Vec::new(),
         }
     }
 
