@@ -2,5 +2,7 @@
 //! integration tests share.
 
 pub mod demo;
+pub mod hwbench_cmd;
 pub mod replay_cmd;
+pub mod serve_cmd;
 pub mod synth_cmd;

@@ -10,7 +10,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
 use slipstream_engine::npy;
 use slipstream_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice, StreamDecoder,
+    ChatMessage, Engine, EngineConfig, GenerateRequest, RestoreOutcome, SamplingParams,
+    StoreChoice, StreamDecoder, WarmReport,
 };
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
@@ -36,6 +37,10 @@ enum Command {
     Replay(ReplayArgs),
     /// Write a model with random weights at a real model's shapes.
     Synth(slipstream_cli::synth_cmd::SynthArgs),
+    /// Serve OpenAI and Anthropic APIs and a chat page (no --model: the demo model).
+    Serve(Box<slipstream_cli::serve_cmd::ServeArgs>),
+    /// Measure this machine's ceilings: SSD, memory bandwidth, kernels.
+    Hwbench(slipstream_cli::hwbench_cmd::HwbenchArgs),
 }
 
 #[derive(Args)]
@@ -108,6 +113,30 @@ struct RunArgs {
     /// Print generated token ids instead of text.
     #[arg(long)]
     print_ids: bool,
+    /// Restore the prompt's state from this snapshot when it holds the
+    /// prompt or a prefix of it (only the rest is prefilled); after a
+    /// prefill, write the state to it (atomically).
+    #[arg(long)]
+    kv_snapshot: Option<PathBuf>,
+    /// Directory of a prompt cache: snapshots at prefill chunk boundaries,
+    /// so a prompt sharing a prefix with an earlier one prefills only the rest.
+    #[arg(long)]
+    prompt_cache: Option<PathBuf>,
+    /// Most bytes the prompt cache holds (least recently used evicted).
+    #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
+    prompt_cache_size: u64,
+    /// Do not warm the expert cache with the experts a snapshot recorded.
+    #[arg(long)]
+    no_warm_experts: bool,
+    /// Refuse a prefill chunk when the footprint plus its predicted growth
+    /// would exceed this, e.g. 20G (default: 90% of the smaller of physical
+    /// memory and the cgroup limit).
+    #[arg(long, value_parser = parse_size_arg)]
+    memory_limit: Option<u64>,
+    /// Write per-token decode latency as CSV (token, seconds since the first
+    /// token, latency ms, tokens/s) to this file.
+    #[arg(long)]
+    decode_curve: Option<PathBuf>,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -141,6 +170,18 @@ struct StoreArgs {
     route_trace: Option<PathBuf>,
 }
 
+fn warm_note(w: &Option<WarmReport>) -> String {
+    match w {
+        Some(w) => format!(
+            ", expert cache warmed with {} experts ({:.1} MB read, {:.3} s)",
+            w.experts,
+            w.bytes_read as f64 / 1e6,
+            w.seconds
+        ),
+        None => ", expert cache cold".into(),
+    }
+}
+
 fn parse_size_arg(s: &str) -> Result<u64, String> {
     slipstream_engine::parse_size(s)
 }
@@ -171,6 +212,8 @@ fn main() {
         Some(Command::Run(args)) => run(*args),
         Some(Command::Repack(args)) => repack_cmd(args),
         Some(Command::Synth(args)) => slipstream_cli::synth_cmd::synth_command(args),
+        Some(Command::Serve(args)) => slipstream_cli::serve_cmd::serve_command(*args),
+        Some(Command::Hwbench(args)) => slipstream_cli::hwbench_cmd::hwbench_command(args),
         Some(Command::Replay(args)) => {
             slipstream_cli::replay_cmd::replay_command(&args.trace, &args.slots, &args.policies)
         }
@@ -374,6 +417,114 @@ fn run(args: RunArgs) -> Result<()> {
         cancel: None,
     };
 
+    if let Some(limit) = args.memory_limit {
+        engine.set_memory_limit(Some(limit));
+    }
+    let t_restore = std::time::Instant::now();
+    let warm = !args.no_warm_experts;
+    let mut state = engine.new_state();
+    let mut restore_json = serde_json::Value::Null;
+    if let Some(path) = &args.kv_snapshot {
+        let (st, outcome) = engine.restore_for_prompt(path, &prompt, warm);
+        state = st;
+        match outcome {
+            RestoreOutcome::Restored { tokens, warmed } => {
+                eprintln!(
+                    "[snapshot] restored {tokens} of {} prompt tokens from {} in {:.3} s{}",
+                    prompt.len(),
+                    path.display(),
+                    t_restore.elapsed().as_secs_f64(),
+                    warm_note(&warmed)
+                );
+                restore_json =
+                    serde_json::json!({"source": "kv-snapshot", "tokens": tokens, "warm": warmed});
+            }
+            RestoreOutcome::Missing => {
+                eprintln!(
+                    "[snapshot] {} does not exist yet: prefilling",
+                    path.display()
+                )
+            }
+            RestoreOutcome::DifferentPrompt { tokens } => eprintln!(
+                "[snapshot] {} holds another prompt ({tokens} tokens): prefilling",
+                path.display()
+            ),
+            RestoreOutcome::Rejected(e) => eprintln!(
+                "warning: ignoring snapshot {}: {e}; prefilling from scratch",
+                path.display()
+            ),
+        }
+    }
+    let cache = match &args.prompt_cache {
+        Some(dir) => Some(
+            engine
+                .open_prompt_cache(dir, args.prompt_cache_size)
+                .with_context(|| format!("opening prompt cache {}", dir.display()))?,
+        ),
+        None => None,
+    };
+    if let Some(cache) = &cache {
+        if state.tokens.len() < prompt.len() {
+            if let Some(snap) = cache.lookup(&prompt) {
+                if snap.state.tokens.len() > state.tokens.len() {
+                    let warmed = if warm {
+                        Some(engine.warm_experts(&snap.resident)?)
+                    } else {
+                        None
+                    };
+                    eprintln!(
+                        "[prompt-cache] restored {} of {} prompt tokens from {} in {:.3} s{}",
+                        snap.state.tokens.len(),
+                        prompt.len(),
+                        cache.dir().display(),
+                        t_restore.elapsed().as_secs_f64(),
+                        warm_note(&warmed)
+                    );
+                    restore_json = serde_json::json!({"source": "prompt-cache", "tokens": snap.state.tokens.len(), "warm": warmed});
+                    state = snap.state;
+                }
+            }
+        }
+    }
+    let restore_s = t_restore.elapsed().as_secs_f64();
+    if args.kv_snapshot.is_some() || cache.is_some() {
+        let snapshot_path = args.kv_snapshot.clone();
+        let model_hash = engine.model_hash().to_string();
+        let prompt_len = prompt.len();
+        let mut cache = cache;
+        engine.set_prefill_hook(Some(Box::new(move |cp| {
+            if let Some(c) = cache.as_mut() {
+                if let Err(e) = c.insert(cp.state, cp.resident) {
+                    eprintln!("warning: prompt cache insert failed: {e}");
+                }
+            }
+            if let (Some(path), true) = (&snapshot_path, cp.last_chunk) {
+                if cp.state.tokens.len() == prompt_len {
+                    let t = std::time::Instant::now();
+                    match slipstream_engine::snapshot::write_snapshot(
+                        path,
+                        &model_hash,
+                        cp.state,
+                        cp.resident,
+                    ) {
+                        Ok(n) => eprintln!(
+                            "[snapshot] wrote {} tokens to {} ({:.1} MB, {:.3} s)",
+                            cp.state.tokens.len(),
+                            path.display(),
+                            n as f64 / 1e6,
+                            t.elapsed().as_secs_f64()
+                        ),
+                        Err(e) => {
+                            eprintln!("warning: writing snapshot {} failed: {e}", path.display())
+                        }
+                    }
+                }
+            }
+        })));
+    }
+
+    let mut token_times: Vec<std::time::Instant> = Vec::new();
+    let t_generate = std::time::Instant::now();
     let mut stdout = std::io::stdout().lock();
     let print_text = !args.print_ids && engine.codec.is_some();
     if print_text && args.prompt_tokens.is_none() && !args.chat {
@@ -385,7 +536,8 @@ fn run(args: RunArgs) -> Result<()> {
     let mut decoder = StreamDecoder::default();
     let mut sink_err = None;
     let codec = engine.codec.take();
-    let gen = engine.generate(&req, &mut |id| {
+    let gen = engine.generate_with_state(&mut state, &req, &mut |id| {
+        token_times.push(std::time::Instant::now());
         let piece = if print_text {
             match codec.as_ref().map(|c| decoder.push(c, id)) {
                 Some(Ok(s)) => s,
@@ -440,9 +592,31 @@ fn run(args: RunArgs) -> Result<()> {
             "finish": format!("{:?}", gen.finish).to_lowercase(),
             "stats": s,
             "store": engine.store_description(),
+            "restore": restore_json,
+            "restore_s": restore_s,
+            "time_to_first_token_with_restore_s": restore_s + s.time_to_first_token_s,
+            "token_times_s": token_times.iter().map(|t| t.duration_since(t_generate).as_secs_f64()).collect::<Vec<_>>(),
+            "predicted_footprint": engine.predicted_footprint(prompt.len() + gen.tokens.len()),
         });
         std::fs::write(path, serde_json::to_vec_pretty(&json)?)
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.decode_curve {
+        let mut csv = String::from("token,seconds_since_first,latency_ms,tokens_per_s\n");
+        let mut prev = t_generate;
+        for (i, t) in token_times.iter().enumerate() {
+            let lat = t.duration_since(prev).as_secs_f64();
+            let since = token_times
+                .first()
+                .map_or(0.0, |f| t.duration_since(*f).as_secs_f64());
+            csv.push_str(&format!(
+                "{i},{since:.6},{:.3},{:.3}\n",
+                lat * 1e3,
+                if lat > 0.0 { 1.0 / lat } else { 0.0 }
+            ));
+            prev = *t;
+        }
+        std::fs::write(path, csv).with_context(|| format!("writing {}", path.display()))?;
     }
     if let Some(path) = &args.dump_logits {
         let vocab = engine.model_config().vocab_size;

@@ -3,8 +3,11 @@
 //! decode one token at a time; counters and timings come back with every
 //! generation.
 
+pub mod guard;
 pub mod npy;
+pub mod prompt_cache;
 pub mod sampler;
+pub mod snapshot;
 pub mod text;
 
 use std::path::Path;
@@ -19,7 +22,10 @@ use slipstream_store::{
     TraceWriter, TracedStore,
 };
 
+pub use guard::{default_memory_limit, GrowthPrediction};
+pub use prompt_cache::PromptCache;
 pub use sampler::{Sampler, SamplingParams};
+pub use snapshot::{Snapshot, SnapshotError, SnapshotExpect};
 pub use text::{ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
 
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +42,50 @@ pub enum EngineError {
     Template(String),
     #[error("{0}")]
     Request(String),
+    /// The memory guard refused a prefill chunk (nothing was allocated).
+    #[error("{0}")]
+    Memory(String),
+}
+
+/// A prefill chunk boundary, handed to the [`PrefillHook`].
+pub struct PrefillCheckpoint<'a> {
+    /// The state after the chunk, with `last_logits` of its last token.
+    pub state: &'a ModelState,
+    /// Experts the cache holds now, per layer.
+    pub resident: &'a [Vec<u32>],
+    /// Whether this is the last chunk of the prefill call.
+    pub last_chunk: bool,
+}
+
+/// Called after every prefill chunk (e.g. to write snapshots for a prompt
+/// cache). Failures are the hook's to report; it cannot stop the prefill.
+pub type PrefillHook = Box<dyn FnMut(&PrefillCheckpoint<'_>) + Send>;
+
+/// What [`Engine::restore_for_prompt`] did.
+#[derive(Debug)]
+pub enum RestoreOutcome {
+    /// The snapshot's `tokens` prompt tokens were restored.
+    Restored {
+        tokens: usize,
+        warmed: Option<WarmReport>,
+    },
+    /// No snapshot file.
+    Missing,
+    /// A valid snapshot of a prompt that is not a prefix of this one.
+    DifferentPrompt { tokens: usize },
+    /// The snapshot cannot be used (other model or version, corrupt,
+    /// truncated, wrong shapes).
+    Rejected(SnapshotError),
+}
+
+/// What warming the expert cache did.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct WarmReport {
+    /// Experts requested (at most the slots of each layer).
+    pub experts: usize,
+    pub misses: u64,
+    pub bytes_read: u64,
+    pub seconds: f64,
 }
 
 /// Where routed experts live.
@@ -75,6 +125,10 @@ pub struct Engine {
     pub codec: Option<TextCodec>,
     pub template: Option<ChatTemplate>,
     config: EngineConfig,
+    memory_limit: Option<u64>,
+    /// Whether a forward pass has touched the mapped dense weights.
+    dense_touched: bool,
+    prefill_hook: Option<PrefillHook>,
 }
 
 /// One generation request.
@@ -184,7 +238,216 @@ impl Engine {
             codec,
             template,
             config,
+            memory_limit: guard::default_memory_limit(),
+            dense_touched: false,
+            prefill_hook: None,
         })
+    }
+
+    /// Footprint limit of the memory guard (`None`: off). Defaults to
+    /// [`default_memory_limit`].
+    pub fn set_memory_limit(&mut self, limit: Option<u64>) {
+        self.memory_limit = limit;
+    }
+
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.memory_limit
+    }
+
+    /// Installs (or removes) the hook called after every prefill chunk.
+    pub fn set_prefill_hook(&mut self, hook: Option<PrefillHook>) -> Option<PrefillHook> {
+        std::mem::replace(&mut self.prefill_hook, hook)
+    }
+
+    /// Identifies the weights (`manifest.model_hash`).
+    pub fn model_hash(&self) -> &str {
+        &self.file.manifest.model_hash
+    }
+
+    /// What a snapshot must match to be restored into this model.
+    pub fn snapshot_expect(&self) -> SnapshotExpect {
+        SnapshotExpect {
+            model_hash: self.model_hash().to_string(),
+            layers: snapshot::LayerShape::of(&self.new_state()),
+            vocab_size: self.model.config.vocab_size,
+            num_experts: self.model.config.num_experts,
+        }
+    }
+
+    /// Writes `state` and the experts resident now to `path`, atomically.
+    /// Returns the bytes written.
+    pub fn save_snapshot(&self, path: &Path, state: &ModelState) -> Result<u64, SnapshotError> {
+        if state.tokens.is_empty() || state.last_logits.len() != self.model.config.vocab_size {
+            return Err(SnapshotError::Shape(
+                "only a state with tokens and their next-token logits can be saved".into(),
+            ));
+        }
+        snapshot::write_snapshot(path, self.model_hash(), state, &self.resident_experts())
+    }
+
+    /// Reads a snapshot and checks it against this model.
+    pub fn load_snapshot(&self, path: &Path) -> Result<Snapshot, SnapshotError> {
+        snapshot::read_snapshot(path, &self.snapshot_expect())
+    }
+
+    /// A state for `prompt` from the snapshot at `path`: restored (and the
+    /// expert cache warmed with the experts it recorded when `warm`) when the
+    /// snapshot's tokens are a prefix of the prompt, fresh otherwise. A
+    /// snapshot that cannot be used is logged as a warning and reported in
+    /// the outcome; it never fails the call.
+    pub fn restore_for_prompt(
+        &mut self,
+        path: &Path,
+        prompt: &[u32],
+        warm: bool,
+    ) -> (ModelState, RestoreOutcome) {
+        if !path.exists() {
+            return (self.new_state(), RestoreOutcome::Missing);
+        }
+        match self.load_snapshot(path) {
+            Ok(snap) if prompt.starts_with(&snap.state.tokens) => {
+                let warmed = if warm {
+                    match self.warm_experts(&snap.resident) {
+                        Ok(r) => Some(r),
+                        Err(e) => {
+                            tracing::warn!("warming the expert cache failed: {e}");
+                            None
+                        }
+                    }
+                } else {
+                    None
+                };
+                let tokens = snap.state.tokens.len();
+                (snap.state, RestoreOutcome::Restored { tokens, warmed })
+            }
+            Ok(snap) => (
+                self.new_state(),
+                RestoreOutcome::DifferentPrompt {
+                    tokens: snap.state.tokens.len(),
+                },
+            ),
+            Err(e) => {
+                tracing::warn!(
+                    "ignoring snapshot {}: {e}; prefilling from scratch",
+                    path.display()
+                );
+                (self.new_state(), RestoreOutcome::Rejected(e))
+            }
+        }
+    }
+
+    /// Opens a prompt cache for this model.
+    pub fn open_prompt_cache(&self, dir: &Path, max_bytes: u64) -> std::io::Result<PromptCache> {
+        PromptCache::open(dir, max_bytes, self.snapshot_expect())
+    }
+
+    /// Reads the listed experts into the cache's slots (see
+    /// [`slipstream_store::warm_source`]); a no-op for a resident store.
+    pub fn warm_experts(&mut self, resident: &[Vec<u32>]) -> Result<WarmReport, EngineError> {
+        let experts = self.model.config.num_experts as u32;
+        let layers = self.model.layers.len();
+        let list: Vec<Vec<u32>> = resident
+            .iter()
+            .take(layers)
+            .map(|l| l.iter().copied().filter(|&e| e < experts).collect())
+            .collect();
+        let before = self.store.inner.counters();
+        let t = Instant::now();
+        let n = self
+            .store
+            .warm(&list)
+            .map_err(|e| EngineError::Store(e.to_string()))?;
+        let d = self.store.inner.counters().since(&before);
+        Ok(WarmReport {
+            experts: n,
+            misses: d.misses,
+            bytes_read: d.bytes_read,
+            seconds: t.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Predicted footprint growth of prefilling `tokens` more tokens into
+    /// `state` (see [`guard`] for what is counted).
+    pub fn predict_prefill_growth(
+        &self,
+        state: &ModelState,
+        tokens: usize,
+        keep_all_logits: bool,
+    ) -> GrowthPrediction {
+        use slipstream_models::state::LayerState;
+        let c = &self.model.config;
+        let mut st = 0u64;
+        for l in &state.layers {
+            match l {
+                LayerState::Attn(a) => {
+                    let need = (a.len() + tokens) * a.kv_dim;
+                    let cap = a.k.capacity();
+                    if need > cap {
+                        // Vec growth: a new buffer of max(2*cap, need) while
+                        // the old one is still held, for K and for V.
+                        st += 2 * 4 * need.max(2 * cap) as u64;
+                    }
+                }
+                LayerState::Linear(s) if state.tokens.is_empty() => {
+                    st += 4 * (s.conv.len() + s.recurrent.len()) as u64;
+                }
+                LayerState::Linear(_) => {}
+            }
+        }
+        let chunk = self.config.prefill_chunk.max(1).min(tokens) as u64;
+        let width = (c.hidden_size * (c.num_experts_per_tok + 8))
+            .max(c.linear_conv_dim() * 2)
+            .max(c.num_attention_heads * c.head_dim * 3)
+            + c.moe_intermediate_size
+                .max(c.shared_expert_intermediate_size)
+                * 2;
+        let mut act = chunk * width as u64 * 4 + c.vocab_size as u64 * 4 * 2;
+        if keep_all_logits {
+            act += tokens as u64 * c.vocab_size as u64 * 4 * 2;
+        }
+        GrowthPrediction {
+            state: st,
+            activations: act,
+            unfilled_slots: self.store.inner.unfilled_slot_bytes(),
+            dense_untouched: if self.dense_touched {
+                0
+            } else {
+                self.file.manifest.dense_file_bytes
+            },
+        }
+    }
+
+    /// The memory guard: refuses to prefill `remaining` tokens (the next
+    /// chunk being `chunk_tokens` of them) when footprint + predicted growth
+    /// exceeds the limit.
+    fn guard_chunk(
+        &self,
+        state: &ModelState,
+        remaining: usize,
+        chunk_tokens: usize,
+        total: usize,
+        keep_all: bool,
+    ) -> Result<(), EngineError> {
+        let Some(limit) = self.memory_limit else {
+            return Ok(());
+        };
+        let Some(footprint) = guard::current_rss_bytes() else {
+            return Ok(());
+        };
+        let growth = self.predict_prefill_growth(state, remaining, keep_all);
+        if footprint.saturating_add(growth.total()) > limit {
+            let msg = guard::refusal(
+                chunk_tokens,
+                total - remaining,
+                total,
+                footprint,
+                &growth,
+                limit,
+            );
+            tracing::debug!("{msg}");
+            return Err(EngineError::Memory(msg));
+        }
+        Ok(())
     }
 
     pub fn model_config(&self) -> &ModelConfig {
@@ -226,34 +489,50 @@ impl Engine {
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(chunk);
+        let hooked = self.prefill_hook.is_some();
         for (i, piece) in tokens.chunks(chunk).enumerate() {
             let last = i + 1 == n_chunks;
-            let w = match want {
-                Logits::All => Logits::All,
-                Logits::Last if last => Logits::Last,
-                _ => Logits::None,
-            };
             if cancelled() {
                 // The state is valid for the chunks done, but its logits
                 // are not those of its last token any more.
                 state.last_logits.clear();
                 return Ok(None);
             }
-            // The last row is always computed: it is the state's next-token
-            // distribution, kept for reuse and snapshots.
-            let w = if last && w == Logits::None {
-                Logits::Last
-            } else {
-                w
+            let remaining = tokens.len() - i * chunk;
+            self.guard_chunk(
+                state,
+                remaining,
+                piece.len(),
+                tokens.len(),
+                want == Logits::All,
+            )?;
+            // The last row is always computed on the last chunk (the state's
+            // next-token distribution, kept for reuse and snapshots), and on
+            // every chunk when a hook may snapshot the boundary.
+            let w = match want {
+                Logits::All => Logits::All,
+                _ if last || hooked => Logits::Last,
+                _ => Logits::None,
             };
             let logits = self.model.forward(state, piece, &mut self.store, w, None)?;
-            if last {
+            self.dense_touched = true;
+            if w == Logits::None {
+                state.last_logits.clear();
+            } else {
                 state.last_logits = logits[logits.len() - vocab..].to_vec();
-                if want == Logits::None {
-                    continue;
-                }
             }
-            out.extend_from_slice(&logits);
+            if let Some(mut hook) = self.prefill_hook.take() {
+                let resident = self.store.inner.resident_experts();
+                hook(&PrefillCheckpoint {
+                    state,
+                    resident: &resident,
+                    last_chunk: last,
+                });
+                self.prefill_hook = Some(hook);
+            }
+            if want == Logits::All || (last && want == Logits::Last) {
+                out.extend_from_slice(&logits);
+            }
         }
         Ok(Some(out))
     }
@@ -440,6 +719,15 @@ impl Engine {
 
     pub fn store_counters(&self) -> StoreCounters {
         self.store.inner.counters()
+    }
+
+    /// Predicted peak footprint of this engine at `context` tokens.
+    pub fn predicted_footprint(&self, context: usize) -> FootprintPrediction {
+        let slots = match &self.config.store {
+            StoreChoice::Resident => self.model.config.num_experts,
+            StoreChoice::Streaming(sc) => sc.slots,
+        };
+        predict_footprint(&self.file, slots, context, self.config.prefill_chunk)
     }
 
     /// One line describing the expert store.

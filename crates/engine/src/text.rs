@@ -109,6 +109,33 @@ impl ChatTemplate {
         })
         .map_err(|e| EngineError::Template(format!("chat template failed: {e}")))
     }
+
+    /// Renders with a full context, as `transformers`' `apply_chat_template`
+    /// passes it: `messages` (with `tool_calls` and `tool` results), `tools`,
+    /// `add_generation_prompt`, `enable_thinking` and any other variable the
+    /// template reads. `context` must be a JSON object.
+    pub fn render_json(&self, context: &serde_json::Value) -> Result<String, EngineError> {
+        if !context.is_object() {
+            return Err(EngineError::Template(
+                "chat template context must be a JSON object".into(),
+            ));
+        }
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| EngineError::Template(e.to_string()))?;
+        tmpl.render(minijinja::Value::from_serialize(context))
+            .map_err(|e| EngineError::Template(format!("chat template failed: {e}")))
+    }
+
+    /// Whether the template reads a `tools` variable (renders tool
+    /// definitions itself).
+    pub fn supports_tools(&self) -> bool {
+        self.env
+            .get_template("chat")
+            .map(|t| t.undeclared_variables(false).contains("tools"))
+            .unwrap_or(false)
+    }
 }
 
 #[cfg(test)]
@@ -131,6 +158,31 @@ mod tests {
             )
             .unwrap();
         assert_eq!(out, "<|im_start|>user\nhi<|im_end|><|im_start|>assistant");
+    }
+
+    #[test]
+    fn renders_full_json_context_with_tools() {
+        let src = "{%- if tools %}T:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}{%- for m in messages %}[{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}<{{ c.function.name }} {{ c.function.arguments | tojson }}>{% endfor %}]{% endfor %}{% if add_generation_prompt %}A{% endif %}";
+        let t = ChatTemplate::new(src).unwrap();
+        assert!(t.supports_tools());
+        assert!(!ChatTemplate::new(CHATML).unwrap().supports_tools());
+        let ctx = serde_json::json!({
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+                ]},
+                {"role": "tool", "content": "42"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "add_generation_prompt": true,
+            "enable_thinking": false
+        });
+        let out = t.render_json(&ctx).unwrap();
+        // minijinja's `tojson` is compact (Python's `json.dumps` puts spaces
+        // after `,` and `:`).
+        assert_eq!(out, "T:f;[user:hi][assistant:<f {\"x\":1}>][tool:42]A");
+        assert!(t.render_json(&serde_json::json!([1])).is_err());
     }
 
     #[test]

@@ -175,9 +175,10 @@ pub(crate) struct Token<'a> {
     /// Affine only: `gsum[g] = sum of x over group g`, zero-padded to a
     /// multiple of 8 entries. Empty for float weights.
     pub gsum: Vec<f32>,
-    /// 4-bit affine with a group that is a multiple of 16 only: `x` with each
-    /// block of 16 reordered as its 8 even elements then its 8 odd ones (the
-    /// order of the low and high nibbles of 8 code bytes). Otherwise empty.
+    /// 4-bit affine with a group that is a multiple of 16 only: each block of
+    /// 16 of `x` as its 8 even elements (the low nibbles of 8 code bytes)
+    /// then its 8 odd ones divided by 16 (see `avx2::q4_block`). Otherwise
+    /// empty.
     pub xp: Vec<f32>,
 }
 
@@ -206,7 +207,9 @@ fn split_pairs(x: &[f32]) -> Vec<f32> {
     for (o, b) in out.chunks_exact_mut(16).zip(x.chunks_exact(16)) {
         for i in 0..8 {
             o[i] = b[2 * i];
-            o[8 + i] = b[2 * i + 1];
+            // Exact (a power of two): the kernels multiply it by 16 * the
+            // high nibble (see `avx2::q4_block`).
+            o[8 + i] = b[2 * i + 1] * (1.0 / 16.0);
         }
     }
     out

@@ -3,6 +3,8 @@
 //!
 //! Activations are row-major `[tokens, features]` f32.
 
+use std::time::Instant;
+
 use rayon::prelude::*;
 use slipstream_core::{ExpertRequest, ExpertSource, Tensor, TensorSource};
 use slipstream_kernels as k;
@@ -170,30 +172,46 @@ impl Attention {
         }
         state.append(&k_all, &v_all, n);
 
-        // Each query head of a token is independent: parallel over (t, h).
+        // The query heads sharing a KV head walk the keys and values
+        // together, so each K and V row is read once per KV head: parallel
+        // over (token, KV head). Each (token, head) still computes its dot
+        // products, softmax and weighted sum in the same order as alone.
         let group = nh / nkv;
         let scale = 1.0 / (hd as f32).sqrt();
         let kv_stride = nkv * hd;
         let mut out = vec![0.0f32; n * nh * hd];
-        out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
-            let (t, h) = (i / nh, i % nh);
-            let kvh = h / group;
-            let qh = &q[i * hd..][..hd];
-            let keys = start + t + 1;
-            let mut scores: Vec<f32> = (0..keys)
-                .map(|j| ops::dot(qh, &state.k[j * kv_stride + kvh * hd..][..hd]) * scale)
-                .collect();
-            ops::softmax_inplace(&mut scores);
-            o.fill(0.0);
-            for (j, &p) in scores.iter().enumerate() {
-                ops::axpy(p, &state.v[j * kv_stride + kvh * hd..][..hd], o);
-            }
-            if self.output_gate {
-                for (oi, &g) in o.iter_mut().zip(&gate[i * hd..][..hd]) {
-                    *oi *= ops::sigmoid(g);
+        out.par_chunks_mut(group * hd)
+            .enumerate()
+            .for_each(|(i, og)| {
+                let (t, kvh) = (i / nkv, i % nkv);
+                let keys = start + t + 1;
+                let h0 = t * nh + kvh * group;
+                let mut scores = vec![0.0f32; group * keys];
+                for j in 0..keys {
+                    let kr = &state.k[j * kv_stride + kvh * hd..][..hd];
+                    for g in 0..group {
+                        let qh = &q[(h0 + g) * hd..][..hd];
+                        scores[g * keys + j] = ops::dot(qh, kr) * scale;
+                    }
                 }
-            }
-        });
+                for sc in scores.chunks_exact_mut(keys) {
+                    ops::softmax_inplace(sc);
+                }
+                og.fill(0.0);
+                for j in 0..keys {
+                    let vr = &state.v[j * kv_stride + kvh * hd..][..hd];
+                    for (g, o) in og.chunks_exact_mut(hd).enumerate() {
+                        ops::axpy(scores[g * keys + j], vr, o);
+                    }
+                }
+                if self.output_gate {
+                    for (g, o) in og.chunks_exact_mut(hd).enumerate() {
+                        for (oi, &gv) in o.iter_mut().zip(&gate[(h0 + g) * hd..][..hd]) {
+                            *oi *= ops::sigmoid(gv);
+                        }
+                    }
+                }
+            });
         self.o_proj.forward(&out, n)
     }
 }
@@ -272,6 +290,7 @@ impl GatedDeltaNet {
                 let mut q = vec![0.0f32; dk];
                 let mut key = vec![0.0f32; dk];
                 let mut delta = vec![0.0f32; dv];
+                let mut o = vec![0.0f32; dv];
                 let decay_rate = -self.a_log[j].exp();
                 for t in 0..n {
                     let row = &conv_out[t * c..][..c];
@@ -286,28 +305,7 @@ impl GatedDeltaNet {
                     let beta = ops::sigmoid(b[t * nv + j]);
                     let g = decay_rate * ops::softplus(a[t * nv + j] + self.dt_bias[j]);
                     let decay = g.exp();
-                    // s: [dk, dv] row-major. S = decay * S.
-                    for v in s.iter_mut() {
-                        *v *= decay;
-                    }
-                    // kv_mem = S^T k; delta = beta * (v - kv_mem)
-                    delta.copy_from_slice(v);
-                    let mut kv_mem = vec![0.0f32; dv];
-                    for (i, &ki) in key.iter().enumerate() {
-                        ops::axpy(ki, &s[i * dv..][..dv], &mut kv_mem);
-                    }
-                    for (d, m) in delta.iter_mut().zip(&kv_mem) {
-                        *d = (*d - m) * beta;
-                    }
-                    // S += k delta^T
-                    for (i, &ki) in key.iter().enumerate() {
-                        ops::axpy(ki, &delta, &mut s[i * dv..][..dv]);
-                    }
-                    // o = S^T q, then gated RMSNorm.
-                    let mut o = vec![0.0f32; dv];
-                    for (i, &qi) in q.iter().enumerate() {
-                        ops::axpy(qi, &s[i * dv..][..dv], &mut o);
-                    }
+                    ops::delta_rule_step(s, &key, &q, v, decay, beta, &mut delta, &mut o);
                     let inv = ops::inv_rms(&o, self.eps);
                     let zrow = &z[t * nv * dv + j * dv..][..dv];
                     let dst = &mut head_out[t * dv..][..dv];
@@ -360,6 +358,20 @@ pub struct Moe {
     pub hidden: usize,
 }
 
+/// Where [`Moe::forward_timed`] spent its time (nanoseconds, accumulated).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoeTimes {
+    /// Router matvec, softmax and top-k.
+    pub router_ns: u64,
+    /// The shared expert and its gate.
+    pub shared_ns: u64,
+    /// The routed experts' feed-forward (inside the store's callback).
+    pub routed_ffn_ns: u64,
+    /// In the store outside the callback: starting reads, waiting for them,
+    /// verifying and copying (the expert-read wait seen by the model).
+    pub wait_ns: u64,
+}
+
 /// One token's routing decision: expert ids and weights in rank order.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Route {
@@ -404,8 +416,22 @@ impl Moe {
         experts: &mut dyn ExpertSource,
         routes_out: Option<&mut Vec<Route>>,
     ) -> Result<Vec<f32>, ModelError> {
+        self.forward_timed(x, n, experts, routes_out, None)
+    }
+
+    /// [`Moe::forward`] that adds its phases to `times` when given (the
+    /// numbers are the same either way).
+    pub fn forward_timed(
+        &self,
+        x: &[f32],
+        n: usize,
+        experts: &mut dyn ExpertSource,
+        routes_out: Option<&mut Vec<Route>>,
+        times: Option<&mut MoeTimes>,
+    ) -> Result<Vec<f32>, ModelError> {
         let h = self.hidden;
         let kk = self.top_k;
+        let t_router = Instant::now();
         let logits = self.router.forward(x, n);
         let routes: Vec<Route> = (0..n)
             .map(|t| self.route(&logits[t * self.num_experts..][..self.num_experts]))
@@ -430,17 +456,25 @@ impl Moe {
             counts: &counts,
             tokens: n as u32,
         };
+        let router_ns = t_router.elapsed().as_nanos() as u64;
         // Reads start now; the shared expert runs while they land.
+        let t_begin = Instant::now();
         experts.begin(&request).map_err(ModelError::Store)?;
+        let begin_ns = t_begin.elapsed().as_nanos() as u64;
+        let t_shared = Instant::now();
         let shared = self.shared.as_ref().map(|(mlp, gate)| {
             let s = mlp.forward(x, n);
             let g = gate.forward(x, n);
             (s, g)
         });
+        let shared_ns = t_shared.elapsed().as_nanos() as u64;
         let mut per_rank = vec![0.0f32; n * kk * h];
         let mut gathered = Vec::new();
+        let mut ffn_ns = 0u64;
+        let t_experts = Instant::now();
         experts
             .with_experts(&request, &mut |e, w| {
+                let t_ffn = Instant::now();
                 let users = &tokens_of[e as usize];
                 gathered.clear();
                 for &(t, _) in users {
@@ -464,8 +498,16 @@ impl Moe {
                         *o = v * wgt;
                     }
                 }
+                ffn_ns += t_ffn.elapsed().as_nanos() as u64;
             })
             .map_err(ModelError::Store)?;
+        let experts_ns = t_experts.elapsed().as_nanos() as u64;
+        if let Some(t) = times {
+            t.router_ns += router_ns;
+            t.shared_ns += shared_ns;
+            t.routed_ffn_ns += ffn_ns;
+            t.wait_ns += begin_ns + experts_ns.saturating_sub(ffn_ns);
+        }
         let mut out = vec![0.0f32; n * h];
         for t in 0..n {
             let o = &mut out[t * h..][..h];

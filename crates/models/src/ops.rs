@@ -96,6 +96,88 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// One token of the gated delta rule on one head's state `s` (`[dk, dv]`
+/// row-major, `dk = k.len()`, `dv = v.len()`), in two passes over `s`:
+///
+/// 1. per row `i`: `S_i *= decay`, then `kv_mem += k_i * S_i`;
+///    then `delta = (v - kv_mem) * beta`;
+/// 2. per row `i`: `S_i += k_i * delta`, then `o += q_i * S_i`.
+///
+/// Every element sees the same operations in the same order as the
+/// four-pass form (decay all, `S^T k`, `S += k delta^T`, `o = S^T q`), so
+/// results are bit-identical to it; `o` is overwritten.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_step(
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    decay: f32,
+    beta: f32,
+    delta: &mut [f32],
+    o: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked above).
+        return unsafe { delta_rule_step_avx2(s, k, q, v, decay, beta, delta, o) };
+    }
+    delta_rule_step_impl(s, k, q, v, decay, beta, delta, o)
+}
+
+/// [`delta_rule_step_impl`] compiled for AVX2 (wider vectors, the same
+/// per-element arithmetic: Rust never contracts a multiply and an add).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[allow(clippy::too_many_arguments)]
+fn delta_rule_step_avx2(
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    decay: f32,
+    beta: f32,
+    delta: &mut [f32],
+    o: &mut [f32],
+) {
+    delta_rule_step_impl(s, k, q, v, decay, beta, delta, o)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn delta_rule_step_impl(
+    s: &mut [f32],
+    k: &[f32],
+    q: &[f32],
+    v: &[f32],
+    decay: f32,
+    beta: f32,
+    delta: &mut [f32],
+    o: &mut [f32],
+) {
+    let dv = v.len();
+    assert!(s.len() == k.len() * dv && q.len() == k.len());
+    assert!(delta.len() == dv && o.len() == dv);
+    // kv_mem accumulates in `o` (reused as scratch before pass 2).
+    o.fill(0.0);
+    for (row, &ki) in s.chunks_exact_mut(dv).zip(k) {
+        for (sv, m) in row.iter_mut().zip(o.iter_mut()) {
+            *sv *= decay;
+            *m += ki * *sv;
+        }
+    }
+    for ((d, &vv), m) in delta.iter_mut().zip(v).zip(o.iter()) {
+        *d = (vv - m) * beta;
+    }
+    o.fill(0.0);
+    for ((row, &ki), &qi) in s.chunks_exact_mut(dv).zip(k).zip(q) {
+        for ((sv, &d), oo) in row.iter_mut().zip(delta.iter()).zip(o.iter_mut()) {
+            *sv += ki * d;
+            *oo += qi * *sv;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -125,6 +207,48 @@ mod tests {
         rms_norm(&x, &[1.0; 64], 0.0, &mut out);
         let ms: f32 = out.iter().map(|v| v * v).sum::<f32>() / 64.0;
         assert!((ms - 1.0).abs() < 1e-5);
+    }
+
+    /// The fused two-pass delta rule equals the four-pass form bit for bit.
+    #[test]
+    fn delta_rule_step_matches_four_pass_form() {
+        for (dk, dv) in [(4usize, 8usize), (16, 12), (128, 128), (3, 5)] {
+            let f = |i: usize, m: f32| (i as f32 * m).sin() * 0.7;
+            let s0: Vec<f32> = (0..dk * dv).map(|i| f(i, 0.37)).collect();
+            let k: Vec<f32> = (0..dk).map(|i| f(i, 1.3)).collect();
+            let q: Vec<f32> = (0..dk).map(|i| f(i, 2.1)).collect();
+            let v: Vec<f32> = (0..dv).map(|i| f(i, 0.9)).collect();
+            let (decay, beta) = (0.93f32, 0.61f32);
+            // Reference: the four-pass form.
+            let mut s = s0.clone();
+            for x in s.iter_mut() {
+                *x *= decay;
+            }
+            let mut kv = vec![0.0f32; dv];
+            for i in 0..dk {
+                axpy(k[i], &s[i * dv..][..dv], &mut kv);
+            }
+            let delta: Vec<f32> = v.iter().zip(&kv).map(|(a, b)| (a - b) * beta).collect();
+            for i in 0..dk {
+                axpy(k[i], &delta, &mut s[i * dv..][..dv]);
+            }
+            let mut o = vec![0.0f32; dv];
+            for i in 0..dk {
+                axpy(q[i], &s[i * dv..][..dv], &mut o);
+            }
+            let mut s2 = s0.clone();
+            let mut d2 = vec![0.0f32; dv];
+            let mut o2 = vec![1.0f32; dv];
+            delta_rule_step(&mut s2, &k, &q, &v, decay, beta, &mut d2, &mut o2);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&s2), bits(&s));
+            assert_eq!(bits(&d2), bits(&delta));
+            assert_eq!(bits(&o2), bits(&o));
+            let mut s3 = s0.clone();
+            let mut o3 = vec![0.0f32; dv];
+            delta_rule_step_impl(&mut s3, &k, &q, &v, decay, beta, &mut d2, &mut o3);
+            assert_eq!(bits(&o3), bits(&o));
+        }
     }
 
     #[test]

@@ -53,6 +53,84 @@ pub trait ExpertStore: ExpertSource {
     fn describe(&self) -> String;
     /// Experts held in memory, per layer.
     fn resident_experts(&self) -> Vec<Vec<u32>>;
+
+    /// Slots per layer of a bounded cache; `None` when every expert is
+    /// always resident (nothing to warm, nothing left to fill).
+    fn slot_capacity(&self) -> Option<usize> {
+        None
+    }
+
+    /// Bytes of slot memory not yet holding an expert: what the cache can
+    /// still add to the process footprint as it fills (counted once by the
+    /// memory guard, not per prefill chunk).
+    fn unfilled_slot_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Reads `resident[layer]` into that layer's slots before any token runs
+    /// (e.g. the experts a snapshot recorded), through the ordinary request
+    /// path, so counters and policy bookkeeping see them like any other
+    /// request. See [`warm_source`] for how this meets the policies. Returns
+    /// the number of experts requested. A store with no bounded cache does
+    /// nothing.
+    fn warm(&mut self, resident: &[Vec<u32>]) -> Result<usize, BoxError> {
+        match self.slot_capacity() {
+            Some(cap) => warm_source(self, resident, cap),
+            None => Ok(0),
+        }
+    }
+}
+
+/// Warms a cache of `capacity` slots per layer through `source`: for each
+/// layer one request with `tokens = 0` naming at most `capacity` of the
+/// listed experts (the first ones listed, deduplicated, then ascending as
+/// requests require), each with a count of 1, whose weights are fetched,
+/// verified and dropped.
+///
+/// How this meets the policies: it is an ordinary [`LayerCache::access`]
+/// batch, so a warmed expert is a miss (counted, bytes read) that takes a
+/// free slot, or evicts the policy's victim when the cache is already full
+/// (never another expert of the same warm batch). LFU and aging start every
+/// warmed expert at a count of 1 (counts from before the snapshot are not
+/// restored) and the aging clock does not advance (`tokens = 0`); LRU sees
+/// the batch as used at one instant. Policies with an admission filter may
+/// refuse a warmed expert, which is then read and dropped like any bypassed
+/// miss. Because it is a normal request, a route trace recorded through
+/// [`TracedStore::warm`] holds it and a replay reproduces the counters.
+///
+/// [`LayerCache::access`]: policy::LayerCache::access
+pub fn warm_source<S: ExpertSource + ?Sized>(
+    source: &mut S,
+    resident: &[Vec<u32>],
+    capacity: usize,
+) -> Result<usize, BoxError> {
+    let mut requested = 0;
+    for (layer, experts) in resident.iter().enumerate() {
+        let mut ids: Vec<u32> = Vec::with_capacity(capacity.min(experts.len()));
+        for &e in experts {
+            if ids.len() == capacity {
+                break;
+            }
+            if !ids.contains(&e) {
+                ids.push(e);
+            }
+        }
+        if ids.is_empty() {
+            continue;
+        }
+        ids.sort_unstable();
+        let counts = vec![1u32; ids.len()];
+        let req = ExpertRequest {
+            layer,
+            experts: &ids,
+            counts: &counts,
+            tokens: 0,
+        };
+        source.begin(&req)?;
+        source.with_experts(&req, &mut |_, _| {})?;
+        requested += ids.len();
+    }
+    Ok(requested)
 }
 
 /// Wraps a store and records every request into a route trace.
@@ -76,6 +154,22 @@ impl TracedStore {
     /// Marks the following requests as prefill or decode in the trace.
     pub fn set_phase(&mut self, phase: Phase) {
         self.phase = phase;
+    }
+
+    /// [`ExpertStore::warm`] on the inner store, with the warm requests
+    /// recorded in the route trace (as prefill-phase batches of 0 tokens)
+    /// so that a replay reproduces the store's counters.
+    pub fn warm(&mut self, resident: &[Vec<u32>]) -> Result<usize, BoxError> {
+        match self.inner.slot_capacity() {
+            Some(cap) => {
+                let phase = self.phase;
+                self.phase = Phase::Prefill;
+                let r = warm_source(self, resident, cap);
+                self.phase = phase;
+                r
+            }
+            None => Ok(0),
+        }
     }
 
     /// Completes the trace file (if any).

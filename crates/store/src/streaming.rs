@@ -342,6 +342,16 @@ impl ExpertStore for StreamingStore {
     fn resident_experts(&self) -> Vec<Vec<u32>> {
         self.caches.iter().map(|c| c.resident()).collect()
     }
+
+    fn slot_capacity(&self) -> Option<usize> {
+        Some(self.slots_per_layer)
+    }
+
+    fn unfilled_slot_bytes(&self) -> u64 {
+        let filled: usize = self.caches.iter().map(|c| c.resident().len()).sum();
+        let total = self.caches.len() * self.slots_per_layer;
+        (total.saturating_sub(filled) * self.stride) as u64
+    }
 }
 
 impl Drop for StreamingStore {

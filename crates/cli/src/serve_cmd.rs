@@ -1,0 +1,186 @@
+//! `slipstream serve`: the local OpenAI/Anthropic server and chat page.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use slipstream_engine::{EngineConfig, StoreChoice};
+use slipstream_server::{BackendSpec, ServerConfig};
+use slipstream_store::{PolicyKind, StreamConfig};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// A .slip model directory; the embedded demo model when omitted.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Address to listen on. Anything but loopback requires --api-key.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port (0 picks a free one; the chosen address is printed).
+    #[arg(long, default_value_t = 8091)]
+    pub port: u16,
+    /// Most tokens of prompt plus reply (default: the model's limit).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// Require this key in `Authorization: Bearer` or `x-api-key`.
+    /// Also read from SLIPSTREAM_API_KEY.
+    #[arg(long, env = "SLIPSTREAM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Requests that may wait while one runs; more get 429 (OpenAI) or 529
+    /// (Anthropic).
+    #[arg(long, default_value_t = 8)]
+    pub queue: usize,
+    /// Largest request body, e.g. 32M.
+    #[arg(long, default_value = "32M", value_parser = parse_size_arg)]
+    pub max_body: u64,
+    /// Model id listed by /v1/models (default: the model directory's name).
+    #[arg(long)]
+    pub model_name: Option<String>,
+    /// Accept any model name in requests (clients with fixed model names,
+    /// e.g. Claude Code).
+    #[arg(long)]
+    pub any_model: bool,
+    /// Most prompt tokens per prefill chunk. A disconnected client's
+    /// prefill stops at the next chunk boundary: smaller chunks cancel
+    /// sooner but read experts more often.
+    #[arg(long, default_value_t = 4096)]
+    pub prefill_chunk: usize,
+    /// Compute threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Expert slots per layer (the cache size).
+    #[arg(long, conflicts_with = "resident")]
+    pub expert_cache_slots: Option<usize>,
+    /// Replacement policy: aging, lfu, lru.
+    #[arg(long, default_value = "aging")]
+    pub expert_cache_policy: PolicyKind,
+    /// Reader threads for expert reads.
+    #[arg(long, default_value_t = 4)]
+    pub io_threads: usize,
+    /// Read experts with O_DIRECT.
+    #[arg(long)]
+    pub direct_io: bool,
+    /// Read every expert into memory at start.
+    #[arg(long)]
+    pub resident: bool,
+    /// TEST FACILITY, not for use: each request replies with the next text
+    /// of this JSON file (a list of strings), verbatim, instead of sampling
+    /// from the model. Lets tests drive tool calls through the wire formats.
+    #[arg(long, hide = true)]
+    pub test_script: Option<PathBuf>,
+}
+
+fn parse_size_arg(s: &str) -> Result<u64, String> {
+    slipstream_engine::parse_size(s)
+}
+
+/// Builds the server's settings from the arguments (no I/O but the model
+/// path check and the test script).
+pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig, BackendSpec)> {
+    slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
+    if args.queue == 0 {
+        bail!("--queue must be at least 1");
+    }
+    let store = if args.resident {
+        StoreChoice::Resident
+    } else {
+        let slots = args.expert_cache_slots.unwrap_or(64);
+        if slots == 0 {
+            bail!("--expert-cache-slots must be at least 1");
+        }
+        StoreChoice::Streaming(StreamConfig {
+            slots,
+            policy: args.expert_cache_policy,
+            io_threads: args.io_threads.max(1),
+            direct_io: args.direct_io,
+            ..StreamConfig::default()
+        })
+    };
+    let engine = EngineConfig {
+        prefill_chunk: args.prefill_chunk.max(1),
+        store,
+        route_trace: None,
+    };
+    let model_id = args.model_name.clone().unwrap_or_else(|| {
+        let stem = model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "slipstream".into());
+        if args.model.is_none() {
+            "slipstream-demo".into()
+        } else {
+            stem
+        }
+    });
+    let config = ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        queue: args.queue,
+        max_context: args.max_context,
+        max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
+        model_id,
+        any_model: args.any_model,
+        ping_interval: Duration::from_secs(2),
+    };
+    let backend = match &args.test_script {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading test script {}", p.display()))?;
+            let replies: Vec<String> = serde_json::from_str(&text)
+                .with_context(|| format!("{}: expected a JSON list of strings", p.display()))?;
+            BackendSpec::Script {
+                path: model,
+                engine,
+                replies,
+            }
+        }
+        None => BackendSpec::Model {
+            path: model,
+            engine,
+        },
+    };
+    Ok((config, backend))
+}
+
+/// Runs the server until Ctrl-C.
+pub fn serve_command(args: ServeArgs) -> Result<()> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .context("setting up compute threads")?;
+    }
+    // Refuse a bad bind before spending time on the model.
+    slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
+    let model = match &args.model {
+        Some(p) => p.clone(),
+        None => {
+            crate::demo::ensure_demo_model(&|_| {}).context("preparing the embedded demo model")?
+        }
+    };
+    let (config, backend) = server_settings(&args, model)?;
+    let server = slipstream_server::start(config, backend)?;
+    let app = &server.app;
+    eprintln!(
+        "slipstream serving {} on http://{} (context {} tokens, queue {}, {}{})",
+        app.config.model_id,
+        server.addr,
+        app.max_context,
+        app.config.queue,
+        app.info.store,
+        if app.config.api_key.is_some() {
+            ", API key required"
+        } else {
+            ""
+        }
+    );
+    eprintln!("  chat page:  http://{}/", server.addr);
+    eprintln!("  OpenAI:     OPENAI_BASE_URL=http://{}/v1", server.addr);
+    eprintln!("  Anthropic:  ANTHROPIC_BASE_URL=http://{}", server.addr);
+    // Machine-readable line for scripts and tests.
+    println!("listening on {}", server.addr);
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    server.wait()
+}

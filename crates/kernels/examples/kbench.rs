@@ -1,0 +1,68 @@
+//! Quick kernel timing: `cargo run --release -p slipstream-kernels --example kbench -- [threads]`.
+use rand::{Rng, SeedableRng};
+use slipstream_core::{QuantType, TensorView};
+use slipstream_kernels::*;
+
+fn main() {
+    let threads: usize = std::env::args()
+        .nth(1)
+        .map(|s| s.parse().unwrap())
+        .unwrap_or(1);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    for &(rows, cols, n) in &[
+        (512usize, 2048usize, 1usize),
+        (2048, 512, 1),
+        (512, 2048, 8),
+        (512, 2048, 64),
+        (65536, 2048, 1),
+    ] {
+        let q = QuantType::Q4;
+        let mut data = vec![0u8; q.nbytes(rows, cols)];
+        rng.fill(&mut data[..]);
+        let code_bytes = rows * cols / 2;
+        for p in data[code_bytes..].chunks_exact_mut(2) {
+            let v = half::f16::from_f32(rng.random_range(-0.01f32..0.01));
+            p.copy_from_slice(&v.to_le_bytes());
+        }
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut y = vec![0f32; n * rows];
+        let bytes = data.len() as f64;
+        let iters = ((2e9 / bytes / n as f64) as usize).clamp(3, 20000);
+        pool.install(|| {
+            let mut best = f64::MAX;
+            let mut best_cpu = f64::MAX;
+            for _ in 0..3 {
+                let c0 = cpu_ns();
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    matmul(&w, &x, n, &mut y);
+                }
+                best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+                best_cpu = best_cpu.min((cpu_ns() - c0) as f64 * 1e-9 / iters as f64);
+            }
+            if threads == 1 {
+                println!("   cpu-time: {:.1} us, {:.2} GB/s weights/cpu-s, {:.2} GFLOP/cpu-s", best_cpu * 1e6, bytes / best_cpu / 1e9, 2.0 * (rows * cols * n) as f64 / best_cpu / 1e9);
+            }
+            println!(
+                "[{rows}x{cols}] n={n} threads={threads}: {:.1} us, {:.2} GB/s weights, {:.2} GFLOP/s",
+                best * 1e6,
+                bytes / best / 1e9,
+                2.0 * (rows * cols * n) as f64 / best / 1e9
+            );
+        });
+    }
+}
+
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}

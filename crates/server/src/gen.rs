@@ -1,0 +1,288 @@
+//! One generation as the handlers see it: submit to the queue, then pull
+//! parsed output (content, reasoning, tool calls) until it finishes.
+//! Dropping a [`Gen`] cancels its job (the client went away).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use serde_json::Value;
+use slipstream_engine::{FinishReason, GenerationStats, SamplingParams, StreamDecoder};
+use tokio::sync::mpsc;
+
+use crate::error::{ApiError, Flavor};
+use crate::parse::{OutputEvent, OutputParser, StopFilter};
+use crate::worker::{Job, WorkerEvent};
+use crate::App;
+
+/// What a handler asks for.
+pub struct GenParams {
+    pub prompt_text: String,
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Parse `<think>` and `<tool_call>` (chat endpoints); raw text if false.
+    pub parse: bool,
+    pub parse_tools: bool,
+    pub in_reasoning: bool,
+    pub tools: Vec<Value>,
+}
+
+/// How a generation ended.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub finish: FinishReason,
+    /// The stop string that ended it, if one did.
+    pub stop_string: Option<String>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub stats: GenerationStats,
+}
+
+impl Outcome {
+    /// Share of expert lookups served from the cache.
+    pub fn expert_hit_rate(&self) -> f64 {
+        let t = self.stats.expert_hits + self.stats.expert_misses;
+        if t == 0 {
+            1.0
+        } else {
+            self.stats.expert_hits as f64 / t as f64
+        }
+    }
+
+    /// Extra figures (`slipstream` field of responses and usage chunks).
+    pub fn figures(&self) -> Value {
+        serde_json::json!({
+            "reused_prompt_tokens": self.stats.reused_prompt_tokens,
+            "time_to_first_token_s": self.stats.time_to_first_token_s,
+            "prefill_tokens_per_s": self.stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": self.stats.decode_tokens_per_s,
+            "expert_hits": self.stats.expert_hits,
+            "expert_misses": self.stats.expert_misses,
+            "expert_hit_rate": self.expert_hit_rate(),
+            "peak_rss_bytes": self.stats.peak_rss_bytes,
+        })
+    }
+}
+
+/// A step of a generation.
+#[derive(Debug)]
+pub enum Step {
+    /// The job left the queue.
+    Started,
+    Output(Vec<OutputEvent>),
+    Done(Outcome),
+    Failed(String),
+}
+
+/// Sets the cancel flag when dropped.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A submitted generation.
+pub struct Gen {
+    rx: mpsc::UnboundedReceiver<WorkerEvent>,
+    cancel: CancelOnDrop,
+    app: Arc<App>,
+    decoder: StreamDecoder,
+    stop: StopFilter,
+    parser: Option<OutputParser>,
+    stop_string: Option<String>,
+    pub prompt_tokens: usize,
+    ended: bool,
+    pending_done: Option<Outcome>,
+}
+
+/// Tokenizes, checks the context limit and queues the job.
+pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiError> {
+    let prompt = app
+        .codec
+        .encode(&p.prompt_text)
+        .map_err(|e| ApiError::bad_request(flavor, e.to_string()))?;
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request(flavor, "the prompt is empty"));
+    }
+    let limit = app.max_context;
+    if prompt.len() >= limit {
+        return Err(ApiError::bad_request(
+            flavor,
+            format!(
+                "the prompt is {} tokens, over this server's context limit of {limit} tokens (prompt plus reply); shorten it or restart the server with a larger --max-context",
+                prompt.len()
+            ),
+        )
+        .code("context_length_exceeded"));
+    }
+    let room = limit - prompt.len();
+    let max_new = p.max_tokens.unwrap_or(room).min(room);
+    if max_new == 0 {
+        return Err(
+            ApiError::bad_request(flavor, "max_tokens must be at least 1").param("max_tokens"),
+        );
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let n = prompt.len();
+    app.worker
+        .submit(Job {
+            prompt,
+            max_new_tokens: max_new,
+            sampling: p.sampling,
+            cancel: cancel.clone(),
+            events: tx,
+        })
+        .map_err(|_| ApiError::queue_full(flavor, app.worker.capacity))?;
+    let parser = p
+        .parse
+        .then(|| OutputParser::new(p.in_reasoning, p.parse_tools).with_tool_schemas(&p.tools));
+    Ok(Gen {
+        rx,
+        cancel: CancelOnDrop(cancel),
+        app: app.clone(),
+        decoder: StreamDecoder::default(),
+        stop: StopFilter::new(p.stop),
+        parser,
+        stop_string: None,
+        prompt_tokens: n,
+        ended: false,
+        pending_done: None,
+    })
+}
+
+impl Gen {
+    /// The next step; `None` after `Done` or `Failed`. Cancel-safe.
+    pub async fn next(&mut self) -> Option<Step> {
+        if let Some(o) = self.pending_done.take() {
+            self.ended = true;
+            return Some(Step::Done(o));
+        }
+        if self.ended {
+            return None;
+        }
+        loop {
+            let Some(ev) = self.rx.recv().await else {
+                self.ended = true;
+                return Some(Step::Failed("the engine thread stopped".into()));
+            };
+            match ev {
+                WorkerEvent::Started => return Some(Step::Started),
+                WorkerEvent::Token(id) => {
+                    if self.stop_string.is_some() || self.app.info.eos.contains(&id) {
+                        continue;
+                    }
+                    let piece = match self.decoder.push(&self.app.codec, id) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            self.ended = true;
+                            self.cancel.0.store(true, Ordering::SeqCst);
+                            return Some(Step::Failed(e.to_string()));
+                        }
+                    };
+                    if piece.is_empty() {
+                        continue;
+                    }
+                    let (text, hit) = self.stop.push(&piece);
+                    if hit.is_some() {
+                        // Stop the engine; the rest of its tokens are dropped.
+                        self.stop_string = hit;
+                        self.cancel.0.store(true, Ordering::SeqCst);
+                    }
+                    let ev = self.feed(&text);
+                    if !ev.is_empty() {
+                        return Some(Step::Output(ev));
+                    }
+                }
+                WorkerEvent::Done(r) => {
+                    self.ended = true;
+                    let f = match r {
+                        Ok(f) => f,
+                        Err(e) => return Some(Step::Failed(e)),
+                    };
+                    let mut ev = if self.stop_string.is_none() {
+                        let rest = self.stop.finish();
+                        self.feed(&rest)
+                    } else {
+                        Vec::new()
+                    };
+                    if let Some(p) = &mut self.parser {
+                        ev.extend(p.finish());
+                    }
+                    let finish = if self.stop_string.is_some() {
+                        FinishReason::Stop
+                    } else {
+                        f.finish
+                    };
+                    let outcome = Outcome {
+                        finish,
+                        stop_string: self.stop_string.clone(),
+                        prompt_tokens: self.prompt_tokens,
+                        completion_tokens: f.stats.generated_tokens,
+                        stats: f.stats,
+                    };
+                    if ev.is_empty() {
+                        return Some(Step::Done(outcome));
+                    }
+                    // Deliver the tail first, then Done on the next call.
+                    self.pending_done = Some(outcome);
+                    return Some(Step::Output(ev));
+                }
+            }
+        }
+    }
+
+    fn feed(&mut self, text: &str) -> Vec<OutputEvent> {
+        if text.is_empty() {
+            return Vec::new();
+        }
+        match &mut self.parser {
+            Some(p) => p.push(text),
+            None => vec![OutputEvent::Content(text.to_string())],
+        }
+    }
+}
+
+/// An SSE body fed by a task; when the client goes away the receiver is
+/// dropped, the task sees it and drops its `Gen` (which cancels).
+pub fn sse_body(rx: mpsc::Receiver<String>) -> axum::body::Body {
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|s| (Ok::<_, std::convert::Infallible>(s), rx))
+    });
+    axum::body::Body::from_stream(stream)
+}
+
+/// Response headers of an SSE stream.
+pub fn sse_response(body: axum::body::Body) -> axum::response::Response {
+    axum::response::Response::builder()
+        .header("content-type", "text/event-stream")
+        .header("cache-control", "no-cache")
+        .header("x-accel-buffering", "no")
+        .body(body)
+        .unwrap_or_default()
+}
+
+/// Waits for the next step while sending keep-alives; `None` when the
+/// client is gone (the caller returns, dropping the `Gen`).
+pub async fn next_or_ping(
+    gen: &mut Gen,
+    tx: &mpsc::Sender<String>,
+    ping: &str,
+    interval: std::time::Duration,
+) -> Option<Option<Step>> {
+    loop {
+        tokio::select! {
+            step = gen.next() => return Some(step),
+            _ = tx.closed() => return None,
+            _ = tokio::time::sleep(interval) => {
+                if tx.send(ping.to_string()).await.is_err() {
+                    return None;
+                }
+            }
+        }
+    }
+}

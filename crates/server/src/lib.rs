@@ -1,0 +1,408 @@
+//! The local server: OpenAI (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`) and Anthropic (`/v1/messages`, `/v1/messages/count_tokens`)
+//! APIs and a chat page at `/`, over one engine running on its own thread.
+//!
+//! The only crate that knows HTTP and wire JSON. One model, one sequence at
+//! a time, a bounded FIFO queue; the kept model state is the conversation
+//! prefix, so an agent's next turn prefills only its new tokens. A client
+//! that disconnects cancels its generation (between prefill chunks or
+//! tokens).
+
+pub mod anthropic;
+pub mod error;
+pub mod gen;
+pub mod openai;
+pub mod parse;
+pub mod prompt;
+pub mod worker;
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use slipstream_engine::{Engine, EngineConfig, TextCodec};
+
+use crate::error::{ApiError, Flavor};
+use crate::worker::{Backend, Info, Worker};
+
+/// Settings of a server.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub host: String,
+    /// 0 picks a free port.
+    pub port: u16,
+    /// Required in `Authorization: Bearer` or `x-api-key` when set.
+    pub api_key: Option<String>,
+    /// Requests that may wait while one runs.
+    pub queue: usize,
+    /// Most tokens of prompt plus reply; the model's own limit when `None`.
+    pub max_context: Option<usize>,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+    /// The id `/v1/models` lists and requests name.
+    pub model_id: String,
+    /// Accept any model name in requests (for clients with fixed names).
+    pub any_model: bool,
+    /// Keep-alive interval of streams while nothing else is sent.
+    pub ping_interval: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8091,
+            api_key: None,
+            queue: 8,
+            max_context: None,
+            max_body_bytes: 32 << 20,
+            model_id: "slipstream".into(),
+            any_model: false,
+            ping_interval: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What generates tokens.
+#[derive(Debug, Clone)]
+pub enum BackendSpec {
+    /// A `.slip` model.
+    Model { path: PathBuf, engine: EngineConfig },
+    /// TEST FACILITY: the model at `path` is opened for its tokenizer and
+    /// template only; each request emits the next of `replies` verbatim
+    /// (cycling) instead of sampling. See [`worker::Backend::Script`].
+    Script {
+        path: PathBuf,
+        engine: EngineConfig,
+        replies: Vec<String>,
+    },
+}
+
+/// Shared state of the handlers.
+pub struct App {
+    pub config: ServerConfig,
+    pub worker: Worker,
+    pub codec: Arc<TextCodec>,
+    pub info: Info,
+    pub max_context: usize,
+    pub started: std::time::Instant,
+}
+
+impl App {
+    /// Checks a request's model name.
+    pub fn check_model(&self, model: &str, flavor: Flavor) -> Result<(), ApiError> {
+        if self.config.any_model || model == self.config.model_id || model.is_empty() {
+            return Ok(());
+        }
+        Err(ApiError::not_found(
+            flavor,
+            format!(
+                "the model `{model}` does not exist; this server serves `{}`",
+                self.config.model_id
+            ),
+        )
+        .code("model_not_found"))
+    }
+}
+
+/// Refuses a non-loopback bind without an API key.
+pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
+    let loopback = match host.parse::<IpAddr>() {
+        Ok(ip) => ip.is_loopback(),
+        Err(_) => host.eq_ignore_ascii_case("localhost"),
+    };
+    if !loopback && api_key.is_none_or(str::is_empty) {
+        bail!(
+            "refusing to listen on {host} without --api-key: anyone who can reach this address could use the model (bind 127.0.0.1, or set a key)"
+        );
+    }
+    Ok(())
+}
+
+fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)> {
+    let (path, engine_config, replies) = match spec {
+        BackendSpec::Model { path, engine } => (path, engine, None),
+        BackendSpec::Script {
+            path,
+            engine,
+            replies,
+        } => (path, engine, Some(replies)),
+    };
+    let mut engine = Engine::open(&path, engine_config)
+        .with_context(|| format!("opening model {}", path.display()))?;
+    let codec = engine
+        .codec
+        .take()
+        .context("this model has no tokenizer; the server needs one")?;
+    let info = Info {
+        eos: engine.eos_tokens().to_vec(),
+        max_position: engine.model_config().max_position_embeddings,
+        template: engine.template.take().map(Arc::new),
+        store: engine.store_description(),
+    };
+    let backend = match replies {
+        None => Backend::Engine(Box::new(engine)),
+        Some(texts) => {
+            let mut replies = Vec::new();
+            for t in &texts {
+                replies.push(codec.encode(t)?);
+            }
+            Backend::Script {
+                replies,
+                next: 0,
+                eos: info.eos.first().copied(),
+            }
+        }
+    };
+    Ok((backend, codec, info))
+}
+
+/// A server listening on its own runtime.
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    pub app: Arc<App>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl RunningServer {
+    /// Blocks until the server stops (Ctrl-C or an error).
+    pub fn wait(mut self) -> anyhow::Result<()> {
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| anyhow::anyhow!("server thread panicked"))?,
+            None => Ok(()),
+        }
+    }
+
+    /// Stops listening.
+    pub fn shutdown(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for RunningServer {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Opens the model, binds and starts serving on a background runtime.
+pub fn start(config: ServerConfig, backend: BackendSpec) -> anyhow::Result<RunningServer> {
+    check_bind(&config.host, config.api_key.as_deref())?;
+    let (worker, codec, info) = Worker::start(config.queue, move || open_backend(backend))?;
+    let max_context = config
+        .max_context
+        .unwrap_or(info.max_position)
+        .clamp(1, info.max_position.max(1));
+    let app = Arc::new(App {
+        config: config.clone(),
+        worker,
+        codec,
+        info,
+        max_context,
+        started: std::time::Instant::now(),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let host = if config.host.eq_ignore_ascii_case("localhost") {
+        "127.0.0.1".to_string()
+    } else {
+        config.host.clone()
+    };
+    let ip: IpAddr = host
+        .parse()
+        .with_context(|| format!("--host {host:?} is not an IP address"))?;
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(SocketAddr::new(
+            ip,
+            config.port,
+        )))
+        .with_context(|| format!("binding {host}:{}", config.port))?;
+    let addr = listener.local_addr()?;
+    let router = router(app.clone());
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("slipstream-http".into())
+        .spawn(move || {
+            rt.block_on(async move {
+                axum::serve(listener, router)
+                    .with_graceful_shutdown(async move {
+                        tokio::select! {
+                            _ = rx => {}
+                            _ = tokio::signal::ctrl_c() => {}
+                        }
+                    })
+                    .await
+                    .context("serving")
+            })
+        })?;
+    Ok(RunningServer {
+        addr,
+        app,
+        shutdown: Some(tx),
+        thread: Some(thread),
+    })
+}
+
+/// All routes.
+pub fn router(app: Arc<App>) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .layer(middleware::from_fn_with_state(app.clone(), auth));
+    Router::new()
+        .route("/", get(page))
+        .route("/health", get(health))
+        .merge(api)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
+        .with_state(app)
+}
+
+/// The API's error shape by path.
+pub fn flavor_of(path: &str) -> Flavor {
+    if path.starts_with("/v1/messages") {
+        Flavor::Anthropic
+    } else {
+        Flavor::OpenAi
+    }
+}
+
+async fn auth(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    if let Some(key) = app.config.api_key.as_deref().filter(|k| !k.is_empty()) {
+        let flavor = flavor_of(req.uri().path());
+        let given = presented_key(req.headers());
+        match given {
+            None => {
+                return ApiError::unauthorized(
+                    flavor,
+                    "missing API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`",
+                )
+                .into_response()
+            }
+            Some(k) if !constant_time_eq(k.as_bytes(), key.as_bytes()) => {
+                return ApiError::unauthorized(flavor, "invalid API key").into_response()
+            }
+            Some(_) => {}
+        }
+    }
+    next.run(req).await
+}
+
+fn presented_key(h: &HeaderMap) -> Option<String> {
+    if let Some(v) = h.get("x-api-key").and_then(|v| v.to_str().ok()) {
+        return Some(v.trim().to_string());
+    }
+    let v = h.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let (scheme, rest) = v.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim().to_string())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn not_found(req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    ApiError::not_found(flavor_of(&path), format!("no route {path}")).into_response()
+}
+
+async fn method_not_allowed(req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    ApiError::new(
+        flavor_of(&path),
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("method {} not allowed on {path}", req.method()),
+    )
+    .into_response()
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let st = &app.worker.state;
+    let last = st
+        .last_stats
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    Json(serde_json::json!({
+        "status": "ok",
+        "model": app.config.model_id,
+        "max_context": app.max_context,
+        "store": app.info.store,
+        "busy": st.busy.load(Ordering::SeqCst),
+        "queue": {"pending": st.pending.load(Ordering::SeqCst), "capacity": app.worker.capacity},
+        "served": st.served.load(Ordering::SeqCst),
+        "uptime_s": app.started.elapsed().as_secs_f64(),
+        "last": last,
+    }))
+    .into_response()
+}
+
+const PAGE: &str = include_str!("../static/chat.html");
+
+async fn page(State(app): State<Arc<App>>) -> Response {
+    let html = PAGE
+        .replace(
+            "{{MODEL_JSON}}",
+            &serde_json::to_string(&app.config.model_id)
+                .unwrap_or_default()
+                .replace('<', "\\u003c"),
+        )
+        .replace("{{MODEL}}", &html_escape(&app.config.model_id))
+        .replace(
+            "{{NEEDS_KEY}}",
+            if app.config.api_key.is_some() {
+                "true"
+            } else {
+                "false"
+            },
+        );
+    (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'",
+            ),
+        ],
+        Html(html),
+    )
+        .into_response()
+}
+
+fn html_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}

@@ -1,0 +1,648 @@
+//! OpenAI API: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use slipstream_engine::{FinishReason, SamplingParams};
+use tokio::sync::mpsc;
+
+use crate::error::{parse_body, ApiError, Flavor};
+use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
+use crate::parse::{OutputEvent, ToolCall};
+use crate::prompt::{content_text, render, Conversation};
+use crate::App;
+
+const F: Flavor = Flavor::OpenAi;
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopSpec {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopSpec {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            StopSpec::One(s) => vec![s],
+            StopSpec::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, Default)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Value,
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub reasoning_content: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    pub model: String,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub max_tokens: Option<usize>,
+    pub max_completion_tokens: Option<usize>,
+    pub stop: Option<StopSpec>,
+    pub seed: Option<i64>,
+    pub n: Option<u32>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptSpec {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: String,
+    pub prompt: PromptSpec,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub max_tokens: Option<usize>,
+    pub stop: Option<StopSpec>,
+    pub seed: Option<i64>,
+    pub n: Option<u32>,
+}
+
+/// Seconds since the epoch.
+pub fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A fresh random-looking id.
+pub fn new_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    format!("{prefix}{:016x}", h.finish())
+}
+
+/// Sampling settings from request fields; OpenAI's default temperature is 1.
+pub fn sampling(
+    flavor: Flavor,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<usize>,
+    min_p: Option<f32>,
+    seed: Option<i64>,
+) -> Result<SamplingParams, ApiError> {
+    let temperature = temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(
+            ApiError::bad_request(flavor, "temperature must be between 0 and 2")
+                .param("temperature"),
+        );
+    }
+    let top_p = top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::bad_request(flavor, "top_p must be in (0, 1]").param("top_p"));
+    }
+    let min_p = min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::bad_request(flavor, "min_p must be in [0, 1]").param("min_p"));
+    }
+    let seed = match seed {
+        Some(s) => s as u64,
+        None => {
+            use std::hash::{BuildHasher, Hasher};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u64(now());
+            h.finish()
+        }
+    };
+    Ok(SamplingParams {
+        temperature,
+        top_k: top_k.unwrap_or(0),
+        top_p,
+        min_p,
+        seed,
+    })
+}
+
+fn check_stops(flavor: Flavor, stops: &[String]) -> Result<(), ApiError> {
+    if stops.len() > 16 {
+        return Err(ApiError::bad_request(flavor, "at most 16 stop sequences").param("stop"));
+    }
+    Ok(())
+}
+
+fn finish_reason(o: &Outcome, tool_calls: usize) -> &'static str {
+    match o.finish {
+        FinishReason::Length => "length",
+        _ if tool_calls > 0 => "tool_calls",
+        _ => "stop",
+    }
+}
+
+fn usage(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.stats.reused_prompt_tokens},
+    })
+}
+
+/// The OpenAI wire form of a parsed tool call.
+pub fn tool_call_json(call: &ToolCall, index: usize, id: &str) -> Value {
+    json!({
+        "index": index,
+        "id": id,
+        "type": "function",
+        "function": {
+            "name": call.name,
+            "arguments": serde_json::to_string(&call.arguments).unwrap_or_else(|_| "{}".into()),
+        }
+    })
+}
+
+/// Maps an OpenAI chat request to a conversation.
+pub fn conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
+    let mut messages = Vec::new();
+    for (i, m) in req.messages.iter().enumerate() {
+        let what = format!("messages[{i}]");
+        let role = match m.role.as_str() {
+            "developer" => "system",
+            r @ ("system" | "user" | "assistant" | "tool") => r,
+            r => {
+                return Err(ApiError::bad_request(
+                    F,
+                    format!(
+                        "{what}: unknown role `{r}` (system, developer, user, assistant, tool)"
+                    ),
+                )
+                .param(format!("{what}.role")))
+            }
+        };
+        let content = content_text(&m.content, &what)
+            .map_err(|e| ApiError::bad_request(F, e).param(format!("{what}.content")))?;
+        let mut msg = Map::new();
+        msg.insert("role".into(), role.into());
+        msg.insert("content".into(), content.into());
+        if let Some(calls) = &m.tool_calls {
+            let mut out = Vec::new();
+            for (j, c) in calls.iter().enumerate() {
+                let f = c.get("function").ok_or_else(|| {
+                    ApiError::bad_request(F, format!("{what}.tool_calls[{j}] has no `function`"))
+                })?;
+                let name = f.get("name").and_then(Value::as_str).ok_or_else(|| {
+                    ApiError::bad_request(
+                        F,
+                        format!("{what}.tool_calls[{j}].function has no `name`"),
+                    )
+                })?;
+                // Templates iterate arguments as a mapping: parse the string.
+                let args = match f.get("arguments") {
+                    Some(Value::String(s)) => serde_json::from_str::<Value>(s)
+                        .ok()
+                        .filter(Value::is_object)
+                        .unwrap_or_else(|| json!({})),
+                    Some(o @ Value::Object(_)) => o.clone(),
+                    _ => json!({}),
+                };
+                out.push(json!({
+                    "type": "function",
+                    "id": c.get("id").cloned().unwrap_or(Value::Null),
+                    "function": {"name": name, "arguments": args},
+                }));
+            }
+            msg.insert("tool_calls".into(), Value::Array(out));
+        }
+        if let Some(id) = &m.tool_call_id {
+            msg.insert("tool_call_id".into(), id.clone().into());
+        }
+        if let Some(n) = &m.name {
+            msg.insert("name".into(), n.clone().into());
+        }
+        if let Some(r) = &m.reasoning_content {
+            msg.insert("reasoning_content".into(), r.clone().into());
+        }
+        messages.push(Value::Object(msg));
+    }
+    if messages.is_empty() {
+        return Err(ApiError::bad_request(F, "messages must not be empty").param("messages"));
+    }
+    let tool_choice_none = req
+        .tool_choice
+        .as_ref()
+        .is_some_and(|c| c.as_str() == Some("none"));
+    let mut tools = Vec::new();
+    if !tool_choice_none {
+        for (i, t) in req.tools.iter().flatten().enumerate() {
+            let name = t
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str);
+            if name.is_none() {
+                return Err(ApiError::bad_request(
+                    F,
+                    format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+                )
+                .param(format!("tools[{i}]")));
+            }
+            tools.push(t.clone());
+        }
+    }
+    let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
+    let enable_thinking = extra.remove("enable_thinking").and_then(|v| v.as_bool());
+    Ok(Conversation {
+        messages,
+        tools,
+        enable_thinking,
+        extra,
+    })
+}
+
+pub async fn chat_completions(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match chat_inner(app, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_inner(
+    app: Arc<App>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: ChatRequest = parse_body(F, body)?;
+    app.check_model(&req.model, F)?;
+    if req.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
+    }
+    let conv = conversation(&req)?;
+    let rendered =
+        render(&conv, app.info.template.as_deref()).map_err(|e| ApiError::bad_request(F, e))?;
+    let stop = req.stop.map(StopSpec::into_vec).unwrap_or_default();
+    check_stops(F, &stop)?;
+    let params = GenParams {
+        prompt_text: rendered.text,
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        sampling: sampling(
+            F,
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            req.min_p,
+            req.seed,
+        )?,
+        stop,
+        parse: true,
+        parse_tools: !conv.tools.is_empty(),
+        in_reasoning: rendered.in_reasoning,
+        tools: conv.tools.clone(),
+    };
+    let gen = submit(&app, F, params)?;
+    let model = app.config.model_id.clone();
+    if req.stream {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        let (tx, rx) = mpsc::channel::<String>(64);
+        tokio::spawn(stream_chat(app, gen, tx, model, include_usage));
+        return Ok(sse_response(sse_body(rx)));
+    }
+    let mut gen = gen;
+    let mut content = String::new();
+    let mut reasoning = String::new();
+    let mut calls = Vec::new();
+    let outcome = loop {
+        match gen.next().await {
+            Some(Step::Started) => {}
+            Some(Step::Output(evs)) => {
+                for ev in evs {
+                    match ev {
+                        OutputEvent::Content(t) => content.push_str(&t),
+                        OutputEvent::Reasoning(t) => reasoning.push_str(&t),
+                        OutputEvent::ToolCall(c) => {
+                            let i = calls.len();
+                            calls.push(tool_call_json(&c, i, &new_id("call_")));
+                        }
+                    }
+                }
+            }
+            Some(Step::Done(o)) => break o,
+            Some(Step::Failed(e)) => return Err(ApiError::internal(F, e)),
+            None => return Err(ApiError::internal(F, "generation ended early")),
+        }
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = reasoning.into();
+    }
+    if !calls.is_empty() {
+        if content.is_empty() {
+            message["content"] = Value::Null;
+        }
+        for c in calls.iter_mut() {
+            if let Some(o) = c.as_object_mut() {
+                o.remove("index");
+            }
+        }
+        message["tool_calls"] = Value::Array(calls.clone());
+    }
+    Ok(Json(json!({
+        "id": new_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": now(),
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": message,
+            "logprobs": null,
+            "finish_reason": finish_reason(&outcome, calls.len()),
+        }],
+        "usage": usage(&outcome),
+        "slipstream": outcome.figures(),
+    }))
+    .into_response())
+}
+
+fn data(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+async fn stream_chat(
+    app: Arc<App>,
+    mut gen: Gen,
+    tx: mpsc::Sender<String>,
+    model: String,
+    include_usage: bool,
+) {
+    let id = new_id("chatcmpl-");
+    let created = now();
+    let chunk = |delta: Value, finish: Value| {
+        data(&json!({
+            "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        }))
+    };
+    if tx
+        .send(chunk(
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        ))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let mut calls = 0usize;
+    let interval = app.config.ping_interval;
+    loop {
+        let Some(step) = next_or_ping(&mut gen, &tx, ": ping\n\n", interval).await else {
+            return; // client gone: dropping `gen` cancels
+        };
+        let msgs: Vec<String> = match step {
+            None => return,
+            Some(Step::Started) => continue,
+            Some(Step::Output(evs)) => evs
+                .into_iter()
+                .map(|ev| match ev {
+                    OutputEvent::Content(t) => chunk(json!({"content": t}), Value::Null),
+                    OutputEvent::Reasoning(t) => {
+                        chunk(json!({"reasoning_content": t}), Value::Null)
+                    }
+                    OutputEvent::ToolCall(c) => {
+                        calls += 1;
+                        let call = tool_call_json(&c, calls - 1, &new_id("call_"));
+                        chunk(json!({"tool_calls": [call]}), Value::Null)
+                    }
+                })
+                .collect(),
+            Some(Step::Done(o)) => {
+                let mut v = vec![chunk(json!({}), finish_reason(&o, calls).into())];
+                if include_usage {
+                    v.push(data(&json!({
+                        "id": id, "object": "chat.completion.chunk", "created": created,
+                        "model": model, "choices": [], "usage": usage(&o),
+                        "slipstream": o.figures(),
+                    })));
+                }
+                v.push("data: [DONE]\n\n".into());
+                for m in v {
+                    if tx.send(m).await.is_err() {
+                        return;
+                    }
+                }
+                return;
+            }
+            Some(Step::Failed(e)) => {
+                let _ = tx.send(data(&ApiError::internal(F, e).body())).await;
+                return;
+            }
+        };
+        for m in msgs {
+            if tx.send(m).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+pub async fn completions(
+    State(app): State<Arc<App>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match completions_inner(app, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completions_inner(
+    app: Arc<App>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let req: CompletionRequest = parse_body(F, body)?;
+    app.check_model(&req.model, F)?;
+    if req.n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
+    }
+    let prompt = match req.prompt {
+        PromptSpec::One(s) => s,
+        PromptSpec::Many(mut v) if v.len() == 1 => v.remove(0),
+        PromptSpec::Many(_) => {
+            return Err(
+                ApiError::bad_request(F, "only one prompt per request is supported")
+                    .param("prompt"),
+            )
+        }
+    };
+    let stop = req.stop.map(StopSpec::into_vec).unwrap_or_default();
+    check_stops(F, &stop)?;
+    let params = GenParams {
+        prompt_text: prompt,
+        max_tokens: Some(req.max_tokens.unwrap_or(16)),
+        sampling: sampling(
+            F,
+            req.temperature,
+            req.top_p,
+            req.top_k,
+            req.min_p,
+            req.seed,
+        )?,
+        stop,
+        parse: false,
+        parse_tools: false,
+        in_reasoning: false,
+        tools: Vec::new(),
+    };
+    let mut gen = submit(&app, F, params)?;
+    let model = app.config.model_id.clone();
+    let id = new_id("cmpl-");
+    let created = now();
+    if req.stream {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        let (tx, rx) = mpsc::channel::<String>(64);
+        let interval = app.config.ping_interval;
+        tokio::spawn(async move {
+            let chunk = |text: &str, finish: Value| {
+                data(
+                    &json!({"id": id, "object": "text_completion", "created": created,
+                    "model": model, "choices": [{"index": 0, "text": text, "logprobs": null,
+                    "finish_reason": finish}]}),
+                )
+            };
+            loop {
+                let Some(step) = next_or_ping(&mut gen, &tx, ": ping\n\n", interval).await else {
+                    return;
+                };
+                let msgs = match step {
+                    None => return,
+                    Some(Step::Started) => continue,
+                    Some(Step::Output(evs)) => evs
+                        .into_iter()
+                        .filter_map(|e| match e {
+                            OutputEvent::Content(t) => Some(chunk(&t, Value::Null)),
+                            _ => None,
+                        })
+                        .collect::<Vec<_>>(),
+                    Some(Step::Done(o)) => {
+                        let mut v = vec![chunk("", finish_reason(&o, 0).into())];
+                        if include_usage {
+                            v.push(data(&json!({"id": id, "object": "text_completion",
+                                "created": created, "model": model, "choices": [],
+                                "usage": usage(&o)})));
+                        }
+                        v.push("data: [DONE]\n\n".into());
+                        v
+                    }
+                    Some(Step::Failed(e)) => vec![data(&ApiError::internal(F, e).body())],
+                };
+                let last = msgs.last().is_some_and(|m| m.starts_with("data: [DONE]"));
+                for m in msgs {
+                    if tx.send(m).await.is_err() {
+                        return;
+                    }
+                }
+                if last {
+                    return;
+                }
+            }
+        });
+        return Ok(sse_response(sse_body(rx)));
+    }
+    let mut text = String::new();
+    let outcome = loop {
+        match gen.next().await {
+            Some(Step::Started) => {}
+            Some(Step::Output(evs)) => {
+                for e in evs {
+                    if let OutputEvent::Content(t) = e {
+                        text.push_str(&t);
+                    }
+                }
+            }
+            Some(Step::Done(o)) => break o,
+            Some(Step::Failed(e)) => return Err(ApiError::internal(F, e)),
+            None => return Err(ApiError::internal(F, "generation ended early")),
+        }
+    };
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": null,
+            "finish_reason": finish_reason(&outcome, 0)}],
+        "usage": usage(&outcome),
+        "slipstream": outcome.figures(),
+    }))
+    .into_response())
+}
+
+fn model_json(app: &App) -> Value {
+    json!({
+        "id": app.config.model_id,
+        "object": "model",
+        "created": now(),
+        "owned_by": "slipstream",
+        "max_context": app.max_context,
+    })
+}
+
+pub async fn models(State(app): State<Arc<App>>) -> Response {
+    Json(json!({"object": "list", "data": [model_json(&app)]})).into_response()
+}
+
+pub async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    if id == app.config.model_id || app.config.any_model {
+        Json(model_json(&app)).into_response()
+    } else {
+        ApiError::not_found(F, format!("the model `{id}` does not exist"))
+            .code("model_not_found")
+            .into_response()
+    }
+}

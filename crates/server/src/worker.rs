@@ -1,0 +1,229 @@
+//! The engine thread: one model, one sequence at a time, jobs taken in FIFO
+//! order from a bounded queue. The engine is synchronous and not `Sync`, so
+//! it lives on this thread alone; requests talk to it through channels.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use slipstream_engine::{
+    Engine, FinishReason, GenerateRequest, GenerationStats, SamplingParams, TextCodec,
+};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What a request asks the engine for.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub cancel: Arc<AtomicBool>,
+    pub events: UnboundedSender<WorkerEvent>,
+}
+
+/// What the engine sends back, in order: `Started`, `Token`s, `Done`.
+#[derive(Debug)]
+pub enum WorkerEvent {
+    /// The job left the queue; prefill begins.
+    Started,
+    Token(u32),
+    Done(Result<Finished, String>),
+}
+
+#[derive(Debug, Clone)]
+pub struct Finished {
+    pub finish: FinishReason,
+    pub stats: GenerationStats,
+}
+
+/// Where tokens come from.
+pub enum Backend {
+    /// The model, with the kept conversation state.
+    Engine(Box<Engine>),
+    /// TEST FACILITY (`serve --test-script`): instead of sampling, each
+    /// request emits the next of these texts (cycling), tokenized, then
+    /// EOS. Lets tests drive tool calls and reasoning through the real wire
+    /// formats with a model that would never produce them.
+    Script {
+        replies: Vec<Vec<u32>>,
+        next: usize,
+        eos: Option<u32>,
+    },
+}
+
+/// Shared view of the queue.
+#[derive(Debug, Default)]
+pub struct QueueState {
+    /// Jobs submitted and not yet taken by the engine thread.
+    pub pending: AtomicUsize,
+    /// True while a job runs.
+    pub busy: AtomicBool,
+    pub served: AtomicUsize,
+    /// Last finished generation's figures (for /health and the page).
+    pub last_stats: Mutex<Option<GenerationStats>>,
+}
+
+/// Handle to the engine thread.
+pub struct Worker {
+    tx: Mutex<mpsc::Sender<Job>>,
+    pub capacity: usize,
+    pub state: Arc<QueueState>,
+}
+
+#[derive(Debug)]
+pub struct QueueFull;
+
+impl Worker {
+    /// Starts the thread; `backend` is built on it.
+    pub fn start<F>(capacity: usize, make: F) -> anyhow::Result<(Worker, Arc<TextCodec>, Info)>
+    where
+        F: FnOnce() -> anyhow::Result<(Backend, TextCodec, Info)> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let state = Arc::new(QueueState::default());
+        let st = state.clone();
+        std::thread::Builder::new()
+            .name("slipstream-engine".into())
+            .spawn(move || {
+                let (backend, codec, info) = match make() {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let codec = Arc::new(codec);
+                let _ = ready_tx.send(Ok((codec.clone(), info)));
+                run(backend, rx, st);
+            })?;
+        let (codec, info) = ready_rx
+            .recv()
+            .map_err(|_| anyhow::anyhow!("the engine thread died while opening the model"))??;
+        Ok((
+            Worker {
+                tx: Mutex::new(tx),
+                capacity,
+                state,
+            },
+            codec,
+            info,
+        ))
+    }
+
+    /// Queues a job, or refuses it when `capacity` jobs already wait.
+    pub fn submit(&self, job: Job) -> Result<(), QueueFull> {
+        let prev = self.state.pending.fetch_add(1, Ordering::SeqCst);
+        if prev >= self.capacity {
+            self.state.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(QueueFull);
+        }
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        if tx.send(job).is_err() {
+            self.state.pending.fetch_sub(1, Ordering::SeqCst);
+            return Err(QueueFull);
+        }
+        Ok(())
+    }
+}
+
+/// What the server needs to know about the model, read on the engine thread.
+#[derive(Clone)]
+pub struct Info {
+    pub eos: Vec<u32>,
+    pub max_position: usize,
+    pub template: Option<Arc<slipstream_engine::ChatTemplate>>,
+    pub store: String,
+}
+
+fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
+    let mut state = match &backend {
+        Backend::Engine(e) => Some(e.new_state()),
+        Backend::Script { .. } => None,
+    };
+    while let Ok(job) = rx.recv() {
+        st.pending.fetch_sub(1, Ordering::SeqCst);
+        if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
+            let _ = job.events.send(WorkerEvent::Done(Err("cancelled".into())));
+            continue;
+        }
+        st.busy.store(true, Ordering::SeqCst);
+        let _ = job.events.send(WorkerEvent::Started);
+        let events = job.events.clone();
+        let cancel = job.cancel.clone();
+        let mut on_token = |id: u32| {
+            let ok = events.send(WorkerEvent::Token(id)).is_ok();
+            if !ok {
+                cancel.store(true, Ordering::SeqCst);
+            }
+            ok && !cancel.load(Ordering::SeqCst)
+        };
+        let result = match &mut backend {
+            Backend::Engine(engine) => {
+                let req = GenerateRequest {
+                    prompt: job.prompt.clone(),
+                    max_new_tokens: job.max_new_tokens,
+                    sampling: job.sampling.clone(),
+                    stop_tokens: Vec::new(),
+                    keep_logits: false,
+                    cancel: Some(job.cancel.clone()),
+                };
+                let state = state.get_or_insert_with(|| engine.new_state());
+                // A panic in the model must not take the server down.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine.generate_with_state(state, &req, &mut on_token)
+                }));
+                match r {
+                    Ok(Ok(g)) => Ok(Finished {
+                        finish: g.finish,
+                        stats: g.stats,
+                    }),
+                    Ok(Err(e)) => Err(e.to_string()),
+                    Err(_) => {
+                        *state = engine.new_state();
+                        Err("internal error in the engine".to_string())
+                    }
+                }
+            }
+            Backend::Script { replies, next, eos } => {
+                let reply = replies.get(*next % replies.len().max(1)).cloned();
+                *next += 1;
+                let mut toks = reply.unwrap_or_default();
+                toks.truncate(job.max_new_tokens);
+                let mut finish = FinishReason::Length;
+                let mut n = 0;
+                let t0 = std::time::Instant::now();
+                let mut all = toks.clone();
+                if all.len() < job.max_new_tokens {
+                    all.extend(eos.iter());
+                }
+                for id in all {
+                    n += 1;
+                    if !on_token(id) {
+                        finish = FinishReason::Cancelled;
+                        break;
+                    }
+                    if Some(id) == *eos {
+                        finish = FinishReason::Stop;
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+                Ok(Finished {
+                    finish,
+                    stats: GenerationStats {
+                        prompt_tokens: job.prompt.len(),
+                        generated_tokens: n,
+                        time_to_first_token_s: 0.0,
+                        decode_tokens_per_s: n as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+                        ..Default::default()
+                    },
+                })
+            }
+        };
+        if let Ok(f) = &result {
+            *st.last_stats.lock().unwrap_or_else(|e| e.into_inner()) = Some(f.stats.clone());
+        }
+        st.busy.store(false, Ordering::SeqCst);
+        st.served.fetch_add(1, Ordering::SeqCst);
+        let _ = job.events.send(WorkerEvent::Done(result));
+    }
+}

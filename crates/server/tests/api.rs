@@ -1,0 +1,887 @@
+//! Starts real servers on ephemeral loopback ports over the demo model and
+//! drives them with a plain HTTP client.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use slipstream_engine::{EngineConfig, StoreChoice};
+use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig};
+
+/// The demo model, repacked once per test process.
+fn demo_model() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("server-demo-{}.slip", std::process::id()));
+        slipstream_repack::repack(
+            &slipstream_repack::RepackOptions {
+                input: root.join("models/demo"),
+                output: target.clone(),
+                quant: slipstream_repack::QuantChoice::Q4,
+            },
+            &|_| {},
+        )
+        .expect("repacking the demo model");
+        target
+    })
+    .clone()
+}
+
+fn engine() -> EngineConfig {
+    EngineConfig {
+        prefill_chunk: 16,
+        store: StoreChoice::Resident,
+        route_trace: None,
+    }
+}
+
+fn config() -> ServerConfig {
+    ServerConfig {
+        port: 0,
+        model_id: "demo".into(),
+        ping_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+fn server(config: ServerConfig) -> RunningServer {
+    start(
+        config,
+        BackendSpec::Model {
+            path: demo_model(),
+            engine: engine(),
+        },
+    )
+    .expect("server starts")
+}
+
+fn scripted(config: ServerConfig, replies: &[&str]) -> RunningServer {
+    start(
+        config,
+        BackendSpec::Script {
+            path: demo_model(),
+            engine: engine(),
+            replies: replies.iter().map(|s| s.to_string()).collect(),
+        },
+    )
+    .expect("server starts")
+}
+
+fn url(s: &RunningServer, path: &str) -> String {
+    format!("http://{}{}", s.addr, path)
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+async fn post(s: &RunningServer, path: &str, body: Value) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(url(s, path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")),
+    )
+}
+
+async fn post_raw(s: &RunningServer, path: &str, body: &'static str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(url(s, path))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")),
+    )
+}
+
+/// Parses an SSE body into (event name, data) pairs.
+fn sse(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut name = String::new();
+        let mut data = None;
+        for line in block.lines() {
+            if let Some(n) = line.strip_prefix("event: ") {
+                name = n.to_string();
+            } else if let Some(d) = line.strip_prefix("data: ") {
+                data = Some(d.to_string());
+            }
+        }
+        if let Some(d) = data {
+            out.push((name, d));
+        }
+    }
+    out
+}
+
+async fn post_stream(s: &RunningServer, path: &str, body: Value) -> (u16, Vec<(String, String)>) {
+    let r = reqwest::Client::new()
+        .post(url(s, path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let ct = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string());
+    let text = r.text().await.unwrap();
+    if status == 200 {
+        assert_eq!(ct.as_deref(), Some("text/event-stream"));
+    }
+    (status, sse(&text))
+}
+
+fn openai_error(v: &Value) -> &str {
+    v["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not an OpenAI error: {v}"))
+}
+
+fn anthropic_error(v: &Value) -> (&str, &str) {
+    assert_eq!(v["type"], "error", "{v}");
+    (
+        v["error"]["type"].as_str().unwrap(),
+        v["error"]["message"].as_str().unwrap(),
+    )
+}
+
+#[test]
+fn health_models_and_page() {
+    let s = server(config());
+    rt().block_on(async {
+        let h: Value = reqwest::get(url(&s, "/health"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(h["status"], "ok");
+        let m: Value = reqwest::get(url(&s, "/v1/models"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(m["data"][0]["id"], "demo");
+        let r = reqwest::get(url(&s, "/")).await.unwrap();
+        assert_eq!(r.status(), 200);
+        let html = r.text().await.unwrap();
+        assert!(html.contains("<script>") && html.contains("/v1/chat/completions"));
+        assert!(
+            !html.contains("http://") && !html.contains("https://"),
+            "no external assets"
+        );
+        let r = reqwest::get(url(&s, "/nope")).await.unwrap();
+        assert_eq!(r.status(), 404);
+        let v: Value = r.json().await.unwrap();
+        openai_error(&v);
+    });
+}
+
+#[test]
+fn openai_chat_non_streaming_and_streaming() {
+    let s = server(config());
+    rt().block_on(async {
+        let body = json!({"model": "demo", "messages": [{"role": "user", "content": "And it came to pass"}],
+            "max_tokens": 8, "temperature": 0, "seed": 1});
+        let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["object"], "chat.completion");
+        let u = &v["usage"];
+        assert!(u["prompt_tokens"].as_u64().unwrap() > 3);
+        let n = u["completion_tokens"].as_u64().unwrap();
+        assert!((1..=8).contains(&n));
+        assert_eq!(
+            u["total_tokens"].as_u64().unwrap(),
+            u["prompt_tokens"].as_u64().unwrap() + n
+        );
+        let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        let fr = v["choices"][0]["finish_reason"].as_str().unwrap();
+        assert!(fr == "length" || fr == "stop");
+
+        // The same request streamed: same text (greedy), usage at the end.
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        sb["stream_options"] = json!({"include_usage": true});
+        let (st, ev) = post_stream(&s, "/v1/chat/completions", sb).await;
+        assert_eq!(st, 200);
+        assert_eq!(ev.last().unwrap().1, "[DONE]");
+        let mut text = String::new();
+        let mut usage = None;
+        let mut finish = None;
+        for (_, d) in &ev[..ev.len() - 1] {
+            let c: Value = serde_json::from_str(d).unwrap();
+            assert_eq!(c["object"], "chat.completion.chunk");
+            if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
+                usage = Some(u.clone());
+                continue;
+            }
+            if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+                text.push_str(t);
+            }
+            if let Some(f) = c["choices"][0]["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+        assert_eq!(text, content);
+        assert_eq!(finish.as_deref(), Some(fr));
+        let usage = usage.expect("usage chunk");
+        assert_eq!(usage["completion_tokens"].as_u64().unwrap(), n);
+
+        // The next turn of the conversation prefills only its new tokens.
+        let prompt1 = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let turn2 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
+            {"role": "user", "content": "And it came to pass"},
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "And God said"}]});
+        let (st, v) = post(&s, "/v1/chat/completions", turn2).await;
+        assert_eq!(st, 200, "{v}");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached >= prompt1, "cached {cached} of {v}");
+        assert!(v["slipstream"]["decode_tokens_per_s"].is_number());
+    });
+}
+
+#[test]
+fn openai_completions() {
+    let s = server(config());
+    rt().block_on(async {
+        let (st, v) = post(
+            &s,
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "In the beginning", "max_tokens": 5, "temperature": 0}),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["object"], "text_completion");
+        assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
+        assert!(v["choices"][0]["text"].is_string());
+        let (st, ev) = post_stream(
+            &s,
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "In the beginning", "max_tokens": 5, "stream": true}),
+        )
+        .await;
+        assert_eq!(st, 200);
+        assert_eq!(ev.last().unwrap().1, "[DONE]");
+    });
+}
+
+#[test]
+fn anthropic_messages_non_streaming_streaming_and_count() {
+    let s = server(config());
+    rt().block_on(async {
+        let body = json!({"model": "demo", "max_tokens": 6, "system": "You are a scribe.",
+            "messages": [{"role": "user", "content": "And God said"}], "temperature": 0});
+        let (st, c) = post(&s, "/v1/messages/count_tokens", body.clone()).await;
+        assert_eq!(st, 200, "{c}");
+        let count = c["input_tokens"].as_u64().unwrap();
+        let (st, v) = post(&s, "/v1/messages", body.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["type"], "message");
+        assert_eq!(v["role"], "assistant");
+        let u = &v["usage"];
+        assert_eq!(
+            u["input_tokens"].as_u64().unwrap() + u["cache_read_input_tokens"].as_u64().unwrap(),
+            count
+        );
+        assert!(u["output_tokens"].as_u64().unwrap() <= 6);
+        let sr = v["stop_reason"].as_str().unwrap();
+        assert!(sr == "max_tokens" || sr == "end_turn", "{sr}");
+
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let (st, ev) = post_stream(&s, "/v1/messages", sb).await;
+        assert_eq!(st, 200);
+        let names: Vec<&str> = ev.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names[0], "message_start");
+        assert!(names.contains(&"ping"));
+        assert_eq!(names[names.len() - 1], "message_stop");
+        assert_eq!(names[names.len() - 2], "message_delta");
+        let start: Value = serde_json::from_str(&ev[0].1).unwrap();
+        assert_eq!(
+            start["message"]["usage"]["input_tokens"].as_u64().unwrap(),
+            count
+        );
+        let real: Vec<&str> = names.iter().copied().filter(|n| *n != "ping").collect();
+        if real.len() > 3 {
+            assert_eq!(real[1], "content_block_start");
+            assert_eq!(real[real.len() - 3], "content_block_stop");
+        }
+        let text: String = ev
+            .iter()
+            .filter(|(n, _)| n == "content_block_delta")
+            .map(|(_, d)| {
+                let v: Value = serde_json::from_str(d).unwrap();
+                v["delta"]["text"].as_str().unwrap_or("").to_string()
+            })
+            .collect();
+        let whole: String = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|b| b["text"].as_str())
+            .collect();
+        assert_eq!(text, whole);
+    });
+}
+
+#[test]
+fn malformed_requests_get_errors_in_each_apis_shape() {
+    let mut c = config();
+    c.max_context = Some(64);
+    c.max_body_bytes = 4096;
+    let s = server(c);
+    rt().block_on(async {
+        // OpenAI shape.
+        let (st, v) = post_raw(&s, "/v1/chat/completions", "{not json").await;
+        assert_eq!(st, 400);
+        assert!(openai_error(&v).contains("not valid JSON"), "{v}");
+        let (st, v) = post_raw(&s, "/v1/chat/completions", "").await;
+        assert_eq!(st, 400);
+        openai_error(&v);
+        let (st, v) = post(&s, "/v1/chat/completions", json!({"model": "demo", "messages": "hi"})).await;
+        assert_eq!(st, 400);
+        openai_error(&v);
+        let (st, v) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        openai_error(&v);
+        let (st, v) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        assert!(openai_error(&v).contains("wizard"));
+        let (st, v) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(st, 404);
+        assert_eq!(v["error"]["code"], "model_not_found");
+        let long = "and it came to pass ".repeat(40);
+        let (st, v) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "user", "content": long}]}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        assert!(openai_error(&v).contains("context limit of 64"), "{v}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        let huge = "x".repeat(10_000);
+        let (st, v) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "user", "content": huge}]}),
+        )
+        .await;
+        assert_eq!(st, 413);
+        openai_error(&v);
+        let (st, v) = post(&s, "/v1/completions", json!({"model": "demo", "prompt": 5})).await;
+        assert_eq!(st, 400);
+        openai_error(&v);
+
+        // Anthropic shape.
+        let (st, v) = post_raw(&s, "/v1/messages", "[1,2").await;
+        assert_eq!(st, 400);
+        assert_eq!(anthropic_error(&v).0, "invalid_request_error");
+        let (st, v) = post(
+            &s,
+            "/v1/messages",
+            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        assert!(anthropic_error(&v).1.contains("max_tokens"));
+        let (st, v) = post(
+            &s,
+            "/v1/messages",
+            json!({"model": "demo", "max_tokens": "many", "messages": []}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        anthropic_error(&v);
+        let (st, v) = post(
+            &s,
+            "/v1/messages",
+            json!({"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+        assert_eq!(st, 404);
+        assert_eq!(anthropic_error(&v).0, "not_found_error");
+        let (st, v) = post(
+            &s,
+            "/v1/messages",
+            json!({"model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        anthropic_error(&v);
+        let (st, v) = post(
+            &s,
+            "/v1/messages/count_tokens",
+            json!({"model": "demo", "messages": [{"role": "user", "content": long}]}),
+        )
+        .await;
+        assert_eq!(st, 200, "count_tokens has no context limit: {v}");
+        let (st, v) = post(
+            &s,
+            "/v1/messages",
+            json!({"model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": long}]}),
+        )
+        .await;
+        assert_eq!(st, 400);
+        assert!(anthropic_error(&v).1.contains("context limit"));
+        let r = reqwest::get(url(&s, "/v1/messages")).await.unwrap();
+        assert_eq!(r.status(), 405);
+        let v: Value = r.json().await.unwrap();
+        anthropic_error(&v);
+        // Still serving.
+        let (st, _) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(st, 200);
+    });
+}
+
+#[test]
+fn api_key_is_checked() {
+    let mut c = config();
+    c.api_key = Some("sekrit".into());
+    let s = server(c);
+    rt().block_on(async {
+        let client = reqwest::Client::new();
+        let body = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+        let r = client.post(url(&s, "/v1/chat/completions")).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 401);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["type"], "authentication_error");
+        let r = client
+            .post(url(&s, "/v1/messages"))
+            .header("x-api-key", "wrong")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(anthropic_error(&v).0, "authentication_error");
+        let r = client
+            .post(url(&s, "/v1/chat/completions"))
+            .bearer_auth("sekrit")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let r = client
+            .post(url(&s, "/v1/messages"))
+            .header("x-api-key", "sekrit")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let r = client.get(url(&s, "/v1/models")).send().await.unwrap();
+        assert_eq!(r.status(), 401);
+        // Health and the page stay open (the page asks for the key).
+        assert_eq!(client.get(url(&s, "/health")).send().await.unwrap().status(), 200);
+        assert_eq!(client.get(url(&s, "/")).send().await.unwrap().status(), 200);
+    });
+}
+
+#[test]
+fn non_loopback_bind_without_key_is_refused() {
+    let mut c = config();
+    c.host = "0.0.0.0".into();
+    let err = start(
+        c,
+        BackendSpec::Model {
+            path: demo_model(),
+            engine: engine(),
+        },
+    )
+    .err()
+    .expect("refused");
+    assert!(err.to_string().contains("--api-key"), "{err}");
+    assert!(slipstream_server::check_bind("::", Some("")).is_err());
+    assert!(slipstream_server::check_bind("192.168.1.5", None).is_err());
+    assert!(slipstream_server::check_bind("0.0.0.0", Some("k")).is_ok());
+    assert!(slipstream_server::check_bind("127.0.0.1", None).is_ok());
+    assert!(slipstream_server::check_bind("::1", None).is_ok());
+    assert!(slipstream_server::check_bind("localhost", None).is_ok());
+}
+
+fn long_stream_body() -> Value {
+    long_completion(true)
+}
+
+/// Polls /health until the engine is idle.
+async fn wait_idle(s: &RunningServer, within: Duration) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let h: Value = reqwest::get(url(s, "/health"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if h["busy"] == false && h["queue"]["pending"] == 0 {
+            return t0.elapsed();
+        }
+        assert!(t0.elapsed() < within, "engine still busy: {h}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn busy(s: &RunningServer) -> bool {
+    let h: Value = reqwest::get(url(s, "/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    h["busy"] == true
+}
+
+/// A raw-text completion that runs for a long time (KJV text rarely ends).
+fn long_completion(stream: bool) -> Value {
+    json!({"model": "demo", "prompt": "And it came to pass, when the king", "max_tokens": 15000,
+        "temperature": 1.0, "seed": 7, "stream": stream})
+}
+
+#[test]
+fn cancel_on_disconnect_frees_the_engine() {
+    let mut c = config();
+    c.max_context = Some(16000);
+    let s = server(c);
+    rt().block_on(async {
+        // Streaming: read a little, then drop the connection.
+        let client = reqwest::Client::new();
+        let mut r = client
+            .post(url(&s, "/v1/completions"))
+            .json(&long_completion(true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        for _ in 0..3 {
+            r.chunk().await.unwrap().expect("chunks");
+        }
+        assert!(busy(&s).await, "the engine should still be generating");
+        drop(r);
+        drop(client);
+        let idle = wait_idle(&s, Duration::from_secs(10)).await;
+        eprintln!("streaming disconnect: engine idle after {idle:?}");
+
+        // Non-streaming: a raw connection sends the request and hangs up
+        // while the engine generates.
+        let body = serde_json::to_string(&long_completion(false)).unwrap();
+        let mut t = tokio::net::TcpStream::connect(s.addr).await.unwrap();
+        use tokio::io::AsyncWriteExt;
+        t.write_all(
+            format!(
+                "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let t0 = Instant::now();
+        while !busy(&s).await {
+            assert!(t0.elapsed() < Duration::from_secs(10));
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(busy(&s).await, "the engine should still be generating");
+        drop(t);
+        let idle = wait_idle(&s, Duration::from_secs(10)).await;
+        eprintln!("non-streaming disconnect: engine idle after {idle:?}");
+
+        // The next request is served promptly.
+        let t0 = Instant::now();
+        let (st, v) = post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        )
+        .await;
+        assert_eq!(st, 200, "{v}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    });
+}
+
+#[test]
+fn full_queue_is_refused() {
+    let mut c = config();
+    c.queue = 1;
+    c.max_context = Some(16000);
+    let s = server(c);
+    rt().block_on(async {
+        let client = reqwest::Client::new();
+        // One running...
+        let mut a = client
+            .post(url(&s, "/v1/completions"))
+            .json(&long_stream_body())
+            .send()
+            .await
+            .unwrap();
+        a.chunk().await.unwrap();
+        a.chunk().await.unwrap();
+        // ...one waiting...
+        let b = client
+            .post(url(&s, "/v1/completions"))
+            .json(&long_stream_body())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(b.status(), 200);
+        // ...and the next is refused, in each API's shape.
+        let body = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+        let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, 429);
+        assert_eq!(v["error"]["code"], "queue_full");
+        let (st, v) = post(&s, "/v1/messages", body.clone()).await;
+        assert_eq!(st, 529);
+        assert_eq!(anthropic_error(&v).0, "overloaded_error");
+        drop(a);
+        drop(b);
+        wait_idle(&s, Duration::from_secs(10)).await;
+        let (st, _) = post(&s, "/v1/chat/completions", body).await;
+        assert_eq!(st, 200);
+    });
+}
+
+const QWEN3_CALL: &str = "<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+const CODER_CALL: &str = "Checking.\n<tool_call>\n<function=read_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n<parameter=limit>\n20\n</parameter>\n</function>\n</tool_call>";
+
+fn tools() -> Value {
+    json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object",
+        "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}}}}}])
+}
+
+#[test]
+fn openai_tool_calls_on_the_wire() {
+    let s = scripted(
+        config(),
+        &[QWEN3_CALL, CODER_CALL, "It is sunny. STOP here"],
+    );
+    rt().block_on(async {
+        let mut body = json!({"model": "demo", "tools": tools(),
+            "messages": [{"role": "user", "content": "weather in Paris?"}]});
+        let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(m["reasoning_content"], "The user wants weather.");
+        assert!(m["content"].is_null());
+        let call = &m["tool_calls"][0];
+        assert_eq!(call["type"], "function");
+        assert_eq!(call["function"]["name"], "get_weather");
+        let args: Value =
+            serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"city": "Paris"}));
+        let id = call["id"].as_str().unwrap().to_string();
+
+        // Streamed, XML form.
+        body["stream"] = json!(true);
+        let (st, ev) = post_stream(&s, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(st, 200);
+        let chunks: Vec<Value> = ev
+            .iter()
+            .filter(|(_, d)| d != "[DONE]")
+            .map(|(_, d)| serde_json::from_str(d).unwrap())
+            .collect();
+        let content: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(content, "Checking.\n");
+        let calls: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["index"], 0);
+        assert_eq!(calls[0]["function"]["name"], "read_file");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"path": "src/main.rs", "limit": 20}));
+        assert!(chunks
+            .iter()
+            .any(|c| c["choices"][0]["finish_reason"] == "tool_calls"));
+
+        // The round trip: results go back, the reply stops at a stop string.
+        let body = json!({"model": "demo", "tools": tools(), "stop": ["STOP"], "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": id, "content": "sunny, 24C"}]});
+        let (st, v) = post(&s, "/v1/chat/completions", body).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["choices"][0]["message"]["content"], "It is sunny. ");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    });
+}
+
+#[test]
+fn anthropic_tool_use_on_the_wire() {
+    let s = scripted(config(), &[QWEN3_CALL, "Sunny.", CODER_CALL]);
+    rt().block_on(async {
+        let tools = json!([{"name": "get_weather", "description": "weather",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]);
+        let body = json!({"model": "demo", "max_tokens": 200, "tools": tools,
+            "thinking": {"type": "enabled", "budget_tokens": 100},
+            "messages": [{"role": "user", "content": "weather in Paris?"}]});
+        let (st, v) = post(&s, "/v1/messages", body.clone()).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["stop_reason"], "tool_use");
+        let content = v["content"].as_array().unwrap();
+        assert_eq!(content[0]["type"], "thinking");
+        assert_eq!(content[0]["thinking"], "The user wants weather.");
+        assert_eq!(content[1]["type"], "tool_use");
+        assert_eq!(content[1]["name"], "get_weather");
+        assert_eq!(content[1]["input"], json!({"city": "Paris"}));
+        let id = content[1]["id"].as_str().unwrap();
+        assert!(id.starts_with("toolu_"));
+
+        let body2 = json!({"model": "demo", "max_tokens": 200, "tools": body["tools"],
+            "messages": [{"role": "user", "content": "weather in Paris?"},
+                {"role": "assistant", "content": content},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": id, "content": "sunny"}]}]});
+        let (st, v) = post(&s, "/v1/messages", body2).await;
+        assert_eq!(st, 200, "{v}");
+        assert_eq!(v["stop_reason"], "end_turn");
+        assert_eq!(v["content"][0]["text"], "Sunny.");
+
+        let mut sb = body.clone();
+        sb["stream"] = json!(true);
+        let (st, ev) = post_stream(&s, "/v1/messages", sb).await;
+        assert_eq!(st, 200);
+        let mut names: Vec<&str> = ev
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .filter(|n| *n != "ping")
+            .collect();
+        names.dedup();
+        assert_eq!(
+            names,
+            [
+                "message_start", "content_block_start", "content_block_delta",
+                "content_block_stop", "content_block_start", "content_block_delta",
+                "content_block_stop", "message_delta", "message_stop"
+            ]
+        );
+        let start: Value = serde_json::from_str(&ev.iter().find(|(n, _)| n == "content_block_start").unwrap().1).unwrap();
+        assert_eq!(start["content_block"]["type"], "text");
+        let tool: Value = serde_json::from_str(
+            &ev.iter().filter(|(n, _)| n == "content_block_start").nth(1).unwrap().1,
+        )
+        .unwrap();
+        assert_eq!(tool["content_block"]["name"], "read_file");
+        let delta: Value = serde_json::from_str(&ev.iter().find(|(_, d)| d.contains("input_json_delta")).unwrap().1).unwrap();
+        let args: Value = serde_json::from_str(delta["delta"]["partial_json"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"path": "src/main.rs", "limit": 20}));
+        let md: Value = serde_json::from_str(&ev.iter().find(|(n, _)| n == "message_delta").unwrap().1).unwrap();
+        assert_eq!(md["delta"]["stop_reason"], "tool_use");
+    });
+}
+
+#[test]
+fn raw_connection_garbage_does_not_hurt() {
+    let s = server(config());
+    let mut t = TcpStream::connect(s.addr).unwrap();
+    t.write_all(b"GARBAGE / HTTP/9\r\n\r\n\x00\xff").unwrap();
+    let mut buf = Vec::new();
+    t.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = t.read_to_end(&mut buf);
+    rt().block_on(async {
+        let r = reqwest::get(url(&s, "/health")).await.unwrap();
+        assert_eq!(r.status(), 200);
+    });
+}
+
+#[test]
+fn long_prefill_sends_pings_and_cancels_between_chunks() {
+    let mut c = config();
+    c.max_context = Some(16000);
+    let s = server(c);
+    let long = "And it came to pass in those days, that the king went up. ".repeat(180);
+    rt().block_on(async {
+        let body = json!({"model": "demo", "max_tokens": 1, "stream": true,
+            "messages": [{"role": "user", "content": long}]});
+        // A whole run: how long the prefill takes, and pings meanwhile.
+        let t0 = Instant::now();
+        let (st, ev) = post_stream(&s, "/v1/messages", body.clone()).await;
+        let full = t0.elapsed();
+        assert_eq!(st, 200);
+        let first_block = ev
+            .iter()
+            .position(|(n, _)| n == "content_block_start" || n == "message_delta")
+            .unwrap();
+        let pings = ev[..first_block]
+            .iter()
+            .filter(|(n, _)| n == "ping")
+            .count();
+        eprintln!("prefill run {full:?}, {pings} pings before the first block");
+        assert!(pings > (full.as_millis() as usize / 200).saturating_sub(2));
+
+        // Cut off during the prefill: the engine stops at a chunk boundary.
+        let client = reqwest::Client::new();
+        let mut body = body;
+        body["messages"][0]["content"] = json!(format!("{long} Again."));
+        let mut r = client
+            .post(url(&s, "/v1/messages"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        r.chunk().await.unwrap().expect("message_start");
+        tokio::time::sleep(full / 4).await;
+        assert!(busy(&s).await, "still in prefill");
+        drop(r);
+        let idle = wait_idle(&s, Duration::from_secs(30)).await;
+        eprintln!("cancelled during prefill: idle after {idle:?} (full run {full:?})");
+        assert!(idle < full / 2, "cancel took {idle:?} of a {full:?} run");
+    });
+}
