@@ -113,6 +113,10 @@ struct RunArgs {
     /// Print generated token ids instead of text.
     #[arg(long)]
     print_ids: bool,
+    /// Time each phase (expert FFN, linear/full attention, head, norms and
+    /// router, expert-read wait, other) and print the per-token split.
+    #[arg(long)]
+    phases: bool,
     /// Restore the prompt's state from this snapshot when it holds the
     /// prompt or a prefix of it (only the rest is prefilled); after a
     /// prefill, write the state to it (atomically).
@@ -357,6 +361,7 @@ fn run(args: RunArgs) -> Result<()> {
     )
     .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
+    engine.set_phases(args.phases);
 
     let prompt_text = match (&args.prompt, &args.prompt_file, &args.prompt_tokens) {
         (Some(p), _, _) => Some(p.clone()),
@@ -584,6 +589,13 @@ fn run(args: RunArgs) -> Result<()> {
         s.prefill_expert_misses,
         s.prefill_expert_bytes_read as f64 / 1e6,
     );
+    if let Some(p) = &gen.phases {
+        eprintln!("[phases] prefill: {}", p.prefill.report(0));
+        eprintln!(
+            "[phases] decode: {}",
+            p.decode.report(s.generated_tokens.saturating_sub(1) as u64)
+        );
+    }
     if let Some(path) = &args.stats_json {
         let json = serde_json::json!({
             "model": model_path.display().to_string(),

@@ -242,3 +242,28 @@ fn bad_inputs_are_clear_errors() {
     assert!(err.contains("config.json"), "{err}");
     assert!(!tmp.path().join("x.slip").exists());
 }
+
+#[test]
+fn phases_flag_prints_the_per_token_split() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_5_moe_fused", "q4", tmp.path());
+    let (_, stderr) = ok(bin()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args(["--prompt-tokens", "5,6,7,8", "--max-new", "6", "--phases"])
+        .output()
+        .unwrap());
+    for part in [
+        "[phases] prefill:",
+        "[phases] decode: per token",
+        "expert FFN",
+        "linear attention",
+        "full attention",
+        "output head",
+        "norms+router",
+        "expert-read wait",
+        "other",
+    ] {
+        assert!(stderr.contains(part), "missing {part}: {stderr}");
+    }
+}

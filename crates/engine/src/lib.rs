@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use slipstream_core::ModelConfig;
 use slipstream_format::SlipModel;
+pub use slipstream_models::transformer::PhaseTimes;
 use slipstream_models::{Logits, ModelState, Transformer};
 use slipstream_store::{
     ExpertStore, Phase, ResidentStore, StoreCounters, StreamConfig, StreamingStore, TraceHeader,
@@ -129,6 +130,8 @@ pub struct Engine {
     /// Whether a forward pass has touched the mapped dense weights.
     dense_touched: bool,
     prefill_hook: Option<PrefillHook>,
+    /// Phase timers, when turned on by [`Engine::set_phases`].
+    phases: Option<PhaseTimes>,
 }
 
 /// One generation request.
@@ -161,6 +164,16 @@ pub struct Generation {
     /// `[prompt + generated - 1, vocab]` when `keep_logits`, else empty.
     pub logits: Vec<f32>,
     pub stats: GenerationStats,
+    /// Per-phase time of the prefill and of the decode steps after the
+    /// first token, when phase timers are on.
+    pub phases: Option<GenerationPhases>,
+}
+
+/// Phase split of one generation.
+#[derive(Debug, Clone, Copy)]
+pub struct GenerationPhases {
+    pub prefill: PhaseTimes,
+    pub decode: PhaseTimes,
 }
 
 /// Timings and counters of one generation.
@@ -241,7 +254,14 @@ impl Engine {
             memory_limit: guard::default_memory_limit(),
             dense_touched: false,
             prefill_hook: None,
+            phases: None,
         })
+    }
+
+    /// Turns the per-phase timers on or off (off by default: timing costs a
+    /// few clock reads per layer).
+    pub fn set_phases(&mut self, on: bool) {
+        self.phases = on.then(PhaseTimes::default);
     }
 
     /// Footprint limit of the memory guard (`None`: off). Defaults to
@@ -514,7 +534,14 @@ impl Engine {
                 _ if last || hooked => Logits::Last,
                 _ => Logits::None,
             };
-            let logits = self.model.forward(state, piece, &mut self.store, w, None)?;
+            let logits = self.model.forward_timed(
+                state,
+                piece,
+                &mut self.store,
+                w,
+                None,
+                self.phases.as_mut(),
+            )?;
             self.dense_touched = true;
             if w == Logits::None {
                 state.last_logits.clear();
@@ -540,6 +567,7 @@ impl Engine {
     fn cancelled(&self, req: &GenerateRequest, reused: usize, before: StoreCounters) -> Generation {
         let after = self.store.inner.counters().since(&before);
         Generation {
+            phases: None,
             tokens: Vec::new(),
             finish: FinishReason::Cancelled,
             logits: Vec::new(),
@@ -601,6 +629,7 @@ impl Engine {
                 "prompt token {bad} is outside the vocabulary (size {vocab})"
             )));
         }
+        let phases_start = self.phases;
         let before = self.store.inner.counters();
         let reusable = state.tokens.len() <= req.prompt.len()
             && req.prompt.starts_with(&state.tokens)
@@ -635,6 +664,7 @@ impl Engine {
                 None => return Ok(self.cancelled(req, reused, before)),
             }
         };
+        let phases_prefill = self.phases;
         let after_prefill = self.store.inner.counters();
         self.store.set_phase(Phase::Decode);
         let mut last: Vec<f32> = if all_logits.is_empty() {
@@ -670,15 +700,21 @@ impl Engine {
             if tokens.len() == req.max_new_tokens {
                 break;
             }
-            last = self
-                .model
-                .forward(state, &[next], &mut self.store, Logits::Last, None)?;
+            last = self.model.forward_timed(
+                state,
+                &[next],
+                &mut self.store,
+                Logits::Last,
+                None,
+                self.phases.as_mut(),
+            )?;
             state.last_logits.clone_from(&last);
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);
             }
         }
         let decode_s = decode_start.elapsed().as_secs_f64();
+        let phases_end = self.phases;
         let after = self.store.inner.counters();
         let decoded = tokens.len().saturating_sub(1);
         let prefill_c = after_prefill.since(&before);
@@ -709,7 +745,18 @@ impl Engine {
             expert_misses: after.misses - before.misses,
             expert_bytes_read: after.bytes_read - before.bytes_read,
         };
+        let phases = match (phases_start, phases_prefill, phases_end) {
+            (Some(a), Some(b), Some(c)) => {
+                let mut prefill = b.since(&a);
+                prefill.store_read_wait_ns = Some(prefill_c.read_wait_ns);
+                let mut decode = c.since(&b);
+                decode.store_read_wait_ns = Some(decode_c.read_wait_ns);
+                Some(GenerationPhases { prefill, decode })
+            }
+            _ => None,
+        };
         Ok(Generation {
+            phases,
             tokens,
             finish,
             logits: all_logits,
