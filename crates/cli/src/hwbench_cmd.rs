@@ -52,6 +52,24 @@ pub fn hwbench_command(args: HwbenchArgs) -> anyhow::Result<()> {
     let report = slipstream_hwbench::run(&cfg, &mut |l| eprintln!("[hwbench] {l}"))
         .with_context(|| format!("hwbench (scratch dir {})", args.scratch_dir.display()))?;
     print!("{}", report.table());
+    if !args.quick && report.best_reader_threads.is_some() {
+        // Later runs take their default reader-thread count from here.
+        let path = crate::hwbench_report_path();
+        let tmp = path.with_extension("json.tmp");
+        let saved = path
+            .parent()
+            .map_or(Ok(()), std::fs::create_dir_all)
+            .and_then(|_| std::fs::write(&tmp, serde_json::to_string_pretty(&report)?))
+            .and_then(|_| std::fs::rename(&tmp, &path));
+        match saved {
+            Ok(()) => eprintln!(
+                "[hwbench] saved {}: `run` and `serve` now default to {} reader threads",
+                path.display(),
+                crate::default_io_threads()
+            ),
+            Err(e) => eprintln!("[hwbench] could not save {}: {e}", path.display()),
+        }
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;

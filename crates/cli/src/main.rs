@@ -157,9 +157,10 @@ struct StoreArgs {
     /// Replacement policy: aging (LFU halved every 32 tokens), lfu, lru.
     #[arg(long, default_value = "aging")]
     expert_cache_policy: PolicyKind,
-    /// Reader threads for expert reads.
-    #[arg(long, default_value_t = 4)]
-    io_threads: usize,
+    /// Reader threads for expert reads (default: what `slipstream hwbench`
+    /// found best on this machine, else 4).
+    #[arg(long)]
+    io_threads: Option<usize>,
     /// Read experts with O_DIRECT so the page cache holds no second copy.
     #[arg(long)]
     direct_io: bool,
@@ -346,7 +347,11 @@ fn run(args: RunArgs) -> Result<()> {
         StoreChoice::Streaming(StreamConfig {
             slots,
             policy: args.store.expert_cache_policy,
-            io_threads: args.store.io_threads.max(1),
+            io_threads: args
+                .store
+                .io_threads
+                .unwrap_or_else(slipstream_cli::default_io_threads)
+                .max(1),
             direct_io: args.store.direct_io,
             readahead: args.store.readahead,
         })

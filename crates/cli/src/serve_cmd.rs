@@ -54,9 +54,10 @@ pub struct ServeArgs {
     /// Replacement policy: aging, lfu, lru.
     #[arg(long, default_value = "aging")]
     pub expert_cache_policy: PolicyKind,
-    /// Reader threads for expert reads.
-    #[arg(long, default_value_t = 4)]
-    pub io_threads: usize,
+    /// Reader threads for expert reads (default: what `slipstream hwbench`
+    /// found best on this machine, else 4).
+    #[arg(long)]
+    pub io_threads: Option<usize>,
     /// Read experts with O_DIRECT.
     #[arg(long)]
     pub direct_io: bool,
@@ -91,7 +92,10 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         StoreChoice::Streaming(StreamConfig {
             slots,
             policy: args.expert_cache_policy,
-            io_threads: args.io_threads.max(1),
+            io_threads: args
+                .io_threads
+                .unwrap_or_else(crate::default_io_threads)
+                .max(1),
             direct_io: args.direct_io,
             ..StreamConfig::default()
         })

@@ -267,3 +267,24 @@ fn phases_flag_prints_the_per_token_split() {
         assert!(stderr.contains(part), "missing {part}: {stderr}");
     }
 }
+
+#[test]
+fn reader_threads_default_follows_the_last_hwbench() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_moe", "q4", tmp.path());
+    let cache = tmp.path().join("cache");
+    let run = || {
+        ok(bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", "5,6,7", "--max-new", "2"])
+            .env("SLIPSTREAM_CACHE", &cache)
+            .output()
+            .unwrap())
+        .1
+    };
+    assert!(run().contains("4 reader threads"));
+    std::fs::create_dir_all(&cache).unwrap();
+    std::fs::write(cache.join("hwbench.json"), r#"{"best_reader_threads": 2}"#).unwrap();
+    assert!(run().contains("2 reader threads"));
+}
