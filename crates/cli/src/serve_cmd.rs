@@ -64,6 +64,13 @@ pub struct ServeArgs {
     /// Read every expert into memory at start.
     #[arg(long)]
     pub resident: bool,
+    /// Persist conversation prefixes in this directory (snapshots at prefill
+    /// chunk boundaries), so a restarted server prefills only new tokens.
+    #[arg(long)]
+    pub prompt_cache: Option<PathBuf>,
+    /// Most bytes the prompt cache holds (least recently used evicted).
+    #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
+    pub prompt_cache_size: u64,
     /// TEST FACILITY, not for use: each request replies with the next text
     /// of this JSON file (a list of strings), verbatim, instead of sampling
     /// from the model. Lets tests drive tool calls through the wire formats.
@@ -142,6 +149,10 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         None => BackendSpec::Model {
             path: model,
             engine,
+            prompt_cache: args
+                .prompt_cache
+                .clone()
+                .map(|dir| (dir, args.prompt_cache_size)),
         },
     };
     Ok((config, backend))

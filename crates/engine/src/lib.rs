@@ -17,7 +17,8 @@ use std::time::Instant;
 use slipstream_core::ModelConfig;
 use slipstream_format::SlipModel;
 pub use slipstream_models::transformer::PhaseTimes;
-use slipstream_models::{Logits, ModelState, Transformer};
+pub use slipstream_models::ModelState;
+use slipstream_models::{Logits, Transformer};
 use slipstream_store::{
     ExpertStore, Phase, ResidentStore, StoreCounters, StreamConfig, StreamingStore, TraceHeader,
     TraceWriter, TracedStore,

@@ -75,8 +75,14 @@ impl Default for ServerConfig {
 /// What generates tokens.
 #[derive(Debug, Clone)]
 pub enum BackendSpec {
-    /// A `.slip` model.
-    Model { path: PathBuf, engine: EngineConfig },
+    /// A `.slip` model; with `prompt_cache` (directory, most bytes) the
+    /// conversation prefix survives restarts: snapshots are taken at prefill
+    /// chunk boundaries and a prompt restores its longest cached prefix.
+    Model {
+        path: PathBuf,
+        engine: EngineConfig,
+        prompt_cache: Option<(PathBuf, u64)>,
+    },
     /// TEST FACILITY: the model at `path` is opened for its tokenizer and
     /// template only; each request emits the next of `replies` verbatim
     /// (cycling) instead of sampling. See [`worker::Backend::Script`].
@@ -129,13 +135,17 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
 }
 
 fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)> {
-    let (path, engine_config, replies) = match spec {
-        BackendSpec::Model { path, engine } => (path, engine, None),
+    let (path, engine_config, replies, prompt_cache) = match spec {
+        BackendSpec::Model {
+            path,
+            engine,
+            prompt_cache,
+        } => (path, engine, None, prompt_cache),
         BackendSpec::Script {
             path,
             engine,
             replies,
-        } => (path, engine, Some(replies)),
+        } => (path, engine, Some(replies), None),
     };
     let mut engine = Engine::open(&path, engine_config)
         .with_context(|| format!("opening model {}", path.display()))?;
@@ -149,8 +159,25 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
         template: engine.template.take().map(Arc::new),
         store: engine.store_description(),
     };
+    let cache = match prompt_cache {
+        Some((dir, max_bytes)) => {
+            let cache = Arc::new(
+                engine
+                    .open_prompt_cache(&dir, max_bytes)
+                    .with_context(|| format!("opening prompt cache {}", dir.display()))?,
+            );
+            let hook_cache = cache.clone();
+            engine.set_prefill_hook(Some(Box::new(move |cp| {
+                if let Err(e) = hook_cache.insert(cp.state, cp.resident) {
+                    tracing::warn!("prompt cache insert failed: {e}");
+                }
+            })));
+            Some(cache)
+        }
+        None => None,
+    };
     let backend = match replies {
-        None => Backend::Engine(Box::new(engine)),
+        None => Backend::Engine(Box::new(engine), cache),
         Some(texts) => {
             let mut replies = Vec::new();
             for t in &texts {

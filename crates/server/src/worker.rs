@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use slipstream_engine::{
-    Engine, FinishReason, GenerateRequest, GenerationStats, SamplingParams, TextCodec,
+    Engine, FinishReason, GenerateRequest, GenerationStats, PromptCache, SamplingParams, TextCodec,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -36,8 +36,9 @@ pub struct Finished {
 
 /// Where tokens come from.
 pub enum Backend {
-    /// The model, with the kept conversation state.
-    Engine(Box<Engine>),
+    /// The model, with the kept conversation state, and the prompt cache
+    /// that persists it across restarts when configured.
+    Engine(Box<Engine>, Option<Arc<PromptCache>>),
     /// TEST FACILITY (`serve --test-script`): instead of sampling, each
     /// request emits the next of these texts (cycling), tokenized, then
     /// EOS. Lets tests drive tool calls and reasoning through the real wire
@@ -136,7 +137,7 @@ pub struct Info {
 
 fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
     let mut state = match &backend {
-        Backend::Engine(e) => Some(e.new_state()),
+        Backend::Engine(e, _) => Some(e.new_state()),
         Backend::Script { .. } => None,
     };
     while let Ok(job) = rx.recv() {
@@ -157,7 +158,7 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
             ok && !cancel.load(Ordering::SeqCst)
         };
         let result = match &mut backend {
-            Backend::Engine(engine) => {
+            Backend::Engine(engine, cache) => {
                 let req = GenerateRequest {
                     prompt: job.prompt.clone(),
                     max_new_tokens: job.max_new_tokens,
@@ -167,6 +168,9 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                     cancel: Some(job.cancel.clone()),
                 };
                 let state = state.get_or_insert_with(|| engine.new_state());
+                if let Some(cache) = cache {
+                    restore_longest_prefix(engine, cache, state, &job.prompt);
+                }
                 // A panic in the model must not take the server down.
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     engine.generate_with_state(state, &req, &mut on_token)
@@ -225,5 +229,36 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
         st.busy.store(false, Ordering::SeqCst);
         st.served.fetch_add(1, Ordering::SeqCst);
         let _ = job.events.send(WorkerEvent::Done(result));
+    }
+}
+
+/// Replaces `state` by the prompt cache's longest prefix of `prompt` when
+/// that covers more of the prompt than the kept state does.
+fn restore_longest_prefix(
+    engine: &mut Engine,
+    cache: &PromptCache,
+    state: &mut slipstream_engine::ModelState,
+    prompt: &[u32],
+) {
+    let kept = if prompt.starts_with(&state.tokens) && !state.last_logits.is_empty() {
+        state.tokens.len()
+    } else {
+        0
+    };
+    if kept >= prompt.len() {
+        return;
+    }
+    if let Some(snap) = cache.lookup(prompt) {
+        if snap.state.tokens.len() > kept {
+            if let Err(e) = engine.warm_experts(&snap.resident) {
+                tracing::warn!("warming the expert cache failed: {e}");
+            }
+            tracing::info!(
+                "prompt cache: restored {} of {} prompt tokens",
+                snap.state.tokens.len(),
+                prompt.len()
+            );
+            *state = snap.state;
+        }
     }
 }

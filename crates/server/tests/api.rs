@@ -55,6 +55,7 @@ fn server(config: ServerConfig) -> RunningServer {
         BackendSpec::Model {
             path: demo_model(),
             engine: engine(),
+            prompt_cache: None,
         },
     )
     .expect("server starts")
@@ -535,6 +536,7 @@ fn non_loopback_bind_without_key_is_refused() {
         BackendSpec::Model {
             path: demo_model(),
             engine: engine(),
+            prompt_cache: None,
         },
     )
     .err()
@@ -883,5 +885,55 @@ fn long_prefill_sends_pings_and_cancels_between_chunks() {
         let idle = wait_idle(&s, Duration::from_secs(30)).await;
         eprintln!("cancelled during prefill: idle after {idle:?} (full run {full:?})");
         assert!(idle < full / 2, "cancel took {idle:?} of a {full:?} run");
+    });
+}
+
+#[test]
+fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
+    let cache = tempfile::tempdir().unwrap();
+    let start_server = || {
+        start(
+            config(),
+            BackendSpec::Model {
+                path: demo_model(),
+                engine: engine(),
+                prompt_cache: Some((cache.path().to_path_buf(), 1 << 30)),
+            },
+        )
+        .expect("server starts")
+    };
+    let turn1 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": "And it came to pass in those days that the king said"}]});
+    let (content, prompt1) = {
+        let s = start_server();
+        rt().block_on(async {
+            let (st, v) = post(&s, "/v1/chat/completions", turn1).await;
+            assert_eq!(st, 200, "{v}");
+            (
+                v["choices"][0]["message"]["content"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+                v["usage"]["prompt_tokens"].as_u64().unwrap(),
+            )
+        })
+    };
+    // A new server process state: nothing kept in memory, only the cache.
+    let s = start_server();
+    rt().block_on(async {
+        let turn2 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
+            {"role": "user", "content": "And it came to pass in those days that the king said"},
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "And God said"}]});
+        let (st, v) = post(&s, "/v1/chat/completions", turn2).await;
+        assert_eq!(st, 200, "{v}");
+        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        // Snapshots are taken at chunk boundaries (16 tokens here).
+        assert!(
+            cached >= 16 && cached <= prompt1,
+            "cached {cached} of turn 1's {prompt1}: {v}"
+        );
     });
 }
