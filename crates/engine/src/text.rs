@@ -76,6 +76,65 @@ pub struct ChatTemplate {
     env: Environment<'static>,
 }
 
+/// `tojson` as `transformers` defines it for chat templates:
+/// `json.dumps(x, ensure_ascii=False)` with Python's `", "` / `": "`
+/// separators (and `indent` when given), so tool definitions tokenize as
+/// they do in the reference. Output is marked safe (no HTML escaping).
+fn tojson_like_transformers(
+    value: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, JinjaError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| JinjaError::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    write_python_json(&json, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn write_python_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                write_python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                write_python_json(item, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
 fn raise_exception(msg: String) -> Result<String, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
 }
@@ -86,6 +145,7 @@ impl ChatTemplate {
         minijinja_contrib::add_to_environment(&mut env);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_filter("tojson", tojson_like_transformers);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| EngineError::Template(format!("chat template does not parse: {e}")))?;
         Ok(ChatTemplate { env })
@@ -181,8 +241,27 @@ mod tests {
         let out = t.render_json(&ctx).unwrap();
         // minijinja's `tojson` is compact (Python's `json.dumps` puts spaces
         // after `,` and `:`).
-        assert_eq!(out, "T:f;[user:hi][assistant:<f {\"x\":1}>][tool:42]A");
+        assert_eq!(out, "T:f;[user:hi][assistant:<f {\"x\": 1}>][tool:42]A");
         assert!(t.render_json(&serde_json::json!([1])).is_err());
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let t = ChatTemplate::new("{{ x | tojson }}|{{ y | tojson(indent=2) }}").unwrap();
+        let out = t
+            .env
+            .get_template("chat")
+            .unwrap()
+            .render(minijinja::context! {
+                x => serde_json::json!({"name": "f", "p": [1, 2.5, "é<>"], "e": {}}),
+                y => serde_json::json!({"a": [1]}),
+            })
+            .unwrap();
+        // json.dumps(x, ensure_ascii=False) and json.dumps(y, indent=2).
+        assert_eq!(
+            out,
+            "{\"name\": \"f\", \"p\": [1, 2.5, \"é<>\"], \"e\": {}}|{\n  \"a\": [\n    1\n  ]\n}"
+        );
     }
 
     #[test]
