@@ -41,7 +41,14 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=248000)
     ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--svg", help="draw decode tok/s and misses/token by slots here")
+    ap.add_argument("--from-json", help="only draw the chart from an earlier --json")
     args = ap.parse_args()
+    if args.from_json:
+        rows = json.load(open(args.from_json))
+        if args.svg:
+            chart(rows, args.svg)
+        return
 
     prompt = ",".join(str((i * 7919 + 13) % args.vocab) for i in range(args.prompt_len))
     rows = []
@@ -81,6 +88,45 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if args.svg:
+        chart(rows, args.svg)
+
+
+def chart(rows, path):
+    """Two panels side by side: decode tok/s and misses/token against slots,
+    one line per direct-I/O setting. Plain SVG, no dependencies."""
+    w, h, pad = 380, 260, 50
+    colors = {"off": "#1f77b4", "on": "#d62728"}
+    slots = sorted({r["slots"] for r in rows})
+    parts = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" font-size="11">' % (2 * w, h + 30)]
+    for panel, (key, title) in enumerate([("decode_tok_s", "decode tok/s"), ("misses_per_token", "expert misses per token")]):
+        x0 = panel * w
+        top = max(r[key] for r in rows) * 1.15 or 1
+        def px(i):
+            return x0 + pad + i * (w - 2 * pad) / max(1, len(slots) - 1)
+        def py(v):
+            return h - pad + 10 - v / top * (h - 2 * pad)
+        parts.append('<text x="%d" y="16" font-size="13">%s</text>' % (x0 + pad, title))
+        parts.append('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#000"/>' % (x0 + pad, py(0), x0 + w - pad, py(0)))
+        parts.append('<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="#000"/>' % (x0 + pad, py(0), x0 + pad, py(top)))
+        for k in range(5):
+            v = top * k / 4
+            parts.append('<text x="%d" y="%d" text-anchor="end">%.1f</text>' % (x0 + pad - 4, py(v) + 4, v))
+        for i, sl in enumerate(slots):
+            parts.append('<text x="%d" y="%d" text-anchor="middle">%d</text>' % (px(i), py(0) + 14, sl))
+        parts.append('<text x="%d" y="%d" text-anchor="middle">slots per layer</text>' % (x0 + w / 2, py(0) + 28))
+        for dio, color in colors.items():
+            pts = [(px(slots.index(r["slots"])), py(r[key])) for r in rows if r["direct_io"] == dio]
+            if not pts:
+                continue
+            parts.append('<polyline fill="none" stroke="%s" stroke-width="2" points="%s"/>' % (color, " ".join("%.1f,%.1f" % p for p in pts)))
+            for x, y in pts:
+                parts.append('<circle cx="%.1f" cy="%.1f" r="3" fill="%s"/>' % (x, y, color))
+    for j, (dio, color) in enumerate(colors.items()):
+        parts.append('<text x="%d" y="%d" fill="%s">direct I/O %s</text>' % (pad + j * 120, h + 24, color, dio))
+    parts.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
 
 
 if __name__ == "__main__":
