@@ -3,36 +3,19 @@
 //! model, version, corruption, truncation, interrupted write) is a clean
 //! fallback to a fresh prefill.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use common::{prompt, repacked};
 use slipstream_engine::snapshot::{write_snapshot, SnapshotError};
 use slipstream_engine::{
     Engine, EngineConfig, GenerateRequest, PromptCache, RestoreOutcome, SamplingParams, StoreChoice,
 };
 use slipstream_models::Logits;
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
+use slipstream_repack::QuantChoice;
 use slipstream_store::StreamConfig;
-
-fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{name}-{quant}.slip"));
-    repack(
-        &RepackOptions {
-            input: Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fixtures")
-                .join(name),
-            output: out.clone(),
-            quant,
-        },
-        &|_| {},
-    )
-    .unwrap();
-    out
-}
-
-fn prompt() -> Vec<u32> {
-    (0..23).map(|i| (i * 37 + 11) % 500).collect()
-}
 
 fn engine(model: &Path, store: StoreChoice, chunk: usize) -> Engine {
     Engine::open(

@@ -2,31 +2,14 @@
 //! policy and I/O mode gives tokens and logits bit-identical to the
 //! all-resident run.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{prompt, repacked};
 use slipstream_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice};
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
+use slipstream_repack::QuantChoice;
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
-
-fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{name}-{quant}.slip"));
-    repack(
-        &RepackOptions {
-            input: Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fixtures")
-                .join(name),
-            output: out.clone(),
-            quant,
-        },
-        &|_| {},
-    )
-    .unwrap();
-    out
-}
-
-fn prompt() -> Vec<u32> {
-    (0..23).map(|i| (i * 37 + 11) % 500).collect()
-}
 
 fn generate(model: &Path, store: StoreChoice, chunk: usize) -> (Vec<u32>, Vec<f32>, u64) {
     let mut engine = Engine::open(
