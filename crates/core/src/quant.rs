@@ -9,6 +9,20 @@
 //! 3. biases, same shape and type as the scales.
 //!
 //! The value of element `j` of row `r` is `scale[r, j / group] * q + bias[r, j / group]`.
+//!
+//! GGML block types ([`QuantType::Q4_0`], [`QuantType::Q8_0`], [`QuantType::Q4K`],
+//! [`QuantType::Q5K`], [`QuantType::Q6K`]) hold exactly the bytes llama.cpp stores:
+//! each row is `cols / block_elems` consecutive blocks, rows back to back, no
+//! padding. Block layouts (little-endian; `d`, `dmin` are f16):
+//! * `q4_0`: 32 elements, 18 bytes: `d`, then 16 bytes whose low nibbles are
+//!   elements 0..16 and high nibbles elements 16..32; value `d * (q - 8)`;
+//! * `q8_0`: 32 elements, 34 bytes: `d`, then 32 `i8`; value `d * q`;
+//! * `q4_k`: 256 elements, 144 bytes: `d`, `dmin`, 12 bytes of 6-bit scales and
+//!   mins for 8 sub-blocks of 32, 128 bytes of nibbles;
+//! * `q5_k`: 256 elements, 176 bytes: as `q4_k` plus 32 bytes of high bits
+//!   before the nibbles;
+//! * `q6_k`: 256 elements, 210 bytes: 128 bytes of low nibbles, 64 bytes of
+//!   high 2-bit pairs, 16 `i8` sub-block scales, then `d`.
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +47,23 @@ pub enum QuantType {
         group: u32,
         scale: ScaleType,
     },
+    /// GGML `Q4_0`: blocks of 32 elements in 18 bytes.
+    #[serde(rename = "q4_0")]
+    #[allow(non_camel_case_types)]
+    Q4_0,
+    /// GGML `Q8_0`: blocks of 32 elements in 34 bytes.
+    #[serde(rename = "q8_0")]
+    #[allow(non_camel_case_types)]
+    Q8_0,
+    /// GGML `Q4_K`: super-blocks of 256 elements in 144 bytes.
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// GGML `Q5_K`: super-blocks of 256 elements in 176 bytes.
+    #[serde(rename = "q5_k")]
+    Q5K,
+    /// GGML `Q6_K`: super-blocks of 256 elements in 210 bytes.
+    #[serde(rename = "q6_k")]
+    Q6K,
 }
 
 impl QuantType {
@@ -49,7 +80,25 @@ impl QuantType {
         scale: ScaleType::F16,
     };
 
-    /// Bytes needed for a `[rows, cols]` tensor of this type.
+    /// For GGML block types: (elements per block, bytes per block).
+    pub fn ggml_block(&self) -> Option<(usize, usize)> {
+        match *self {
+            QuantType::Q4_0 => Some((32, 18)),
+            QuantType::Q8_0 => Some((32, 34)),
+            QuantType::Q4K => Some((256, 144)),
+            QuantType::Q5K => Some((256, 176)),
+            QuantType::Q6K => Some((256, 210)),
+            _ => None,
+        }
+    }
+
+    /// Whether this is one of the GGML block types.
+    pub fn is_ggml(&self) -> bool {
+        self.ggml_block().is_some()
+    }
+
+    /// Bytes needed for a `[rows, cols]` tensor of this type (for GGML block
+    /// types `cols` must be a multiple of the block, see [`Self::check_cols`]).
     pub fn nbytes(&self, rows: usize, cols: usize) -> usize {
         match *self {
             QuantType::F32 => rows * cols * 4,
@@ -58,6 +107,14 @@ impl QuantType {
                 let codes = rows * cols * bits as usize / 8;
                 let groups = rows * (cols / group as usize);
                 codes + 2 * groups * 2
+            }
+            QuantType::Q4_0
+            | QuantType::Q8_0
+            | QuantType::Q4K
+            | QuantType::Q5K
+            | QuantType::Q6K => {
+                let (be, bb) = self.ggml_block().unwrap_or((1, 0));
+                rows * (cols / be) * bb
             }
         }
     }
@@ -76,6 +133,14 @@ impl QuantType {
                 )));
             }
         }
+        if let Some((be, _)) = self.ggml_block() {
+            if !cols.is_multiple_of(be) {
+                return Err(crate::CoreError::Invalid(format!(
+                    "row length {cols} is not a multiple of the {} block size {be}",
+                    self.name()
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -86,6 +151,49 @@ impl QuantType {
             QuantType::F16 => "f16".into(),
             QuantType::Bf16 => "bf16".into(),
             QuantType::Affine { bits, group, .. } => format!("q{bits}g{group}"),
+            QuantType::Q4_0 => "q4_0".into(),
+            QuantType::Q8_0 => "q8_0".into(),
+            QuantType::Q4K => "q4_k".into(),
+            QuantType::Q5K => "q5_k".into(),
+            QuantType::Q6K => "q6_k".into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serde_names_and_sizes() {
+        let cases = [
+            (QuantType::Q4_0, "q4_0", 32, 18),
+            (QuantType::Q8_0, "q8_0", 32, 34),
+            (QuantType::Q4K, "q4_k", 256, 144),
+            (QuantType::Q5K, "q5_k", 256, 176),
+            (QuantType::Q6K, "q6_k", 256, 210),
+        ];
+        for (q, name, be, bb) in cases {
+            let j = serde_json::to_string(&q).unwrap();
+            assert_eq!(j, format!("{{\"kind\":\"{name}\"}}"));
+            assert_eq!(serde_json::from_str::<QuantType>(&j).unwrap(), q);
+            assert_eq!(q.name(), name);
+            assert_eq!(q.ggml_block(), Some((be, bb)));
+            assert_eq!(q.nbytes(3, be * 2), 3 * 2 * bb);
+            assert!(q.check_cols(be * 5).is_ok());
+            let e = q.check_cols(be + 16).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains(&be.to_string()), "{e}");
+        }
+        // Old manifests keep parsing.
+        let old = r#"{"kind":"affine","bits":4,"group":64,"scale":"f16"}"#;
+        assert_eq!(
+            serde_json::from_str::<QuantType>(old).unwrap(),
+            QuantType::Q4
+        );
+        assert_eq!(
+            serde_json::from_str::<QuantType>(r#"{"kind":"bf16"}"#).unwrap(),
+            QuantType::Bf16
+        );
+        assert_eq!(QuantType::F32.ggml_block(), None);
     }
 }

@@ -46,6 +46,9 @@ fn rows_impl(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f3
         QuantType::Affine { bits: 4, .. } => affine_rows::<4>(w, r0, r1, toks, out),
         QuantType::Affine { bits: 8, .. } => affine_rows::<8>(w, r0, r1, toks, out),
         QuantType::Affine { bits, .. } => panic!("unsupported affine bits {bits}"),
+        QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
+            unimplemented!("{} kernels", w.qtype.name())
+        }
     }
 }
 

@@ -66,6 +66,9 @@ pub fn dequantize_row(w: &TensorView, row: usize, out: &mut [f32]) {
                 }
             }
         }
+        QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
+            unimplemented!("{} dequantization", w.qtype.name())
+        }
     }
 }
 
@@ -173,6 +176,11 @@ pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &m
                     *ot = acc;
                 }
             }
+            QuantType::Q4_0
+            | QuantType::Q8_0
+            | QuantType::Q4K
+            | QuantType::Q5K
+            | QuantType::Q6K => unimplemented!("{} kernels", w.qtype.name()),
         }
     }
 }

@@ -183,5 +183,25 @@ fn encode_float(
             }
             out
         }
+        QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
+            // GGML block rows are self-contained: quantize row chunks independently.
+            let rows_per = (CHUNK / cols.max(1)).max(1);
+            let chunks: Vec<Vec<u8>> = (0..rows.div_ceil(rows_per))
+                .into_par_iter()
+                .map(|k| {
+                    let r0 = k * rows_per;
+                    let r1 = (r0 + rows_per).min(rows);
+                    let mut vals = vec![0f32; (r1 - r0) * cols];
+                    decode_into(
+                        dtype,
+                        &data[r0 * cols * esz..r1 * cols * esz],
+                        &mut vals,
+                        shift,
+                    );
+                    slipstream_kernels::quantize::from_f32(&vals, r1 - r0, cols, qtype)
+                })
+                .collect();
+            chunks.concat()
+        }
     }
 }
