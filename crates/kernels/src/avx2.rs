@@ -47,7 +47,7 @@ fn rows_impl(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f3
         QuantType::Affine { bits: 8, .. } => affine_rows::<8>(w, r0, r1, toks, out),
         QuantType::Affine { bits, .. } => panic!("unsupported affine bits {bits}"),
         QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
-            unimplemented!("{} kernels", w.qtype.name())
+            crate::ggml::avx2::rows(w, r0, r1, toks, out)
         }
     }
 }

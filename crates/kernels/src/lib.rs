@@ -25,6 +25,7 @@ use slipstream_core::{QuantType, TensorView};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod ggml;
 pub mod quantize;
 pub mod recurrence;
 pub mod scalar;

@@ -118,7 +118,7 @@ pub fn from_f32(values: &[f32], rows: usize, cols: usize, qtype: QuantType) -> V
             quantize_affine(values, rows, cols, bits, group as usize, scale)
         }
         QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
-            unimplemented!("{} quantization", qtype.name())
+            crate::ggml::quantize(values, qtype)
         }
     }
 }

@@ -67,7 +67,7 @@ pub fn dequantize_row(w: &TensorView, row: usize, out: &mut [f32]) {
             }
         }
         QuantType::Q4_0 | QuantType::Q8_0 | QuantType::Q4K | QuantType::Q5K | QuantType::Q6K => {
-            unimplemented!("{} dequantization", w.qtype.name())
+            crate::ggml::dequantize_row(w, row, out)
         }
     }
 }
@@ -124,6 +124,9 @@ impl<'a> AffineRow<'a> {
 
 /// Rows `r0..r1` for all tokens into `out` (`[r1 - r0, toks.len()]`).
 pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    if w.qtype.is_ggml() {
+        return crate::ggml::rows(w, r0, r1, toks, out);
+    }
     let ntok = toks.len();
     assert_eq!(out.len(), (r1 - r0) * ntok);
     let cols = w.cols;
@@ -180,7 +183,7 @@ pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &m
             | QuantType::Q8_0
             | QuantType::Q4K
             | QuantType::Q5K
-            | QuantType::Q6K => unimplemented!("{} kernels", w.qtype.name()),
+            | QuantType::Q6K => unreachable!("GGML block types are handled above"),
         }
     }
 }

@@ -1,0 +1,204 @@
+use super::check::{
+    check_against_reference, check_batch_is_single, random_blocks, SplitMix, GGML_TYPES,
+};
+use super::*;
+use crate::{matmul_with, matvec_with, Isa};
+use proptest::prelude::*;
+
+/// The dispatch's matmul for one ISA, as a kernel under test.
+fn isa_kernel(isa: Isa) -> impl Fn(&TensorView, &[f32], usize, &mut [f32]) {
+    move |w, x, n, y| matmul_with(isa, w, x, n, y)
+}
+
+/// A random case: type, rows (ragged, 1..70), blocks per row, tokens, seed.
+fn case() -> impl Strategy<Value = (QuantType, usize, usize, usize, u64, bool)> {
+    (
+        proptest::sample::select(GGML_TYPES.to_vec()),
+        1usize..70,
+        1usize..5,
+        1usize..10,
+        any::<u64>(),
+        any::<bool>(),
+    )
+        .prop_map(|(q, rows, nb, n, seed, extreme)| {
+            let (be, _) = q.ggml_block().unwrap();
+            (q, rows, nb * be, n, seed, extreme)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn kernels_match_reference((q, rows, cols, n, seed, extreme) in case()) {
+        for isa in Isa::available() {
+            let k = isa_kernel(isa);
+            let r = check_against_reference(&k, q, rows, cols, n, seed, extreme);
+            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+            let r = check_batch_is_single(&k, q, rows, cols, n, seed);
+            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+        }
+    }
+
+    #[test]
+    fn matvec_is_matmul_row((q, rows, cols, _n, seed, _e) in case()) {
+        let data = random_blocks(q, rows, cols, seed, true);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let mut rng = SplitMix(seed);
+        let x: Vec<f32> = (0..cols).map(|_| rng.uniform(-2.0, 2.0)).collect();
+        for isa in Isa::available() {
+            let mut a = vec![0f32; rows];
+            let mut b = vec![0f32; rows];
+            matvec_with(isa, &w, &x, &mut a);
+            matmul_with(isa, &w, &x, 1, &mut b);
+            prop_assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn k_quantizers_error_bounded(
+        q in proptest::sample::select(vec![QuantType::Q4K, QuantType::Q5K, QuantType::Q6K]),
+        mag in proptest::sample::select(vec![1e-3f32, 1.0, 300.0]),
+        shift in -1.0f32..1.0,
+        seed in any::<u64>(),
+    ) {
+        let mut rng = SplitMix(seed);
+        let vals: Vec<f32> = (0..2 * QK_K)
+            .map(|i| (rng.uniform(-1.0, 1.0) * (1.0 + (i / 32 % 4) as f32) + shift) * mag)
+            .collect();
+        let bytes = quantize(&vals, q);
+        let w = TensorView::new(q, 1, vals.len(), &bytes).unwrap();
+        let mut deq = vec![0f32; vals.len()];
+        dequantize_row(&w, 0, &mut deq);
+        for (blk, (x, y)) in vals.chunks_exact(QK_K).zip(deq.chunks_exact(QK_K)).enumerate() {
+            let b = &bytes[blk * q.ggml_block().unwrap().1..];
+            // Bound from the fit: half a code step, plus what rounding the
+            // 6/8-bit sub-block scales (at most half a super-scale step per
+            // code, `nmax` codes) and the mins moves, plus f16 and f32 slack.
+            let (nmax, d, dmin) = match q {
+                QuantType::Q4K => (15.0, f16_at(b, 0), f16_at(b, 2)),
+                QuantType::Q5K => (31.0, f16_at(b, 0), f16_at(b, 2)),
+                _ => (32.0, f16_at(b, 208), 0.0),
+            };
+            let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (e, (&v, &r)) in x.iter().zip(y).enumerate() {
+                let step = match q {
+                    QuantType::Q6K => d * (b[192 + e / 16] as i8) as f32,
+                    _ => {
+                        let (sc, _) = scale_min_k4(&b[4..16]);
+                        d * sc[e / 32] as f32
+                    }
+                };
+                let bound = 0.5 * step + 0.5 * d * nmax + 0.5 * dmin + 2e-3 * amax;
+                prop_assert!((v - r).abs() <= bound,
+                    "{} e={} v={} deq={} bound={}", q.name(), e, v, r, bound);
+            }
+        }
+    }
+}
+
+#[test]
+fn threaded_equals_inline() {
+    let (rows, nb) = (301, 3);
+    for q in GGML_TYPES {
+        let cols = nb * q.ggml_block().unwrap().0;
+        let data = random_blocks(q, rows, cols, 11, false);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let mut rng = SplitMix(3);
+        let n = 5;
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        for isa in Isa::available() {
+            let mut a = vec![0f32; n * rows];
+            let mut b = vec![0f32; n * rows];
+            let one = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            one.install(|| matmul_with(isa, &w, &x, n, &mut a));
+            let three = rayon::ThreadPoolBuilder::new()
+                .num_threads(3)
+                .build()
+                .unwrap();
+            three.install(|| matmul_with(isa, &w, &x, n, &mut b));
+            assert_eq!(a, b, "{isa:?} {q:?}");
+        }
+    }
+}
+
+#[test]
+fn scale_min_pack_roundtrip() {
+    let mut rng = SplitMix(9);
+    for _ in 0..1000 {
+        let sc: [u8; 8] = std::array::from_fn(|_| (rng.next_u64() % 64) as u8);
+        let m: [u8; 8] = std::array::from_fn(|_| (rng.next_u64() % 64) as u8);
+        assert_eq!(scale_min_k4(&pack_scale_min_k4(&sc, &m)), (sc, m));
+    }
+}
+
+#[test]
+fn q4_0_known_block() {
+    // Largest magnitude -8 at element 3: d = 1, codes q = x + 8.
+    let mut x = [0f32; 32];
+    for (i, v) in x.iter_mut().enumerate() {
+        *v = (i % 16) as f32 - 8.0;
+    }
+    x[3] = -8.0;
+    let b = quantize_q4_0(&x);
+    assert_eq!(b.len(), 18);
+    assert_eq!(f16_at(&b, 0), 1.0);
+    let w = TensorView::new(QuantType::Q4_0, 1, 32, &b).unwrap();
+    let mut out = [0f32; 32];
+    dequantize_row(&w, 0, &mut out);
+    assert_eq!(out, x);
+    // Element 0 (-8) is the low nibble of byte 2, element 16 the high one.
+    assert_eq!(b[2], 0x00);
+    assert_eq!(b[3], 0x11);
+}
+
+/// The committed fixture from gguf-py (tools/reference/ggml_blocks.py).
+mod fixture {
+    use super::*;
+    use std::path::PathBuf;
+
+    fn dir() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/ggml_blocks")
+    }
+
+    fn read(name: &str) -> Vec<u8> {
+        let p = dir().join(name);
+        std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+
+    fn f32s(b: &[u8]) -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    }
+
+    #[test]
+    fn dequantize_matches_gguf_py_bit_for_bit() {
+        for q in GGML_TYPES {
+            let name = q.name();
+            let blocks = read(&format!("{name}.blocks.bin"));
+            let want = f32s(&read(&format!("{name}.dequant.f32.bin")));
+            let (be, bb) = q.ggml_block().unwrap();
+            assert_eq!(blocks.len() / bb * be, want.len(), "{name}");
+            let w = TensorView::new(q, 1, want.len(), &blocks).unwrap();
+            let mut got = vec![0f32; want.len()];
+            dequantize_row(&w, 0, &mut got);
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), e.to_bits(), "{name} element {i}: {g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_matches_gguf_py_bit_for_bit() {
+        let vals = f32s(&read("values.f32.bin"));
+        assert_eq!(quantize_q4_0(&vals), read("q4_0.quant.bin"));
+        assert_eq!(quantize_q8_0(&vals), read("q8_0.quant.bin"));
+    }
+}
