@@ -652,6 +652,25 @@ fn time_calls(min_secs: f64, mut f: impl FnMut()) -> f64 {
 
 fn kernel_tests(cfg: &Config, cpus: usize) -> Vec<KernelPoint> {
     let mut out = Vec::new();
+    for (act, suffix) in [
+        (k::Activations::Exact, ""),
+        (k::Activations::Int16, "_i16act"),
+    ] {
+        kernel_tests_with(cfg, cpus, act, suffix, &mut out);
+    }
+    out
+}
+
+/// The kernel ceilings with one activation mode (`suffix` marks the name of
+/// the non-default one).
+fn kernel_tests_with(
+    cfg: &Config,
+    cpus: usize,
+    act: k::Activations,
+    suffix: &str,
+    out: &mut Vec<KernelPoint>,
+) {
+    let isa = k::Isa::detect();
     let thread_counts: Vec<usize> = if cpus > 1 { vec![1, cpus] } else { vec![1] };
     let min_secs = if cfg.expert_pool_bytes < (64 << 20) {
         0.1
@@ -667,7 +686,7 @@ fn kernel_tests(cfg: &Config, cpus: usize) -> Vec<KernelPoint> {
         let one = QuantType::Q4.nbytes(rows, cols);
         let count = (cfg.expert_pool_bytes / one).max(2);
         let (data, one) = random_q4(rows, cols, count, 11);
-        let x = vec![0.5f32; cols];
+        let x: Vec<f32> = (0..cols).map(|i| ((i % 89) as f32 - 44.0) / 32.0).collect();
         let mut y = vec![0f32; rows];
         for &threads in &thread_counts {
             let pool = pool_with(threads);
@@ -676,11 +695,19 @@ fn kernel_tests(cfg: &Config, cpus: usize) -> Vec<KernelPoint> {
                 time_calls(min_secs, || {
                     let w = TensorView::new(QuantType::Q4, rows, cols, &data[i * one..][..one])
                         .unwrap();
-                    k::matvec(&w, &x, &mut y);
+                    k::matvec_act(isa, act, &w, &x, &mut y);
                     i = (i + 1) % count;
                 })
             });
-            out.push(point(name, rows, cols, 1, threads, dt, one));
+            out.push(point(
+                &format!("{name}{suffix}"),
+                rows,
+                cols,
+                1,
+                threads,
+                dt,
+                one,
+            ));
         }
     }
     // Head-sized.
@@ -688,12 +715,21 @@ fn kernel_tests(cfg: &Config, cpus: usize) -> Vec<KernelPoint> {
         let (rows, cols) = (cfg.head_rows, 2048);
         let (data, one) = random_q4(rows, cols, 1, 23);
         let w = TensorView::new(QuantType::Q4, rows, cols, &data).unwrap();
-        let x = vec![0.25f32; cols];
+        let x: Vec<f32> = (0..cols).map(|i| ((i % 61) as f32 - 30.0) / 16.0).collect();
         let mut y = vec![0f32; rows];
         for &threads in &thread_counts {
             let pool = pool_with(threads);
-            let dt = pool.install(|| time_calls(min_secs, || k::matvec(&w, &x, &mut y)));
-            out.push(point("q4_matvec_head", rows, cols, 1, threads, dt, one));
+            let dt =
+                pool.install(|| time_calls(min_secs, || k::matvec_act(isa, act, &w, &x, &mut y)));
+            out.push(point(
+                &format!("q4_matvec_head{suffix}"),
+                rows,
+                cols,
+                1,
+                threads,
+                dt,
+                one,
+            ));
         }
     }
     // Prefill: one expert matrix against a block of tokens.
@@ -707,11 +743,19 @@ fn kernel_tests(cfg: &Config, cpus: usize) -> Vec<KernelPoint> {
         let mut y = vec![0f32; n * rows];
         for &threads in &thread_counts {
             let pool = pool_with(threads);
-            let dt = pool.install(|| time_calls(min_secs, || k::matmul(&w, &x, n, &mut y)));
-            out.push(point("q4_matmul_prefill", rows, cols, n, threads, dt, one));
+            let dt = pool
+                .install(|| time_calls(min_secs, || k::matmul_act(isa, act, &w, &x, n, &mut y)));
+            out.push(point(
+                &format!("q4_matmul_prefill{suffix}"),
+                rows,
+                cols,
+                n,
+                threads,
+                dt,
+                one,
+            ));
         }
     }
-    out
 }
 
 fn point(

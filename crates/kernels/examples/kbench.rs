@@ -1,4 +1,4 @@
-//! Quick kernel timing: `cargo run --release -p slipstream-kernels --example kbench -- [threads]`.
+//! Quick kernel timing: `cargo run --release -p slipstream-kernels --example kbench -- [threads] [exact|int16]`.
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, TensorView};
 use slipstream_kernels::*;
@@ -12,9 +12,15 @@ fn main() {
         .num_threads(threads)
         .build()
         .unwrap();
+    // Activation mode from the second argument: `exact` (default) or `int16`.
+    let act = match std::env::args().nth(2).as_deref() {
+        Some("int16") => Activations::Int16,
+        _ => Activations::Exact,
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     for &(rows, cols, n) in &[
-        (512usize, 2048usize, 1usize),
+        (64usize, 2048usize, 1usize),
+        (512, 2048, 1),
         (2048, 512, 1),
         (512, 2048, 8),
         (512, 2048, 64),
@@ -42,7 +48,7 @@ fn main() {
                 let c0 = cpu_ns();
                 let t0 = std::time::Instant::now();
                 for _ in 0..iters {
-                    matmul(&w, &x, n, &mut y);
+                    matmul_act(Isa::detect(), act, &w, &x, n, &mut y);
                 }
                 best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
                 best_cpu = best_cpu.min((cpu_ns() - c0) as f64 * 1e-9 / iters as f64);

@@ -2,17 +2,18 @@
 //! multiply-add. These are the test oracle for the SIMD kernels and the
 //! fallback on CPUs without them.
 
-use crate::{check_weight, Token};
+use crate::{check_weight, Activations, Token};
 use slipstream_core::tensor::scale_to_f32;
 use slipstream_core::{QuantType, TensorView};
 
 /// `y[r] = sum_c W[r, c] * x[c]`; `x` is `[cols]`, `y` is `[rows]`.
-/// Single-threaded; bit-identical to `crate::matvec_with(Isa::Scalar, ..)`.
+/// Single-threaded, f32 activations; bit-identical to
+/// `crate::matvec_with(Isa::Scalar, ..)`.
 pub fn matvec(w: &TensorView, x: &[f32], y: &mut [f32]) {
     check_weight(w);
     assert_eq!(x.len(), w.cols, "matvec: x length != cols");
     assert_eq!(y.len(), w.rows, "matvec: y length != rows");
-    let toks = [Token::new(w, x)];
+    let toks = [Token::new(w, x, Activations::Exact)];
     rows(w, 0, w.rows, &toks, y);
 }
 
