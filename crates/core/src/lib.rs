@@ -27,6 +27,10 @@ pub enum CoreError {
 
 pub use tensor::{ExpertWeights, SharedBytes, Tensor};
 
+/// Experts handed over together by [`ExpertSource::with_expert_batches`]:
+/// `(expert id, weights)` pairs.
+pub type ExpertBatch<'a> = [(u32, ExpertWeights<'a>)];
+
 /// Error type crossing crate boundaries through the traits below.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -68,4 +72,17 @@ pub trait ExpertSource: Send {
         request: &ExpertRequest<'_>,
         compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
     ) -> Result<(), BoxError>;
+
+    /// [`ExpertSource::with_experts`] that hands over every expert that is
+    /// ready at the same time as one batch (e.g. all cache hits), so the
+    /// caller can compute them in parallel. Every id in `request.experts`
+    /// appears in exactly one batch; batches come in whatever order the
+    /// weights become available. The default delivers batches of one.
+    fn with_expert_batches(
+        &mut self,
+        request: &ExpertRequest<'_>,
+        compute: &mut dyn FnMut(&ExpertBatch<'_>),
+    ) -> Result<(), BoxError> {
+        self.with_experts(request, &mut |e, w| compute(&[(e, w)]))
+    }
 }

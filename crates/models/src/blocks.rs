@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use rayon::prelude::*;
-use slipstream_core::{ExpertRequest, ExpertSource, Tensor, TensorSource};
+use slipstream_core::{ExpertRequest, ExpertSource, ExpertWeights, Tensor, TensorSource};
 use slipstream_kernels as k;
 
 use crate::ops;
@@ -92,7 +92,7 @@ pub fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
 #[derive(Debug, Clone)]
 pub struct Rope {
     /// `[rotary_dim / 2]`
-    inv_freq: Vec<f32>,
+    pub inv_freq: Vec<f32>,
 }
 
 impl Rope {
@@ -469,33 +469,48 @@ impl Moe {
         });
         let shared_ns = t_shared.elapsed().as_nanos() as u64;
         let mut per_rank = vec![0.0f32; n * kk * h];
-        let mut gathered = Vec::new();
         let mut ffn_ns = 0u64;
         let t_experts = Instant::now();
+        // One expert's feed-forward on the tokens that chose it:
+        // `[m, hidden]` out, unweighted.
+        let run_expert = |e: u32, w: &ExpertWeights<'_>| -> Vec<f32> {
+            let users = &tokens_of[e as usize];
+            let mut gathered = Vec::with_capacity(users.len() * h);
+            for &(t, _) in users {
+                gathered.extend_from_slice(&x[t * h..][..h]);
+            }
+            let m = users.len();
+            let inter = w.gate.rows;
+            let mut g = vec![0.0f32; m * inter];
+            let mut u = vec![0.0f32; m * inter];
+            k::matmul(&w.gate, &gathered, m, &mut g);
+            k::matmul(&w.up, &gathered, m, &mut u);
+            for (gi, ui) in g.iter_mut().zip(&u) {
+                *gi = ops::silu(*gi) * ui;
+            }
+            let mut d = vec![0.0f32; m * h];
+            k::matmul(&w.down, &g, m, &mut d);
+            d
+        };
         experts
-            .with_experts(&request, &mut |e, w| {
+            .with_expert_batches(&request, &mut |batch| {
                 let t_ffn = Instant::now();
-                let users = &tokens_of[e as usize];
-                gathered.clear();
-                for &(t, _) in users {
-                    gathered.extend_from_slice(&x[t * h..][..h]);
-                }
-                let m = users.len();
-                let inter = w.gate.rows;
-                let mut g = vec![0.0f32; m * inter];
-                let mut u = vec![0.0f32; m * inter];
-                k::matmul(&w.gate, &gathered, m, &mut g);
-                k::matmul(&w.up, &gathered, m, &mut u);
-                for (gi, ui) in g.iter_mut().zip(&u) {
-                    *gi = ops::silu(*gi) * ui;
-                }
-                let mut d = vec![0.0f32; m * h];
-                k::matmul(&w.down, &g, m, &mut d);
-                for (i, &(t, rank)) in users.iter().enumerate() {
-                    let wgt = routes[t].weights[rank];
-                    let dst = &mut per_rank[(t * kk + rank) * h..][..h];
-                    for (o, &v) in dst.iter_mut().zip(&d[i * h..][..h]) {
-                        *o = v * wgt;
+                // Experts that are ready together run in parallel, one per
+                // thread: a decode step's experts are each too small to split
+                // well across threads. Each output has its own buffer, so the
+                // numbers do not depend on the batching.
+                let outs: Vec<Vec<f32>> = if batch.len() > 1 {
+                    batch.par_iter().map(|(e, w)| run_expert(*e, w)).collect()
+                } else {
+                    batch.iter().map(|(e, w)| run_expert(*e, w)).collect()
+                };
+                for ((e, _), d) in batch.iter().zip(&outs) {
+                    for (i, &(t, rank)) in tokens_of[*e as usize].iter().enumerate() {
+                        let wgt = routes[t].weights[rank];
+                        let dst = &mut per_rank[(t * kk + rank) * h..][..h];
+                        for (o, &v) in dst.iter_mut().zip(&d[i * h..][..h]) {
+                            *o = v * wgt;
+                        }
                     }
                 }
                 ffn_ns += t_ffn.elapsed().as_nanos() as u64;

@@ -208,6 +208,14 @@ impl ExpertSource for TracedStore {
     ) -> Result<(), BoxError> {
         self.inner.with_experts(request, compute)
     }
+
+    fn with_expert_batches(
+        &mut self,
+        request: &ExpertRequest<'_>,
+        compute: &mut dyn FnMut(&slipstream_core::ExpertBatch<'_>),
+    ) -> Result<(), BoxError> {
+        self.inner.with_expert_batches(request, compute)
+    }
 }
 
 /// Every expert of every layer held in memory, read and verified once at open.
@@ -274,7 +282,21 @@ impl ExpertSource for ResidentStore {
         request: &ExpertRequest<'_>,
         compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
     ) -> Result<(), BoxError> {
+        self.with_expert_batches(request, &mut |batch| {
+            for &(e, w) in batch {
+                compute(e, w);
+            }
+        })
+    }
+
+    /// Every expert is in memory: one batch per request.
+    fn with_expert_batches(
+        &mut self,
+        request: &ExpertRequest<'_>,
+        compute: &mut dyn FnMut(&slipstream_core::ExpertBatch<'_>),
+    ) -> Result<(), BoxError> {
         let layer = request.layer;
+        let mut batch = Vec::with_capacity(request.experts.len());
         for &e in request.experts {
             let e_idx = e as usize;
             if e_idx >= self.num_experts {
@@ -285,10 +307,10 @@ impl ExpertSource for ResidentStore {
                 .records
                 .get(start..start + self.record_bytes)
                 .ok_or_else(|| format!("layer {layer} is outside the expert pool"))?;
-            let weights = self.model.expert_views(record)?;
-            self.counters.hits += 1;
-            compute(e, weights);
+            batch.push((e, self.model.expert_views(record)?));
         }
+        self.counters.hits += batch.len() as u64;
+        compute(&batch);
         Ok(())
     }
 }

@@ -229,6 +229,19 @@ impl ExpertSource for StreamingStore {
         req: &ExpertRequest<'_>,
         compute: &mut dyn FnMut(u32, ExpertWeights<'_>),
     ) -> Result<(), BoxError> {
+        self.with_expert_batches(req, &mut |batch| {
+            for &(e, w) in batch {
+                compute(e, w);
+            }
+        })
+    }
+
+    /// All hits as one batch, then each miss as it lands.
+    fn with_expert_batches(
+        &mut self,
+        req: &ExpertRequest<'_>,
+        compute: &mut dyn FnMut(&slipstream_core::ExpertBatch<'_>),
+    ) -> Result<(), BoxError> {
         if self.pending.is_none() {
             self.begin(req)?;
         }
@@ -243,13 +256,17 @@ impl ExpertSource for StreamingStore {
             }
         };
         // Hits first: their bytes are already here and verified.
+        let mut hits = Vec::with_capacity(outcomes.len());
         for (i, o) in outcomes.iter().enumerate() {
             if let Outcome::Hit { slot } = *o {
                 let bytes = self.place_bytes(layer, Place::Slot(slot));
-                let weights = self.model.expert_views(bytes)?;
-                compute(experts[i], weights);
+                hits.push((experts[i], self.model.expert_views(bytes)?));
             }
         }
+        if !hits.is_empty() {
+            compute(&hits);
+        }
+        drop(hits);
         // Then each miss as it lands.
         let mut first_err: Option<BoxError> = None;
         while self.pending.as_ref().is_some_and(|p| p.in_flight > 0) {
@@ -280,7 +297,7 @@ impl ExpertSource for StreamingStore {
                 Ok(()) if first_err.is_none() => {
                     let bytes = self.place_bytes(layer, place);
                     match self.model.expert_views(bytes) {
-                        Ok(w) => compute(expert, w),
+                        Ok(w) => compute(&[(expert, w)]),
                         Err(e) => first_err = Some(e.into()),
                     }
                 }
