@@ -47,6 +47,7 @@
 
 mod config;
 mod convert;
+mod gguf_source;
 mod source;
 
 use std::cell::RefCell;
@@ -123,6 +124,8 @@ pub struct RepackOptions {
 pub enum SourceKind {
     HfSafetensors,
     Mlx,
+    /// A llama.cpp GGUF file (see `gguf_source`).
+    Gguf,
 }
 
 impl SourceKind {
@@ -130,6 +133,7 @@ impl SourceKind {
         match self {
             SourceKind::HfSafetensors => "hf-safetensors",
             SourceKind::Mlx => "mlx",
+            SourceKind::Gguf => "gguf",
         }
     }
 }
@@ -954,6 +958,10 @@ enum Msg {
 /// Converts `opts.input` into a `.slip` model at `opts.output`, calling
 /// `progress` from this thread as work completes.
 pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<RepackReport> {
+    // A GGUF file (detected by its magic) keeps its own tensor types.
+    if gguf_source::is_gguf(&opts.input) {
+        return gguf_source::repack_gguf(opts, progress);
+    }
     let t0 = Instant::now();
     let raw = RawConfig::read(&opts.input)?;
     if let Some(method) = raw.hf_quant_method() {

@@ -1,0 +1,1070 @@
+//! GGUF (llama.cpp) input: architectures `qwen35moe` and `qwen3moe`.
+//!
+//! Tensor bytes are kept in their ggml type (F32, F16, BF16, Q8_0, Q4_0,
+//! Q4_K, Q5_K, Q6_K: our `QuantType`s of the same names hold the exact ggml
+//! block bytes), so nothing is requantized. Routed experts come from the
+//! stacked `ffn_{gate,up,down}_exps` tensors (ggml dims `[cols, rows, E]`):
+//! expert `e` is the `e`-th contiguous slab of each, copied into one record.
+//!
+//! llama.cpp's `convert_hf_to_gguf.py` changes some values; we undo each
+//! change exactly where it is exact and say so where it is not:
+//! - norms are stored `1 + w` for qwen3.5 (our canonical form too: kept);
+//!   `ssm_norm` and qwen3 norms are plain `w` (kept);
+//! - `ssm_a = -exp(A_log)`: `A_log = ln(-ssm_a)`, computed in f64 and rounded
+//!   to f32 (within an ulp of the original A_log, not always bit-identical);
+//! - `ssm_conv1d` squeezed to `[conv_dim, K]` (our layout: kept);
+//! - qwen35moe value heads reordered from grouped (by key head) to tiled
+//!   order: the V rows of `attn_qkv`, the rows of `attn_gate` (z),
+//!   `ssm_beta`, `ssm_alpha`, the entries of `ssm_a` and `ssm_dt.bias`, the V
+//!   channels of `ssm_conv1d` and the columns of `ssm_out` are permuted back.
+//!   Rows of block-quantized tensors are independent block sequences and
+//!   move whole. Columns of a block-quantized `ssm_out` move as whole blocks
+//!   when a value head spans whole blocks (Q4_0/Q8_0 with head dim a multiple
+//!   of 32); otherwise that one tensor is dequantized to f32 and permuted.
+//!
+//! The tokenizer is rebuilt as a `tokenizer.json` from `tokenizer.ggml.*`
+//! (`gpt2` BPE only: tokens, merges, token types; pre-tokenizer regex by
+//! `tokenizer.ggml.pre`), the chat template from `tokenizer.chat_template`.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+use serde_json::{json, Value as Json};
+use slipstream_core::config::LayerKind;
+use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
+use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
+use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
+
+use crate::{ProgressEvent, RepackError, RepackOptions, RepackReport, Result, SourceKind};
+
+const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K";
+
+fn qtype_of(t: GgmlType) -> Option<QuantType> {
+    Some(match t {
+        GgmlType::F32 => QuantType::F32,
+        GgmlType::F16 => QuantType::F16,
+        GgmlType::BF16 => QuantType::Bf16,
+        GgmlType::Q4_0 => QuantType::Q4_0,
+        GgmlType::Q8_0 => QuantType::Q8_0,
+        GgmlType::Q4_K => QuantType::Q4K,
+        GgmlType::Q5_K => QuantType::Q5K,
+        GgmlType::Q6_K => QuantType::Q6K,
+        _ => return None,
+    })
+}
+
+/// Source index of each grouped-order head: the inverse of the converter's
+/// `_reorder_v_heads` (grouped `[nk, r]` -> tiled `[r, nk]`). Output head
+/// `h = k * r + j` is read from tiled position `j * nk + k`.
+pub(crate) fn untile_heads(nk: usize, r: usize) -> Vec<usize> {
+    (0..nk * r).map(|h| (h % r) * nk + h / r).collect()
+}
+
+struct Src<'a> {
+    f: &'a GgufFile,
+    path: String,
+}
+
+impl<'a> Src<'a> {
+    fn corrupt(&self, reason: String) -> RepackError {
+        RepackError::Corrupt {
+            path: self.path.clone(),
+            reason,
+        }
+    }
+
+    fn meta(&self, key: &str) -> Option<&'a Value> {
+        self.f.get(key)
+    }
+
+    fn usize_req(&self, key: &str) -> Result<usize> {
+        match self.meta(key) {
+            Some(v) => v
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| RepackError::Config {
+                    path: self.path.clone(),
+                    message: format!("metadata {key} = {v:?} is not a non-negative integer"),
+                }),
+            None => Err(RepackError::Config {
+                path: self.path.clone(),
+                message: format!("metadata {key} is missing"),
+            }),
+        }
+    }
+
+    fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        if self.meta(key).is_some() {
+            self.usize_req(key)
+        } else {
+            Ok(default)
+        }
+    }
+
+    fn f64_or(&self, key: &str, default: f64) -> Result<f64> {
+        match self.meta(key) {
+            None => Ok(default),
+            Some(v) => v.as_f64().ok_or_else(|| RepackError::Config {
+                path: self.path.clone(),
+                message: format!("metadata {key} = {v:?} is not a number"),
+            }),
+        }
+    }
+
+    fn tensor(&self, name: &str) -> Result<&'a TensorInfo> {
+        self.f
+            .tensor(name)
+            .ok_or_else(|| RepackError::MissingTensor {
+                name: name.to_string(),
+                dir: self.path.clone(),
+            })
+    }
+
+    /// A tensor of ggml dims `dims`, with its stored type.
+    fn shaped(&self, name: &str, dims: &[usize]) -> Result<(&'a TensorInfo, QuantType)> {
+        let t = self.tensor(name)?;
+        let found: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
+        // A trailing 1 (e.g. ffn_gate_inp_shexp [H, 1]) is the same tensor as [H].
+        let strip = |v: &[usize]| -> Vec<usize> {
+            let mut v = v.to_vec();
+            while v.len() > 1 && v.last() == Some(&1) {
+                v.pop();
+            }
+            v
+        };
+        if strip(&found) != strip(dims) {
+            return Err(RepackError::Shape {
+                name: name.to_string(),
+                expected: dims.to_vec(),
+                found,
+            });
+        }
+        let q = qtype_of(t.ty).ok_or_else(|| RepackError::Dtype {
+            name: name.to_string(),
+            dtype: t.ty.name().to_string(),
+            supported: SUPPORTED_TYPES,
+        })?;
+        Ok((t, q))
+    }
+
+    fn bytes(&self, t: &TensorInfo) -> &'a [u8] {
+        self.f.data(t)
+    }
+
+    /// A float tensor (F32/F16/BF16) of `n` elements decoded to f32.
+    fn floats(&self, name: &str, dims: &[usize]) -> Result<Vec<f32>> {
+        let (t, q) = self.shaped(name, dims)?;
+        let n: usize = dims.iter().product();
+        let b = self.bytes(t);
+        let mut out = vec![0f32; n];
+        match q {
+            QuantType::F32 | QuantType::F16 | QuantType::Bf16 => {
+                let view = TensorView::new(q, 1, n, b)
+                    .map_err(|e| self.corrupt(format!("{name}: {e}")))?;
+                slipstream_kernels::dequantize_row(&view, 0, &mut out);
+            }
+            _ => {
+                return Err(RepackError::Dtype {
+                    name: name.to_string(),
+                    dtype: t.ty.name().to_string(),
+                    supported: "F32, F16 or BF16 for a norm or per-channel parameter",
+                })
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// Rows of a `[rows, row_bytes]` byte matrix permuted: out row `i` = in row `src[i]`.
+fn permute_rows(bytes: &[u8], row_bytes: usize, src: &[usize]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len());
+    for &s in src {
+        out.extend_from_slice(&bytes[s * row_bytes..(s + 1) * row_bytes]);
+    }
+    out
+}
+
+/// Row permutation moving whole heads of `d` rows: grouped order from tiled,
+/// applied to rows `start..start + nk*r*d` (others stay).
+fn head_rows(total: usize, start: usize, nk: usize, r: usize, d: usize) -> Vec<usize> {
+    let heads = untile_heads(nk, r);
+    let mut src: Vec<usize> = (0..total).collect();
+    for (h, &sh) in heads.iter().enumerate() {
+        for i in 0..d {
+            src[start + h * d + i] = start + sh * d + i;
+        }
+    }
+    src
+}
+
+/// One dense tensor ready to write.
+struct Dense {
+    name: String,
+    qtype: QuantType,
+    shape: [usize; 2],
+    bytes: Vec<u8>,
+    bytes_in: u64,
+}
+
+fn arch_of(src: &Src) -> Result<(Architecture, &'static str)> {
+    let a = src
+        .meta("general.architecture")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    match a {
+        "qwen35moe" => Ok((Architecture::Qwen35Moe, "qwen35moe")),
+        "qwen3moe" => Ok((Architecture::Qwen3Moe, "qwen3moe")),
+        other => Err(RepackError::UnknownArchitecture {
+            model_type: format!("{other} (GGUF general.architecture)"),
+            supported: "GGUF qwen35moe, qwen3moe",
+        }),
+    }
+}
+
+fn model_config(src: &Src) -> Result<ModelConfig> {
+    let (arch, a) = arch_of(src)?;
+    let qwen35 = arch == Architecture::Qwen35Moe;
+    let k = |s: &str| format!("{a}.{s}");
+    let n_layers =
+        src.usize_req(&k("block_count"))? - src.usize_or(&k("nextn_predict_layers"), 0)?;
+    let hidden = src.usize_req(&k("embedding_length"))?;
+    let heads = src.usize_req(&k("attention.head_count"))?;
+    let kv = src.usize_or(&k("attention.head_count_kv"), heads)?;
+    let head_dim = src.usize_or(&k("attention.key_length"), hidden / heads.max(1))?;
+    let embd = src.tensor("token_embd.weight")?;
+    let vocab = embd.dims.get(1).copied().unwrap_or(0) as usize;
+    let layer_types: Vec<LayerKind> = if qwen35 {
+        match src
+            .meta(&k("attention.recurrent_layers"))
+            .and_then(|v| v.as_array())
+        {
+            Some(items) => {
+                let v: Vec<LayerKind> = items
+                    .iter()
+                    .take(n_layers)
+                    .map(|b| {
+                        if b.as_bool() == Some(true) {
+                            LayerKind::LinearAttention
+                        } else {
+                            LayerKind::FullAttention
+                        }
+                    })
+                    .collect();
+                if v.len() != n_layers {
+                    return Err(RepackError::Config {
+                        path: src.path.clone(),
+                        message: format!(
+                            "{} has {} entries for {n_layers} layers",
+                            k("attention.recurrent_layers"),
+                            v.len()
+                        ),
+                    });
+                }
+                v
+            }
+            None => {
+                let interval = src.usize_or(&k("full_attention_interval"), 4)?.max(1);
+                (0..n_layers)
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            LayerKind::FullAttention
+                        } else {
+                            LayerKind::LinearAttention
+                        }
+                    })
+                    .collect()
+            }
+        }
+    } else {
+        vec![LayerKind::FullAttention; n_layers]
+    };
+    let has_linear = layer_types.contains(&LayerKind::LinearAttention);
+    let (nk, nv, dk, dv, kern) = if has_linear {
+        let nv = src.usize_req(&k("ssm.time_step_rank"))?;
+        let inner = src.usize_req(&k("ssm.inner_size"))?;
+        (
+            src.usize_req(&k("ssm.group_count"))?,
+            nv,
+            src.usize_req(&k("ssm.state_size"))?,
+            inner / nv.max(1),
+            src.usize_req(&k("ssm.conv_kernel"))?,
+        )
+    } else {
+        (0, 0, 0, 0, 0)
+    };
+    let cfg = ModelConfig {
+        architecture: arch,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        rms_norm_eps: src.f64_or(&k("attention.layer_norm_rms_epsilon"), 1e-6)? as f32,
+        tie_word_embeddings: src.f.tensor("output.weight").is_none(),
+        max_position_embeddings: src.usize_or(&k("context_length"), 32768)?,
+        num_attention_heads: heads,
+        num_key_value_heads: kv,
+        head_dim,
+        rotary_dim: src.usize_or(&k("rope.dimension_count"), head_dim)?,
+        rope_theta: src.f64_or(&k("rope.freq_base"), 10000.0)?,
+        attn_output_gate: qwen35,
+        linear_num_key_heads: nk,
+        linear_key_head_dim: dk,
+        linear_num_value_heads: nv,
+        linear_value_head_dim: dv,
+        linear_conv_kernel: kern,
+        layer_types,
+        num_experts: src.usize_req(&k("expert_count"))?,
+        num_experts_per_tok: src.usize_req(&k("expert_used_count"))?,
+        moe_intermediate_size: src.usize_req(&k("expert_feed_forward_length"))?,
+        shared_expert_intermediate_size: if qwen35 {
+            src.usize_req(&k("expert_shared_feed_forward_length"))?
+        } else {
+            0
+        },
+        // llama.cpp renormalises qwen3moe's top-k unless told otherwise.
+        norm_topk_prob: qwen35
+            || src
+                .meta(&k("expert_weights_norm"))
+                .and_then(|v| v.as_bool())
+                .unwrap_or(true),
+    };
+    cfg.validate().map_err(|e| RepackError::Config {
+        path: src.path.clone(),
+        message: e.to_string(),
+    })?;
+    Ok(cfg)
+}
+
+/// Everything dense, in canonical order.
+type Job<'s> = Box<dyn Fn() -> Result<Dense> + 's>;
+
+fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String, Job<'s>)>> {
+    let h = cfg.hidden_size;
+    let v = cfg.vocab_size;
+    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
+    let mut jobs: Vec<(String, Job<'s>)> = Vec::new();
+
+    // A tensor copied as stored: ggml dims [cols, rows].
+    let copy = move |gname: String, out: String, rows: usize, cols: usize| -> Job<'s> {
+        Box::new(move || {
+            let (t, q) = src.shaped(&gname, &[cols, rows])?;
+            let b = src.bytes(t);
+            Ok(Dense {
+                name: out.clone(),
+                qtype: q,
+                shape: [rows, cols],
+                bytes: b.to_vec(),
+                bytes_in: b.len() as u64,
+            })
+        })
+    };
+    // A 1-D float tensor as f32 `[1, n]`, optionally transformed.
+    let vector = move |gname: String,
+                       out: String,
+                       n: usize,
+                       f: fn(Vec<f32>) -> Result<Vec<f32>>,
+                       perm: Option<Vec<usize>>|
+          -> Job<'s> {
+        Box::new(move || {
+            let vals = src.floats(&gname, &[n])?;
+            let vals = f(vals)?;
+            let vals = match &perm {
+                Some(p) => p.iter().map(|&i| vals[i]).collect(),
+                None => vals,
+            };
+            Ok(Dense {
+                name: out.clone(),
+                qtype: QuantType::F32,
+                shape: [1, n],
+                bytes: f32_bytes(&vals),
+                bytes_in: src.tensor(&gname)?.nbytes,
+            })
+        })
+    };
+    // Rows permuted (whole rows, any type).
+    let rows_perm = move |gname: String,
+                          out: String,
+                          rows: usize,
+                          cols: usize,
+                          src_rows: Vec<usize>|
+          -> Job<'s> {
+        Box::new(move || {
+            let (t, q) = src.shaped(&gname, &[cols, rows])?;
+            let b = src.bytes(t);
+            let rb = q.nbytes(1, cols);
+            Ok(Dense {
+                name: out.clone(),
+                qtype: q,
+                shape: [rows, cols],
+                bytes: permute_rows(b, rb, &src_rows),
+                bytes_in: b.len() as u64,
+            })
+        })
+    };
+    fn ident(x: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(x)
+    }
+
+    jobs.push((
+        "embed".into(),
+        copy("token_embd.weight".into(), "embed".into(), v, h),
+    ));
+    for (l, kind) in cfg.layer_types.iter().enumerate() {
+        let g = |s: &str| format!("blk.{l}.{s}");
+        let o = |s: &str| format!("layers.{l}.{s}");
+        jobs.push((
+            o("input_norm"),
+            vector(g("attn_norm.weight"), o("input_norm"), h, ident, None),
+        ));
+        match kind {
+            LayerKind::FullAttention => {
+                let hd = cfg.head_dim;
+                let qr = cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
+                let kvr = cfg.num_key_value_heads * hd;
+                let oc = cfg.num_attention_heads * hd;
+                jobs.push((
+                    o("attn.q_proj"),
+                    copy(g("attn_q.weight"), o("attn.q_proj"), qr, h),
+                ));
+                jobs.push((
+                    o("attn.k_proj"),
+                    copy(g("attn_k.weight"), o("attn.k_proj"), kvr, h),
+                ));
+                jobs.push((
+                    o("attn.v_proj"),
+                    copy(g("attn_v.weight"), o("attn.v_proj"), kvr, h),
+                ));
+                jobs.push((
+                    o("attn.o_proj"),
+                    copy(g("attn_output.weight"), o("attn.o_proj"), h, oc),
+                ));
+                jobs.push((
+                    o("attn.q_norm"),
+                    vector(g("attn_q_norm.weight"), o("attn.q_norm"), hd, ident, None),
+                ));
+                jobs.push((
+                    o("attn.k_norm"),
+                    vector(g("attn_k_norm.weight"), o("attn.k_norm"), hd, ident, None),
+                ));
+            }
+            LayerKind::LinearAttention => {
+                let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+                let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
+                // qwen35moe GGUFs hold value heads in tiled order (see module doc).
+                let r = nv / nk;
+                let conv_dim = cfg.linear_conv_dim();
+                let qk = 2 * nk * dk;
+                let vd = nv * dv;
+                let kk = cfg.linear_conv_kernel;
+                jobs.push((
+                    o("gdn.in_proj_qkv"),
+                    rows_perm(
+                        g("attn_qkv.weight"),
+                        o("gdn.in_proj_qkv"),
+                        conv_dim,
+                        h,
+                        head_rows(conv_dim, qk, nk, r, dv),
+                    ),
+                ));
+                jobs.push((
+                    o("gdn.in_proj_z"),
+                    rows_perm(
+                        g("attn_gate.weight"),
+                        o("gdn.in_proj_z"),
+                        vd,
+                        h,
+                        head_rows(vd, 0, nk, r, dv),
+                    ),
+                ));
+                jobs.push((
+                    o("gdn.in_proj_b"),
+                    rows_perm(
+                        g("ssm_beta.weight"),
+                        o("gdn.in_proj_b"),
+                        nv,
+                        h,
+                        head_rows(nv, 0, nk, r, 1),
+                    ),
+                ));
+                jobs.push((
+                    o("gdn.in_proj_a"),
+                    rows_perm(
+                        g("ssm_alpha.weight"),
+                        o("gdn.in_proj_a"),
+                        nv,
+                        h,
+                        head_rows(nv, 0, nk, r, 1),
+                    ),
+                ));
+                // Conv: ggml [K, conv_dim] = our [conv_dim, K]; always f32.
+                {
+                    let gname = g("ssm_conv1d.weight");
+                    let out = o("gdn.conv");
+                    let perm = head_rows(conv_dim, qk, nk, r, dv);
+                    jobs.push((
+                        out.clone(),
+                        Box::new(move || {
+                            let vals = src.floats(&gname, &[kk, conv_dim])?;
+                            let b = f32_bytes(&vals);
+                            Ok(Dense {
+                                name: out.clone(),
+                                qtype: QuantType::F32,
+                                shape: [conv_dim, kk],
+                                bytes: permute_rows(&b, 4 * kk, &perm),
+                                bytes_in: src.tensor(&gname)?.nbytes,
+                            })
+                        }),
+                    ));
+                }
+                fn a_log(a: Vec<f32>) -> Result<Vec<f32>> {
+                    a.iter()
+                        .map(|&x| {
+                            if x < 0.0 {
+                                Ok((-(x as f64)).ln() as f32)
+                            } else {
+                                Err(RepackError::UnexpectedTensor {
+                                    name: "ssm_a".into(),
+                                    message: format!(
+                                        "value {x} is not negative (ssm_a = -exp(A_log))"
+                                    ),
+                                })
+                            }
+                        })
+                        .collect()
+                }
+                jobs.push((
+                    o("gdn.A_log"),
+                    vector(
+                        g("ssm_a"),
+                        o("gdn.A_log"),
+                        nv,
+                        a_log,
+                        Some(untile_heads(nk, r)),
+                    ),
+                ));
+                jobs.push((
+                    o("gdn.dt_bias"),
+                    vector(
+                        g("ssm_dt.bias"),
+                        o("gdn.dt_bias"),
+                        nv,
+                        ident,
+                        Some(untile_heads(nk, r)),
+                    ),
+                ));
+                jobs.push((
+                    o("gdn.norm"),
+                    vector(g("ssm_norm.weight"), o("gdn.norm"), dv, ident, None),
+                ));
+                {
+                    let gname = g("ssm_out.weight");
+                    let out = o("gdn.out_proj");
+                    jobs.push((
+                        out.clone(),
+                        Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv)),
+                    ));
+                }
+            }
+        }
+        let post = if qwen35 {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        jobs.push((
+            o("post_attn_norm"),
+            vector(g(post), o("post_attn_norm"), h, ident, None),
+        ));
+        jobs.push((
+            o("moe.router"),
+            copy(
+                g("ffn_gate_inp.weight"),
+                o("moe.router"),
+                cfg.num_experts,
+                h,
+            ),
+        ));
+        if qwen35 {
+            let is = cfg.shared_expert_intermediate_size;
+            jobs.push((
+                o("moe.shared_gate"),
+                copy(g("ffn_gate_inp_shexp.weight"), o("moe.shared_gate"), 1, h),
+            ));
+            jobs.push((
+                o("moe.shared.gate_proj"),
+                copy(g("ffn_gate_shexp.weight"), o("moe.shared.gate_proj"), is, h),
+            ));
+            jobs.push((
+                o("moe.shared.up_proj"),
+                copy(g("ffn_up_shexp.weight"), o("moe.shared.up_proj"), is, h),
+            ));
+            jobs.push((
+                o("moe.shared.down_proj"),
+                copy(g("ffn_down_shexp.weight"), o("moe.shared.down_proj"), h, is),
+            ));
+        }
+    }
+    jobs.push((
+        "final_norm".into(),
+        vector(
+            "output_norm.weight".into(),
+            "final_norm".into(),
+            h,
+            ident,
+            None,
+        ),
+    ));
+    if !cfg.tie_word_embeddings {
+        jobs.push((
+            "lm_head".into(),
+            copy("output.weight".into(), "lm_head".into(), v, h),
+        ));
+    }
+    Ok(jobs)
+}
+
+/// `ssm_out` `[H, nv*dv]` with its columns (value heads) back in grouped order.
+fn out_proj(
+    src: &Src,
+    gname: &str,
+    out: &str,
+    h: usize,
+    nk: usize,
+    r: usize,
+    dv: usize,
+) -> Result<Dense> {
+    let cols = nk * r * dv;
+    let (t, q) = src.shaped(gname, &[cols, h])?;
+    let b = src.bytes(t);
+    let heads = untile_heads(nk, r);
+    // Unit that moves whole: one element, or one block when a head spans whole blocks.
+    let (unit_elems, unit_bytes) = match q {
+        QuantType::F32 => (1, 4),
+        QuantType::F16 | QuantType::Bf16 => (1, 2),
+        _ => match q.ggml_block() {
+            Some((be, bb)) if dv % be == 0 => (be, bb),
+            _ => (0, 0),
+        },
+    };
+    if let Some(units) = dv.checked_div(unit_elems) {
+        let per_head = units * unit_bytes;
+        let row_bytes = q.nbytes(1, cols);
+        let mut o = Vec::with_capacity(b.len());
+        for row in b.chunks_exact(row_bytes) {
+            for &sh in &heads {
+                o.extend_from_slice(&row[sh * per_head..(sh + 1) * per_head]);
+            }
+        }
+        return Ok(Dense {
+            name: out.to_string(),
+            qtype: q,
+            shape: [h, cols],
+            bytes: o,
+            bytes_in: b.len() as u64,
+        });
+    }
+    // A value head does not span whole blocks (e.g. K-quants with head dim
+    // 128): the column permutation cannot keep the block encoding, so this
+    // one tensor is dequantized to f32 (exact values, 4 bytes each).
+    let view = TensorView::new(q, h, cols, b).map_err(|e| src.corrupt(format!("{gname}: {e}")))?;
+    let mut row = vec![0f32; cols];
+    let mut vals = Vec::with_capacity(h * cols);
+    for rr in 0..h {
+        slipstream_kernels::dequantize_row(&view, rr, &mut row);
+        for &sh in &heads {
+            vals.extend_from_slice(&row[sh * dv..(sh + 1) * dv]);
+        }
+    }
+    Ok(Dense {
+        name: out.to_string(),
+        qtype: QuantType::F32,
+        shape: [h, cols],
+        bytes: f32_bytes(&vals),
+        bytes_in: b.len() as u64,
+    })
+}
+
+/// Tokenizer fields of the manifest rebuilt from `tokenizer.*` metadata.
+pub(crate) struct GgufTokenizer {
+    pub tokenizer_json: Option<Vec<u8>>,
+    pub chat_template: Option<String>,
+    pub eos_token_ids: Vec<u32>,
+    pub special_tokens: BTreeMap<String, String>,
+    /// Why there is no tokenizer.json, when there is none.
+    pub note: Option<String>,
+}
+
+const GPT2_REGEX: &str =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)";
+const QWEN2_REGEX: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN35_REGEX: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+fn strings(v: Option<&Value>) -> Option<Vec<String>> {
+    v?.as_array()?
+        .iter()
+        .map(|x| x.as_str().map(str::to_string))
+        .collect()
+}
+
+pub(crate) fn tokenizer(f: &GgufFile) -> GgufTokenizer {
+    let mut t = GgufTokenizer {
+        tokenizer_json: None,
+        chat_template: f
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(str::to_string),
+        eos_token_ids: Vec::new(),
+        special_tokens: BTreeMap::new(),
+        note: None,
+    };
+    let tokens = strings(f.get("tokenizer.ggml.tokens"));
+    for (key, field) in [
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("eos_token", "tokenizer.ggml.eot_token_id"),
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ] {
+        if let Some(id) = f.get(field).and_then(|v| v.as_u64()) {
+            if key == "eos_token" && !t.eos_token_ids.contains(&(id as u32)) {
+                t.eos_token_ids.push(id as u32);
+            }
+            if let Some(s) = tokens.as_ref().and_then(|tk| tk.get(id as usize)) {
+                t.special_tokens
+                    .entry(key.to_string())
+                    .or_insert_with(|| s.clone());
+            }
+        }
+    }
+    let model = f
+        .get("tokenizer.ggml.model")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    if model != "gpt2" {
+        t.note = Some(format!("tokenizer.ggml.model {model:?} is not gpt2 BPE; no tokenizer written (use --prompt-tokens)"));
+        return t;
+    }
+    let (Some(tokens), Some(merges)) = (tokens, strings(f.get("tokenizer.ggml.merges"))) else {
+        t.note = Some("tokenizer.ggml.tokens or .merges missing; no tokenizer written".into());
+        return t;
+    };
+    let types: Vec<i64> = f
+        .get("tokenizer.ggml.token_type")
+        .and_then(|v| v.as_array())
+        .map(|a| a.iter().map(|x| x.as_f64().unwrap_or(1.0) as i64).collect())
+        .unwrap_or_default();
+    let pre = f
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let regex = match pre {
+        "qwen2" | "deepseek-r1-qwen" => QWEN2_REGEX,
+        "qwen35" => QWEN35_REGEX,
+        _ => GPT2_REGEX,
+    };
+    let mut vocab = serde_json::Map::new();
+    let mut added = Vec::new();
+    for (id, tok) in tokens.iter().enumerate() {
+        // ggml token types: 1 normal, 3 control, 4 user defined.
+        let ty = types.get(id).copied().unwrap_or(1);
+        if ty == 3 || ty == 4 {
+            added.push(json!({
+                "id": id, "content": tok, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": ty == 3
+            }));
+        }
+        vocab.insert(tok.clone(), json!(id));
+    }
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    let tj: Json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+            byte_level.clone()
+        ]},
+        "post_processor": byte_level.clone(),
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": false, "vocab": vocab, "merges": merges
+        }
+    });
+    t.tokenizer_json = serde_json::to_vec(&tj).ok();
+    t
+}
+
+/// Converts a GGUF file into a `.slip` model.
+pub(crate) fn repack_gguf(
+    opts: &RepackOptions,
+    progress: &dyn Fn(ProgressEvent),
+) -> Result<RepackReport> {
+    let t0 = Instant::now();
+    let path = opts.input.display().to_string();
+    let f = GgufFile::open(&opts.input).map_err(|e| RepackError::Corrupt {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let src = Src {
+        f: &f,
+        path: path.clone(),
+    };
+    let cfg = model_config(&src)?;
+    let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
+    let n_layers = cfg.num_layers();
+
+    // Expert tensors: one layout for the whole pool.
+    let mut exps = Vec::with_capacity(n_layers);
+    for l in 0..n_layers {
+        let gate = src.shaped(&format!("blk.{l}.ffn_gate_exps.weight"), &[h, i, e_count])?;
+        let up = src.shaped(&format!("blk.{l}.ffn_up_exps.weight"), &[h, i, e_count])?;
+        let down = src.shaped(&format!("blk.{l}.ffn_down_exps.weight"), &[i, h, e_count])?;
+        exps.push([gate, up, down]);
+    }
+    let shapes = [[i, h], [i, h], [h, i]];
+    let names = ["gate", "up", "down"];
+    let layout: Vec<(String, QuantType, [usize; 2])> = (0..3)
+        .map(|k| (names[k].to_string(), exps[0][k].1, shapes[k]))
+        .collect();
+    for (l, parts) in exps.iter().enumerate() {
+        for k in 0..3 {
+            if parts[k].1 != layout[k].1 {
+                return Err(RepackError::Unsupported(format!(
+                    "blk.{l}.ffn_{}_exps is {} but blk.0's is {}; the expert pool needs one layout for all layers",
+                    names[k],
+                    parts[k].1.name(),
+                    layout[k].1.name()
+                )));
+            }
+        }
+    }
+
+    let jobs = dense_tensors(&src, &cfg)?;
+    let expert_bytes: u64 = exps
+        .iter()
+        .flat_map(|p| p.iter().map(|(t, _)| t.nbytes))
+        .sum();
+    let dense_guess: u64 = f
+        .tensors
+        .iter()
+        .filter(|t| !t.name.contains("_exps"))
+        .map(|t| t.nbytes)
+        .sum();
+    let total_bytes = expert_bytes + dense_guess;
+    progress(ProgressEvent::Started {
+        total_bytes,
+        tensors: jobs.len(),
+        experts: n_layers * e_count,
+        kind: SourceKind::Gguf,
+        architecture: cfg.architecture,
+    });
+    let mut w = SlipWriter::create(
+        &opts.output,
+        ExpertPoolLayout {
+            num_layers: n_layers,
+            num_experts: e_count,
+            parts: layout.clone(),
+        },
+    )?;
+    let mut bytes_in = 0u64;
+    let mut li = 0usize;
+    for (name, job) in &jobs {
+        // Experts of a layer go right after its dense tensors.
+        let layer_of = |n: &str| {
+            n.strip_prefix("layers.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|s| s.parse::<usize>().ok())
+        };
+        while li < n_layers && layer_of(name).is_none_or(|l| l > li) {
+            write_layer_experts(
+                &src,
+                &mut w,
+                li,
+                &exps[li],
+                e_count,
+                progress,
+                &mut bytes_in,
+            )?;
+            li += 1;
+        }
+        let d = job()?;
+        w.add_dense(&d.name, d.qtype, d.shape, &d.bytes)?;
+        bytes_in += d.bytes_in;
+        progress(ProgressEvent::Tensor {
+            name: d.name,
+            bytes_in: d.bytes_in,
+        });
+    }
+    while li < n_layers {
+        write_layer_experts(
+            &src,
+            &mut w,
+            li,
+            &exps[li],
+            e_count,
+            progress,
+            &mut bytes_in,
+        )?;
+        li += 1;
+    }
+    // Anything we did not read is reported (e.g. MTP blocks beyond the text layers).
+    let ignored: Vec<String> = f
+        .tensors
+        .iter()
+        .filter(|t| {
+            let blk = t
+                .name
+                .strip_prefix("blk.")
+                .and_then(|r| r.split('.').next())
+                .and_then(|s| s.parse::<usize>().ok());
+            blk.is_some_and(|b| b >= n_layers)
+        })
+        .map(|t| t.name.clone())
+        .collect();
+
+    progress(ProgressEvent::Finishing);
+    let tok = tokenizer(&f);
+    let tokenizer_file = match &tok.tokenizer_json {
+        Some(b) => {
+            w.add_file(slipstream_format::TOKENIZER_FILE, b)?;
+            Some(slipstream_format::TOKENIZER_FILE.to_string())
+        }
+        None => None,
+    };
+    let manifest = w.finish(ManifestInfo {
+        config: cfg.clone(),
+        tokenizer: tokenizer_file,
+        chat_template: tok.chat_template,
+        eos_token_ids: tok.eos_token_ids,
+        special_tokens: tok.special_tokens,
+        source: SourceInfo {
+            kind: SourceKind::Gguf.name().into(),
+            path: path.clone(),
+            quant: "as stored".into(),
+        },
+    })?;
+    let seconds = t0.elapsed().as_secs_f64();
+    Ok(RepackReport {
+        kind: SourceKind::Gguf,
+        config: cfg,
+        tensors_written: manifest.dense.len(),
+        experts_written: n_layers * e_count,
+        bytes_in,
+        bytes_out: manifest.dense_file_bytes + manifest.experts.file_bytes(),
+        seconds,
+        mb_per_s: bytes_in as f64 / 1e6 / seconds.max(1e-9),
+        ignored_tensors: ignored,
+        expert_layout: layout,
+    })
+}
+
+fn write_layer_experts(
+    src: &Src,
+    w: &mut SlipWriter,
+    l: usize,
+    parts: &[(&TensorInfo, QuantType); 3],
+    e_count: usize,
+    progress: &dyn Fn(ProgressEvent),
+    bytes_in: &mut u64,
+) -> Result<()> {
+    let data: Vec<&[u8]> = parts.iter().map(|(t, _)| src.bytes(t)).collect();
+    let per: Vec<usize> = data.iter().map(|d| d.len() / e_count).collect();
+    for e in 0..e_count {
+        let p: Vec<&[u8]> = (0..3)
+            .map(|k| &data[k][e * per[k]..(e + 1) * per[k]])
+            .collect();
+        w.write_expert(l, e, &p)?;
+        let n: u64 = per.iter().map(|&x| x as u64).sum();
+        *bytes_in += n;
+        progress(ProgressEvent::Expert {
+            layer: l,
+            expert: e,
+            bytes_in: n,
+        });
+    }
+    Ok(())
+}
+
+/// Whether `input` is a GGUF file (by its magic).
+pub(crate) fn is_gguf(input: &Path) -> bool {
+    input.is_file() && slipstream_gguf::is_gguf_file(input)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn untile_inverts_the_converter_reorder() {
+        // Converter: grouped [nk, r] -> tiled [r, nk]; tiled position
+        // j * nk + k holds grouped head k * r + j.
+        let (nk, r) = (2, 3);
+        let tiled: Vec<usize> = (0..r)
+            .flat_map(|j| (0..nk).map(move |k| k * r + j))
+            .collect();
+        let back: Vec<usize> = untile_heads(nk, r).iter().map(|&s| tiled[s]).collect();
+        assert_eq!(back, (0..nk * r).collect::<Vec<_>>());
+        let rows = head_rows(2 + nk * r * 2, 2, nk, r, 2);
+        assert_eq!(&rows[..2], &[0, 1]);
+        assert_eq!(rows.len(), 14);
+    }
+
+    /// `ssm_out` columns: the f32 path (elements move) and the Q8_0 path with
+    /// a head of 16 columns (half a block: dequantized to f32) agree.
+    #[test]
+    fn out_proj_column_permutation_f32_and_dequantized_agree() {
+        use slipstream_gguf::{GgufWriter, TensorDecl};
+        let (h, nk, r, dv) = (3usize, 2usize, 2usize, 16usize);
+        let cols = nk * r * dv;
+        let q: Vec<i8> = (0..h * cols)
+            .map(|i| (i as i32 % 200 - 100) as i8)
+            .collect();
+        let mut q8 = Vec::new();
+        for row in q.chunks(cols) {
+            for blk in row.chunks(32) {
+                q8.extend_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+                q8.extend(blk.iter().map(|&x| x as u8));
+            }
+        }
+        let f32s: Vec<u8> = q
+            .iter()
+            .flat_map(|&x| (x as f32 * 0.5).to_le_bytes())
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.gguf");
+        let dims = [cols as u64, h as u64];
+        let mut w = GgufWriter::create(
+            &path,
+            &[],
+            vec![
+                TensorDecl::new("a", &dims, GgmlType::F32),
+                TensorDecl::new("b", &dims, GgmlType::Q8_0),
+            ],
+        )
+        .unwrap();
+        w.write(&f32s).unwrap();
+        w.write(&q8).unwrap();
+        w.finish().unwrap();
+        let f = GgufFile::open(&path).unwrap();
+        let src = Src {
+            f: &f,
+            path: "t".into(),
+        };
+        let a = out_proj(&src, "a", "x", h, nk, r, dv).unwrap();
+        let b = out_proj(&src, "b", "x", h, nk, r, dv).unwrap();
+        assert_eq!((a.qtype, b.qtype), (QuantType::F32, QuantType::F32));
+        assert_eq!(a.bytes, b.bytes);
+        // Grouped head 1 (key head 0, second value head) sits at tiled position nk.
+        let val = |bytes: &[u8], i: usize| {
+            f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())
+        };
+        assert_eq!(val(&a.bytes, dv), q[nk * dv] as f32 * 0.5);
+        assert_ne!(a.bytes, f32s);
+    }
+}
