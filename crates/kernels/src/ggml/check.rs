@@ -101,8 +101,9 @@ pub fn random_blocks(
 }
 
 /// Per element of row `r`, the magnitude that rounding in any summation
-/// order is relative to: `|w x|`, plus for `Q4_K`/`Q5_K` `2 |m x|` (kernels
-/// may sum the scale and min terms separately, and `|d q| <= |w| + |m|`).
+/// order is relative to: `|w x|`, plus twice the offset terms that kernels
+/// may sum separately (`|m x|` for `Q4_K`/`Q5_K`, `|8 d x|` for `Q4_0`,
+/// `|32 d sc x|` for `Q6_K`; the raw-code term is at most `|w x|` plus it).
 fn magnitude(w: &TensorView, r: usize, x: &[f32]) -> f64 {
     let (be, bb) = w.qtype.ggml_block().expect("GGML block type");
     let rb = w.cols / be * bb;
@@ -114,6 +115,17 @@ fn magnitude(w: &TensorView, r: usize, x: &[f32]) -> f64 {
         let xb = &x[i * be..(i + 1) * be];
         for (&v, &xv) in buf.iter().zip(xb) {
             mag += (v as f64 * xv as f64).abs();
+        }
+        let abs_sum = |xs: &[f32]| -> f64 { xs.iter().map(|v| v.abs() as f64).sum() };
+        match w.qtype {
+            QuantType::Q4_0 => mag += 2.0 * 8.0 * (super::f16_at(b, 0) as f64).abs() * abs_sum(xb),
+            QuantType::Q6K => {
+                let d = super::f16_at(b, 208) as f64;
+                for (k, xs) in xb.chunks_exact(16).enumerate() {
+                    mag += 2.0 * 32.0 * (d * (b[192 + k] as i8) as f64).abs() * abs_sum(xs);
+                }
+            }
+            _ => {}
         }
         if matches!(w.qtype, QuantType::Q4K | QuantType::Q5K) {
             let dmin = super::f16_at(b, 2) as f64;
