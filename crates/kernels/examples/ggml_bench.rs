@@ -49,8 +49,8 @@ fn main() {
                 .collect();
             let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
             let mut y = vec![0f32; n * rows];
-            // About 1.5 GB of weights per timed pass.
-            let iters = ((1.5e9 / one as f64) as usize).clamp(2, 4000);
+            // About 0.5 GB of weight reads per timed pass.
+            let iters = ((0.5e9 / (one * n) as f64) as usize).clamp(2, 4000);
             pool.install(|| {
                 let mut best = f64::MAX;
                 for _ in 0..3 {
