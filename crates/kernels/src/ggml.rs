@@ -5,7 +5,8 @@
 //! # Dequantization
 //! [`dequantize_block`] gives, in f32, exactly what gguf-py's
 //! `quants.dequantize` gives (checked against a committed fixture, see
-//! `tests/fixtures/ggml_blocks/`): the same products in the same order, never
+//! `tests/fixtures/ggml_blocks/`, which llama.cpp's compiled C reproduces too:
+//! `tools/reference/ggml_blocks_check.c`): the same products in the same order, never
 //! fused (`Q4_0`: `d * (q - 8)`; `Q8_0`: `q * d`; `Q4_K`/`Q5_K`:
 //! `(d * sc) * q - dmin * m`; `Q6_K`: `(d * sc) * (q - 32)`).
 //!
