@@ -363,7 +363,8 @@ pub struct Moe {
 pub struct MoeTimes {
     /// Router matvec, softmax and top-k.
     pub router_ns: u64,
-    /// The shared expert and its gate.
+    /// The shared expert and its gate: the time they ran past the routed
+    /// experts, which they run beside.
     pub shared_ns: u64,
     /// The routed experts' feed-forward (inside the store's callback).
     pub routed_ffn_ns: u64,
@@ -457,20 +458,13 @@ impl Moe {
             tokens: n as u32,
         };
         let router_ns = t_router.elapsed().as_nanos() as u64;
-        // Reads start now; the shared expert runs while they land.
+        // Reads start now; the shared expert runs beside the routed ones
+        // (and while their reads land).
         let t_begin = Instant::now();
         experts.begin(&request).map_err(ModelError::Store)?;
         let begin_ns = t_begin.elapsed().as_nanos() as u64;
-        let t_shared = Instant::now();
-        let shared = self.shared.as_ref().map(|(mlp, gate)| {
-            let s = mlp.forward(x, n);
-            let g = gate.forward(x, n);
-            (s, g)
-        });
-        let shared_ns = t_shared.elapsed().as_nanos() as u64;
         let mut per_rank = vec![0.0f32; n * kk * h];
         let mut ffn_ns = 0u64;
-        let t_experts = Instant::now();
         // One expert's feed-forward on the tokens that chose it:
         // `[m, hidden]` out, unweighted.
         let run_expert = |e: u32, w: &ExpertWeights<'_>| -> Vec<f32> {
@@ -492,34 +486,52 @@ impl Moe {
             k::matmul(&w.down, &g, m, &mut d);
             d
         };
-        experts
-            .with_expert_batches(&request, &mut |batch| {
-                let t_ffn = Instant::now();
-                // Experts that are ready together run in parallel, one per
-                // thread: a decode step's experts are each too small to split
-                // well across threads. Each output has its own buffer, so the
-                // numbers do not depend on the batching.
-                let outs: Vec<Vec<f32>> = if batch.len() > 1 {
-                    batch.par_iter().map(|(e, w)| run_expert(*e, w)).collect()
-                } else {
-                    batch.iter().map(|(e, w)| run_expert(*e, w)).collect()
-                };
-                for ((e, _), d) in batch.iter().zip(&outs) {
-                    for (i, &(t, rank)) in tokens_of[*e as usize].iter().enumerate() {
-                        let wgt = routes[t].weights[rank];
-                        let dst = &mut per_rank[(t * kk + rank) * h..][..h];
-                        for (o, &v) in dst.iter_mut().zip(&d[i * h..][..h]) {
-                            *o = v * wgt;
+        let t_par = Instant::now();
+        let ((shared, shared_ns), (routed, experts_ns)) = rayon::join(
+            || {
+                let t_shared = Instant::now();
+                let shared = self.shared.as_ref().map(|(mlp, gate)| {
+                    let s = mlp.forward(x, n);
+                    let g = gate.forward(x, n);
+                    (s, g)
+                });
+                (shared, t_shared.elapsed().as_nanos() as u64)
+            },
+            || {
+                let t_experts = Instant::now();
+                let r = experts.with_expert_batches(&request, &mut |batch| {
+                    let t_ffn = Instant::now();
+                    // Experts that are ready together run in parallel, one per
+                    // thread: a decode step's experts are each too small to split
+                    // well across threads. Each output has its own buffer, so the
+                    // numbers do not depend on the batching.
+                    let outs: Vec<Vec<f32>> = if batch.len() > 1 {
+                        batch.par_iter().map(|(e, w)| run_expert(*e, w)).collect()
+                    } else {
+                        batch.iter().map(|(e, w)| run_expert(*e, w)).collect()
+                    };
+                    for ((e, _), d) in batch.iter().zip(&outs) {
+                        for (i, &(t, rank)) in tokens_of[*e as usize].iter().enumerate() {
+                            let wgt = routes[t].weights[rank];
+                            let dst = &mut per_rank[(t * kk + rank) * h..][..h];
+                            for (o, &v) in dst.iter_mut().zip(&d[i * h..][..h]) {
+                                *o = v * wgt;
+                            }
                         }
                     }
-                }
-                ffn_ns += t_ffn.elapsed().as_nanos() as u64;
-            })
-            .map_err(ModelError::Store)?;
-        let experts_ns = t_experts.elapsed().as_nanos() as u64;
+                    ffn_ns += t_ffn.elapsed().as_nanos() as u64;
+                });
+                (r, t_experts.elapsed().as_nanos() as u64)
+            },
+        );
+        routed.map_err(ModelError::Store)?;
+        let par_ns = t_par.elapsed().as_nanos() as u64;
         if let Some(t) = times {
+            // The two sides overlap: the shared expert is charged only the
+            // time it ran past the routed side, so the phases still add up
+            // to the wall time.
             t.router_ns += router_ns;
-            t.shared_ns += shared_ns;
+            t.shared_ns += par_ns.saturating_sub(experts_ns).min(shared_ns);
             t.routed_ffn_ns += ffn_ns;
             t.wait_ns += begin_ns + experts_ns.saturating_sub(ffn_ns);
         }
