@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use slipstream_synth::{Preset, Skew, SynthEvent};
+use slipstream_synth::{Preset, Skew, SynthEvent, SynthQuant};
 
 /// Router skew kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -15,6 +15,15 @@ pub enum SkewKind {
     Default,
     /// Plain random router: near-uniform routing.
     Uniform,
+}
+
+/// Output container.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SynthFormat {
+    /// A .slip model directory.
+    Slip,
+    /// A llama.cpp GGUF file (Q4_0, qwen35moe / qwen3moe); implies --quant q4_0.
+    Gguf,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -37,9 +46,16 @@ pub struct SynthArgs {
     /// Persistence strength: gain of the slowly varying context heads.
     #[arg(long, default_value_t = slipstream_synth::DEFAULT_PERSISTENCE)]
     pub skew_persistence: f32,
-    /// Model directory to write (replaced atomically if it exists).
+    /// Model directory to write (replaced atomically if it exists); a file for --format gguf.
     #[arg(long)]
     pub output: PathBuf,
+    /// Output container: slip or gguf.
+    #[arg(long, value_enum, default_value_t = SynthFormat::Slip)]
+    pub format: SynthFormat,
+    /// Matrix storage of a .slip: q4 (affine, group 64) or q4_0 (GGML Q4_0,
+    /// the same bytes as --format gguf).
+    #[arg(long, default_value = "q4")]
+    pub quant: SynthQuant,
 }
 
 pub fn synth_command(args: SynthArgs) -> anyhow::Result<()> {
@@ -58,13 +74,29 @@ pub fn synth_command(args: SynthArgs) -> anyhow::Result<()> {
         )
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    let report = slipstream_synth::synthesize(&opts, &|ev| match ev {
+    let on_event = |ev: SynthEvent| match ev {
         SynthEvent::Started { total_bytes } => bar.set_length(total_bytes),
         SynthEvent::Bytes(n) => bar.inc(n),
         SynthEvent::Finishing => bar.set_message("syncing"),
-    })
+    };
+    let report = match args.format {
+        SynthFormat::Slip => slipstream_synth::synthesize_q(&opts, args.quant, &on_event),
+        SynthFormat::Gguf => slipstream_synth::gguf_export::synthesize_gguf(&opts, &on_event),
+    }
     .with_context(|| format!("writing {}", args.output.display()))?;
     bar.finish_and_clear();
+    if args.format == SynthFormat::Gguf {
+        eprintln!(
+            "wrote {} ({} layers, {}, GGUF Q4_0 with a synthetic tokenizer): {:.2} GB in {:.1} s, {:.0} MB/s",
+            args.output.display(),
+            opts.config.num_layers(),
+            args.preset.name(),
+            report.bytes_out as f64 / 1e9,
+            report.seconds,
+            report.mb_per_s
+        );
+        return Ok(());
+    }
     eprintln!(
         "wrote {} ({} layers, {}): {:.2} GB in {:.1} s, {:.0} MB/s; no tokenizer (use --prompt-tokens), no EOS ids; model hash {}",
         args.output.display(),

@@ -30,6 +30,7 @@
 #![allow(clippy::manual_is_multiple_of)]
 
 pub mod gen;
+pub mod gguf_export;
 pub mod measure;
 
 use std::path::{Path, PathBuf};
@@ -207,6 +208,51 @@ pub struct SynthOptions {
     pub batch: usize,
 }
 
+/// Storage of the generated matrices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SynthQuant {
+    /// Affine 4-bit group 64 (router and shared-expert gate at 8 bits), as
+    /// `slipstream repack --quant q4` writes.
+    #[default]
+    Q4,
+    /// GGML Q4_0 (blocks of 32, f16 scale); router and shared-expert gate
+    /// f32, as llama.cpp's own Q4_0 keeps `ffn_gate_inp*` unquantized. The
+    /// same bytes in a `.slip` and in a GGUF (`gguf_export`).
+    Q4_0,
+}
+
+impl SynthQuant {
+    pub fn name(&self) -> &'static str {
+        match self {
+            SynthQuant::Q4 => "q4",
+            SynthQuant::Q4_0 => "q4_0",
+        }
+    }
+
+    /// Storage type of a matrix generated at `bits` (4, or 8 for the router).
+    pub fn qtype(&self, bits: u8) -> QuantType {
+        match (self, bits) {
+            (SynthQuant::Q4, 4) => QuantType::Q4,
+            (SynthQuant::Q4, _) => QuantType::Q8,
+            (SynthQuant::Q4_0, 4) => QuantType::Q4_0,
+            (SynthQuant::Q4_0, _) => QuantType::F32,
+        }
+    }
+}
+
+impl std::str::FromStr for SynthQuant {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "q4" => Ok(SynthQuant::Q4),
+            "q4_0" => Ok(SynthQuant::Q4_0),
+            _ => Err(format!(
+                "unknown synth quantization {s:?}: expected q4 or q4_0"
+            )),
+        }
+    }
+}
+
 /// Progress, reported from the calling thread.
 #[derive(Debug, Clone)]
 pub enum SynthEvent {
@@ -228,14 +274,20 @@ pub struct SynthReport {
 
 /// The expert record layout of a config (Q4 gate, up, down).
 pub fn expert_layout(cfg: &ModelConfig) -> ExpertPoolLayout {
+    expert_layout_q(cfg, SynthQuant::Q4)
+}
+
+/// The expert record layout of a config at `quant`.
+pub fn expert_layout_q(cfg: &ModelConfig, quant: SynthQuant) -> ExpertPoolLayout {
     let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
+    let q = quant.qtype(4);
     ExpertPoolLayout {
         num_layers: cfg.num_layers(),
         num_experts: cfg.num_experts,
         parts: vec![
-            ("gate".into(), QuantType::Q4, [i, h]),
-            ("up".into(), QuantType::Q4, [i, h]),
-            ("down".into(), QuantType::Q4, [h, i]),
+            ("gate".into(), q, [i, h]),
+            ("up".into(), q, [i, h]),
+            ("down".into(), q, [h, i]),
         ],
     }
 }
@@ -248,17 +300,18 @@ fn rms_estimate(cfg: &ModelConfig, adds: usize) -> f32 {
 }
 
 /// One dense tensor ready to write.
-struct Dense {
-    name: String,
-    qtype: QuantType,
-    shape: [usize; 2],
-    bytes: Vec<u8>,
+pub(crate) struct Dense {
+    pub name: String,
+    pub qtype: QuantType,
+    pub shape: [usize; 2],
+    pub bytes: Vec<u8>,
 }
 
-struct Gen<'a> {
-    cfg: &'a ModelConfig,
-    seed: u64,
-    skew: Skew,
+pub(crate) struct Gen<'a> {
+    pub cfg: &'a ModelConfig,
+    pub seed: u64,
+    pub skew: Skew,
+    pub quant: SynthQuant,
 }
 
 impl Gen<'_> {
@@ -274,16 +327,29 @@ impl Gen<'_> {
         cols: usize,
         spec: &(dyn Fn(usize, usize) -> Group + Sync),
     ) -> Dense {
-        let bytes = affine(rows, cols, bits, self.s(&name), true, spec);
+        let bytes = self.matrix(rows, cols, bits, self.s(&name), true, spec);
         Dense {
             name,
-            qtype: if bits == 4 {
-                QuantType::Q4
-            } else {
-                QuantType::Q8
-            },
+            qtype: self.quant.qtype(bits),
             shape: [rows, cols],
             bytes,
+        }
+    }
+
+    /// A matrix in this generator's storage (see [`SynthQuant`]).
+    fn matrix(
+        &self,
+        rows: usize,
+        cols: usize,
+        bits: u8,
+        seed: u64,
+        parallel: bool,
+        spec: &(dyn Fn(usize, usize) -> Group + Sync),
+    ) -> Vec<u8> {
+        match self.quant {
+            SynthQuant::Q4 => affine(rows, cols, bits, seed, parallel, spec),
+            SynthQuant::Q4_0 if bits == 4 => gguf_export::q4_0(rows, cols, seed, parallel, spec),
+            SynthQuant::Q4_0 => gguf_export::f32_matrix(rows, cols, seed, parallel, spec),
         }
     }
 
@@ -335,7 +401,7 @@ impl Gen<'_> {
         self.f(name, 1, n, v)
     }
 
-    fn embed(&self) -> Dense {
+    pub(crate) fn embed(&self) -> Dense {
         let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
         self.q("embed".into(), 4, v, h, &|_, g| {
             if g == 0 {
@@ -538,7 +604,7 @@ impl Gen<'_> {
         ]
     }
 
-    fn layer(&self, l: usize) -> Vec<Dense> {
+    pub(crate) fn layer(&self, l: usize) -> Vec<Dense> {
         let c = self.cfg;
         let h = c.hidden_size;
         let mut v = Vec::new();
@@ -579,7 +645,7 @@ impl Gen<'_> {
         v
     }
 
-    fn head_tail(&self) -> Vec<Dense> {
+    pub(crate) fn head_tail(&self) -> Vec<Dense> {
         let h = self.cfg.hidden_size;
         let mut v = vec![self.norm("final_norm".into(), h, 0.0)];
         if !self.cfg.tie_word_embeddings {
@@ -589,7 +655,12 @@ impl Gen<'_> {
     }
 
     /// One expert record's parts (gate, up, down), generated sequentially.
-    fn expert(&self, layer: usize, expert: usize) -> [Vec<u8>; 3] {
+    pub(crate) fn expert(&self, layer: usize, expert: usize) -> [Vec<u8>; 3] {
+        std::array::from_fn(|k| self.expert_part(layer, expert, k))
+    }
+
+    /// Part `k` (0 gate, 1 up, 2 down) of one expert; each part has its own stream.
+    pub(crate) fn expert_part(&self, layer: usize, expert: usize, k: usize) -> Vec<u8> {
         let (h, i) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
         let base = derive_seed(self.seed, "expert", layer as u64, expert as u64);
         let sh = 1.0 / (h as f32).sqrt();
@@ -601,22 +672,22 @@ impl Gen<'_> {
                 Group::Rand(sh)
             }
         };
-        [
-            affine(i, h, 4, base ^ 1, false, &read),
-            affine(i, h, 4, base ^ 2, false, &read),
-            affine(h, i, 4, base ^ 3, false, &|r, _| {
+        match k {
+            0 => self.matrix(i, h, 4, base ^ 1, false, &read),
+            1 => self.matrix(i, h, 4, base ^ 2, false, &read),
+            _ => self.matrix(h, i, 4, base ^ 3, false, &|r, _| {
                 if r < GROUP {
                     Group::Zero
                 } else {
                     Group::Rand(si)
                 }
             }),
-        ]
+        }
     }
 }
 
 /// Checks that a config can be synthesized (control block, heads).
-fn check(cfg: &ModelConfig) -> Result<()> {
+pub(crate) fn check(cfg: &ModelConfig) -> Result<()> {
     cfg.validate()
         .map_err(|e| SynthError::Invalid(e.to_string()))?;
     let bad = |m: &str| Err(SynthError::Invalid(m.to_string()));
@@ -640,6 +711,15 @@ fn check(cfg: &ModelConfig) -> Result<()> {
 
 /// Writes a synthetic model. `progress` is called from this thread.
 pub fn synthesize(opts: &SynthOptions, progress: &dyn Fn(SynthEvent)) -> Result<SynthReport> {
+    synthesize_q(opts, SynthQuant::Q4, progress)
+}
+
+/// [`synthesize`] with the matrices stored as `quant`.
+pub fn synthesize_q(
+    opts: &SynthOptions,
+    quant: SynthQuant,
+    progress: &dyn Fn(SynthEvent),
+) -> Result<SynthReport> {
     let t0 = Instant::now();
     let cfg = &opts.config;
     check(cfg)?;
@@ -647,15 +727,16 @@ pub fn synthesize(opts: &SynthOptions, progress: &dyn Fn(SynthEvent)) -> Result<
         cfg,
         seed: opts.seed,
         skew: opts.skew,
+        quant,
     };
-    let layout = expert_layout(cfg);
+    let layout = expert_layout_q(cfg, quant);
     let mut w = SlipWriter::create(&opts.output, layout)?;
     let record_bytes = w.pool().record_bytes;
     let n_layers = cfg.num_layers();
     let expert_total = record_bytes * (n_layers * cfg.num_experts) as u64;
 
     // Dense byte count up front (for the progress bar): from the shapes.
-    let dense_total = dense_bytes_estimate(cfg);
+    let dense_total = dense_bytes_estimate_q(cfg, quant);
     progress(SynthEvent::Started {
         total_bytes: dense_total + expert_total,
     });
@@ -720,7 +801,7 @@ pub fn synthesize(opts: &SynthOptions, progress: &dyn Fn(SynthEvent)) -> Result<
             opts.skew.popularity,
             opts.skew.persistence
         ),
-        quant: "q4".into(),
+        quant: quant.name().into(),
     };
     let manifest = w.finish(ManifestInfo {
         config: cfg.clone(),
@@ -744,9 +825,14 @@ pub fn synthesize(opts: &SynthOptions, progress: &dyn Fn(SynthEvent)) -> Result<
 
 /// Bytes of the dense tensors of `cfg` (payload, without alignment).
 pub fn dense_bytes_estimate(cfg: &ModelConfig) -> u64 {
+    dense_bytes_estimate_q(cfg, SynthQuant::Q4)
+}
+
+/// Bytes of the dense tensors of `cfg` stored as `quant`.
+pub fn dense_bytes_estimate_q(cfg: &ModelConfig, quant: SynthQuant) -> u64 {
     let h = cfg.hidden_size;
-    let q4 = |r: usize, c: usize| QuantType::Q4.nbytes(r, c) as u64;
-    let q8 = |r: usize, c: usize| QuantType::Q8.nbytes(r, c) as u64;
+    let q4 = |r: usize, c: usize| quant.qtype(4).nbytes(r, c) as u64;
+    let q8 = |r: usize, c: usize| quant.qtype(8).nbytes(r, c) as u64;
     let f = |n: usize| 4 * n as u64;
     let mut t = q4(cfg.vocab_size, h) + f(h);
     if !cfg.tie_word_embeddings {
