@@ -41,6 +41,9 @@ enum Command {
     Serve(Box<slipstream_cli::serve_cmd::ServeArgs>),
     /// Measure this machine's ceilings: SSD, memory bandwidth, kernels.
     Hwbench(slipstream_cli::hwbench_cmd::HwbenchArgs),
+    /// Benchmark matrix: each run a fresh process meeting a stated file
+    /// cache, optional memory cap and llama.cpp peer; CSV, JSON, charts.
+    Bench(Box<slipstream_bench::cli::BenchArgs>),
 }
 
 #[derive(Args)]
@@ -219,6 +222,9 @@ fn main() {
         Some(Command::Synth(args)) => slipstream_cli::synth_cmd::synth_command(args),
         Some(Command::Serve(args)) => slipstream_cli::serve_cmd::serve_command(*args),
         Some(Command::Hwbench(args)) => slipstream_cli::hwbench_cmd::hwbench_command(args),
+        Some(Command::Bench(args)) => std::env::current_exe()
+            .context("locating the slipstream binary")
+            .and_then(|exe| slipstream_bench::cli::bench_command(*args, exe)),
         Some(Command::Replay(args)) => {
             slipstream_cli::replay_cmd::replay_command(&args.trace, &args.slots, &args.policies)
         }

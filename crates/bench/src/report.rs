@@ -1,0 +1,451 @@
+//! Result records and what is written from them: CSV, JSON, a markdown
+//! table in the seed's form, and the three charts.
+
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::cache::CacheReport;
+use crate::chart::{Chart, Series};
+use crate::machine::Machine;
+use crate::matrix::Setting;
+
+/// How a run ended, for the tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Status {
+    Ok,
+    /// Killed at `--timeout-s`.
+    DidNotFinish,
+    /// Non-zero exit, a signal (an OOM kill under a cap), or no figures.
+    Failed,
+}
+
+impl Status {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::DidNotFinish => "did-not-finish",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// One run's figures. Times in seconds, rates in tokens per second, sizes
+/// in bytes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Record {
+    pub index: usize,
+    /// Set on the drift repeat: the index of the run it repeats.
+    pub repeat_of: Option<usize>,
+    /// Setting label with the cap, e.g. `slipstream, 16 slots, aging, cap 8.0 GiB`.
+    pub label: String,
+    pub runtime: String,
+    pub setting: Setting,
+    pub prompt_len: usize,
+    /// Tokens asked for.
+    pub gen: usize,
+    pub memory_cap_bytes: Option<u64>,
+    pub threads: usize,
+    pub status: Status,
+    pub error: Option<String>,
+    /// Generated tokens seen (slipstream: ids printed; llama-bench: the tg
+    /// test's count once it finished).
+    pub tokens_done: Option<usize>,
+    /// Time to first token: slipstream from the start of generation (model
+    /// open excluded) to the first token; llama.cpp prompt tokens / pp rate.
+    pub ttft_s: Option<f64>,
+    pub prefill_tok_s: Option<f64>,
+    /// Sustained decode: tokens after the first `decode_skip_steps` decode
+    /// steps over their time (slipstream); the tg rate (llama.cpp).
+    pub decode_tok_s: Option<f64>,
+    pub decode_skip_steps: usize,
+    /// slipstream's own figure over every decode step.
+    pub decode_all_tok_s: Option<f64>,
+    /// Peak resident set of the child (VmHWM, from wait4).
+    pub vmhwm_bytes: u64,
+    /// Peak charge of the run's cgroup (anonymous + page cache), capped runs.
+    pub cgroup_max_usage_bytes: Option<u64>,
+    pub cgroup_failcnt: Option<u64>,
+    pub cgroup_oom_kills: Option<u64>,
+    /// max(VmHWM, cgroup peak): the figure the tables and charts use.
+    pub peak_memory_bytes: u64,
+    /// Expert misses per decode token (slipstream).
+    pub misses_per_token: Option<f64>,
+    /// Expert bytes read, prefill and decode (slipstream).
+    pub expert_bytes_read: Option<u64>,
+    /// Bytes the child read from storage (`ru_inblock`).
+    pub disk_read_bytes: u64,
+    pub wall_s: f64,
+    pub user_s: f64,
+    pub sys_s: f64,
+    pub cache: CacheReport,
+    pub load_before: Option<[f64; 3]>,
+    pub load_after: Option<[f64; 3]>,
+    pub started_at: String,
+    pub command: String,
+    pub log_dir: String,
+}
+
+/// The repeat of the first run, compared with it.
+#[derive(Clone, Debug, Serialize)]
+pub struct Drift {
+    pub first: usize,
+    pub repeat: usize,
+    /// Sustained decode tokens/s of each.
+    pub first_decode_tok_s: Option<f64>,
+    pub repeat_decode_tok_s: Option<f64>,
+    /// |repeat - first| / first.
+    pub relative: Option<f64>,
+    pub threshold: f64,
+    /// True when the relative change exceeds the threshold or could not be
+    /// computed (a run that did not finish): the results are still written
+    /// but should not be published.
+    pub discarded: bool,
+    pub note: String,
+}
+
+/// Compares the repeat with the first run.
+pub fn drift(records: &[Record], threshold: f64) -> Option<Drift> {
+    let rep = records.iter().find(|r| r.repeat_of.is_some())?;
+    let first = records.iter().find(|r| Some(r.index) == rep.repeat_of)?;
+    let rate = |r: &Record| r.decode_tok_s.or(r.decode_all_tok_s);
+    let (a, b) = (rate(first), rate(rep));
+    let relative = match (a, b) {
+        (Some(a), Some(b)) if a > 0.0 => Some((b - a).abs() / a),
+        _ => None,
+    };
+    let (discarded, note) = match relative {
+        Some(d) if d > threshold => (
+            true,
+            format!(
+                "decode moved {:.1} % (> {:.1} %): discarded",
+                d * 100.0,
+                threshold * 100.0
+            ),
+        ),
+        Some(d) => (
+            false,
+            format!(
+                "decode moved {:.1} % (<= {:.1} %)",
+                d * 100.0,
+                threshold * 100.0
+            ),
+        ),
+        None => (
+            true,
+            "no decode figure for the first run or its repeat: discarded".to_string(),
+        ),
+    };
+    Some(Drift {
+        first: first.index,
+        repeat: rep.index,
+        first_decode_tok_s: a,
+        repeat_decode_tok_s: b,
+        relative,
+        threshold,
+        discarded,
+        note,
+    })
+}
+
+/// Everything about a benchmark run that is not a record.
+#[derive(Clone, Debug, Serialize)]
+pub struct Meta {
+    pub date: String,
+    pub commit: String,
+    /// `git rev-parse HEAD` or `build time`.
+    pub commit_source: String,
+    pub machine: Machine,
+    pub model: String,
+    /// The slipstream binary that ran the slipstream rows.
+    pub runner: String,
+    pub gguf: Option<String>,
+    pub peer: Option<String>,
+    pub prompt_source: String,
+    pub threads: usize,
+    pub gen: usize,
+    pub cache_mode: String,
+    pub evict: String,
+    pub decode_skip_steps: usize,
+    pub timeout_s: Option<f64>,
+    pub finished: bool,
+}
+
+/// The whole result file.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub meta: Meta,
+    pub drift: Option<Drift>,
+    pub records: Vec<Record>,
+}
+
+/// Writes `bytes` to `path` through a temp file and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension(format!(
+        "{}.tmp",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", path.display()))
+}
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or(String::new(), |v| format!("{v:.digits$}"))
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}
+
+/// One CSV line per record, with a header.
+pub fn csv(report: &Report) -> String {
+    let mut out = String::from(
+        "index,repeat_of,label,runtime,prompt_len,gen,memory_cap_bytes,threads,status,tokens_done,ttft_s,prefill_tok_s,decode_tok_s,decode_skip_steps,decode_all_tok_s,vmhwm_bytes,cgroup_max_usage_bytes,peak_memory_bytes,misses_per_token,expert_bytes_read,disk_read_bytes,wall_s,cache_mode,cache_method,cache_resident_fraction,load_before_1m,load_after_1m,started_at,commit,discarded,error\n",
+    );
+    let discarded = report.drift.as_ref().is_some_and(|d| d.discarded);
+    for r in &report.records {
+        let fields = [
+            r.index.to_string(),
+            r.repeat_of.map_or(String::new(), |v| v.to_string()),
+            csv_field(&r.label),
+            r.runtime.clone(),
+            r.prompt_len.to_string(),
+            r.gen.to_string(),
+            r.memory_cap_bytes.map_or(String::new(), |v| v.to_string()),
+            r.threads.to_string(),
+            r.status.name().to_string(),
+            r.tokens_done.map_or(String::new(), |v| v.to_string()),
+            opt(r.ttft_s, 3),
+            opt(r.prefill_tok_s, 3),
+            opt(r.decode_tok_s, 3),
+            r.decode_skip_steps.to_string(),
+            opt(r.decode_all_tok_s, 3),
+            r.vmhwm_bytes.to_string(),
+            r.cgroup_max_usage_bytes
+                .map_or(String::new(), |v| v.to_string()),
+            r.peak_memory_bytes.to_string(),
+            opt(r.misses_per_token, 2),
+            r.expert_bytes_read.map_or(String::new(), |v| v.to_string()),
+            r.disk_read_bytes.to_string(),
+            format!("{:.3}", r.wall_s),
+            r.cache.mode.name().to_string(),
+            r.cache.method.clone(),
+            opt(r.cache.resident_fraction, 4),
+            opt(r.load_before.map(|l| l[0]), 2),
+            opt(r.load_after.map(|l| l[0]), 2),
+            r.started_at.clone(),
+            report.meta.commit.clone(),
+            discarded.to_string(),
+            csv_field(r.error.as_deref().unwrap_or("")),
+        ];
+        out.push_str(&fields.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// `6.04 GB`, or `21 MB` below a gigabyte.
+fn gb(bytes: u64) -> String {
+    if bytes >= 1_000_000_000 {
+        format!("{:.2} GB", bytes as f64 / 1e9)
+    } else {
+        format!("{:.0} MB", bytes as f64 / 1e6)
+    }
+}
+
+/// Rows of the tables: every label in first-seen order, the drift repeat left out.
+fn labels(report: &Report) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for r in report.records.iter().filter(|r| r.repeat_of.is_none()) {
+        if !out.contains(&r.label) {
+            out.push(r.label.clone());
+        }
+    }
+    out
+}
+
+fn lens(report: &Report) -> Vec<usize> {
+    let mut v: Vec<usize> = report.records.iter().map(|r| r.prompt_len).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn cell(r: Option<&Record>, value: impl Fn(&Record) -> Option<f64>) -> String {
+    match r {
+        None => String::new(),
+        Some(r) => match (r.status, value(r)) {
+            (_, Some(v)) if r.status == Status::Ok => format!("{v:.2}"),
+            (Status::DidNotFinish, Some(v)) => format!("{v:.2} (dnf)"),
+            (Status::DidNotFinish, None) => match r.tokens_done {
+                Some(n) => format!("dnf ({n} tok)"),
+                None => "dnf".to_string(),
+            },
+            (_, Some(v)) => format!("{v:.2} ({})", r.status.name()),
+            (s, None) => s.name().to_string(),
+        },
+    }
+}
+
+/// Picks one figure out of a record.
+type Figure = fn(&Record) -> Option<f64>;
+
+/// The seed's tables (time to first token and sustained decode, by prompt
+/// length, with prefill between them) in markdown, with the date, commit
+/// and drift under them.
+pub fn markdown(report: &Report) -> String {
+    let lens = lens(report);
+    let labels = labels(report);
+    let head = |what: &str| {
+        let mut s = format!("{what}\n\n| runtime and setting | peak memory |");
+        for l in &lens {
+            s.push_str(&format!(" {} |", prompt_name(*l)));
+        }
+        s.push_str("\n| --- | ---: |");
+        for _ in &lens {
+            s.push_str(" ---: |");
+        }
+        s.push('\n');
+        s
+    };
+    let find = |label: &str, len: usize| {
+        report
+            .records
+            .iter()
+            .find(|r| r.repeat_of.is_none() && r.label == label && r.prompt_len == len)
+    };
+    let peak = |label: &str| {
+        report
+            .records
+            .iter()
+            .filter(|r| r.repeat_of.is_none() && r.label == label && r.peak_memory_bytes > 0)
+            .map(|r| r.peak_memory_bytes)
+            .max()
+            .map_or(String::new(), gb)
+    };
+    let mut out = String::new();
+    let tables: [(&str, Figure); 3] = [
+        ("Time to first token, seconds, by prompt length:", |r| {
+            r.ttft_s
+        }),
+        ("Prefill, tokens per second, by prompt length:", |r| {
+            r.prefill_tok_s
+        }),
+        (
+            "Sustained decode, tokens per second, by prompt length:",
+            |r| r.decode_tok_s,
+        ),
+    ];
+    for (title, value) in tables {
+        out.push_str(&head(title));
+        for label in &labels {
+            out.push_str(&format!("| {label} | {} |", peak(label)));
+            for &l in &lens {
+                out.push_str(&format!(" {} |", cell(find(label, l), value)));
+            }
+            out.push('\n');
+        }
+        out.push('\n');
+    }
+    let m = &report.meta;
+    out.push_str(&format!(
+        "Measured {} at commit {} on {}; {} threads, {} generated tokens asked, file cache {} ({}) before each run, decode rate after the first {} decode steps; peak memory is the largest over the prompt lengths of max(VmHWM, the cgroup's peak under a cap, which counts page cache); llama.cpp rows come from llama-bench (pp and tg as separate loops, time to first token = prompt tokens / pp rate). ",
+        m.date,
+        m.commit,
+        m.machine.summary(),
+        m.threads,
+        m.gen,
+        m.cache_mode,
+        m.evict,
+        m.decode_skip_steps
+    ));
+    match &report.drift {
+        Some(d) => out.push_str(&format!(
+            "Drift check (run {} repeated as run {}): {}.\n",
+            d.first, d.repeat, d.note
+        )),
+        None => out.push_str("No drift check.\n"),
+    }
+    out
+}
+
+/// `1024` -> `1k`, `3072` -> `3k`, `500` -> `500`.
+fn prompt_name(n: usize) -> String {
+    if n >= 1024 && n.is_multiple_of(1024) {
+        format!("{}k", n / 1024)
+    } else {
+        n.to_string()
+    }
+}
+
+/// The three charts: time to first token by prompt length, decode by
+/// prompt length, decode by peak memory.
+pub fn charts(report: &Report) -> Vec<(&'static str, Chart)> {
+    let labels = labels(report);
+    let series = |x: &dyn Fn(&Record) -> Option<f64>, y: &dyn Fn(&Record) -> Option<f64>| {
+        labels
+            .iter()
+            .map(|label| {
+                let mut points: Vec<(f64, f64)> = report
+                    .records
+                    .iter()
+                    .filter(|r| {
+                        r.repeat_of.is_none() && &r.label == label && r.status == Status::Ok
+                    })
+                    .filter_map(|r| Some((x(r)?, y(r)?)))
+                    .collect();
+                points.sort_by(|a, b| a.0.total_cmp(&b.0));
+                Series {
+                    name: label.clone(),
+                    points,
+                }
+            })
+            .filter(|s| !s.points.is_empty())
+            .collect::<Vec<_>>()
+    };
+    let suffix = match &report.drift {
+        Some(d) if d.discarded => " (DISCARDED: drift)".to_string(),
+        _ => String::new(),
+    };
+    let plen = |r: &Record| Some(r.prompt_len as f64);
+    vec![
+        (
+            "ttft",
+            Chart {
+                title: format!("Time to first token by prompt length{suffix}"),
+                x_label: "prompt tokens (log scale)".into(),
+                y_label: "seconds".into(),
+                x_log: true,
+                series: series(&plen, &|r| r.ttft_s),
+            },
+        ),
+        (
+            "decode",
+            Chart {
+                title: format!("Sustained decode by prompt length{suffix}"),
+                x_label: "prompt tokens (log scale)".into(),
+                y_label: "tokens per second".into(),
+                x_log: true,
+                series: series(&plen, &|r| r.decode_tok_s),
+            },
+        ),
+        (
+            "decode-memory",
+            Chart {
+                title: format!("Decode by peak memory{suffix}"),
+                x_label: "peak memory, GB (VmHWM, or the cgroup's peak under a cap)".into(),
+                y_label: "tokens per second".into(),
+                x_log: false,
+                series: series(&|r| Some(r.peak_memory_bytes as f64 / 1e9), &|r| {
+                    r.decode_tok_s
+                }),
+            },
+        ),
+    ]
+}

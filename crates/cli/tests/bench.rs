@@ -1,0 +1,281 @@
+//! End-to-end tests of `slipstream bench` on a committed fixture: a tiny
+//! matrix writes CSV, JSON, a table and charts with a drift check; the
+//! timeout path; a malformed flag; a fake llama-bench peer parsed into the
+//! same records; a memory cap where cgroups are writable.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_slipstream"))
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn ok(out: Output) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "failed:\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    (stdout, stderr)
+}
+
+fn model(dir: &Path) -> PathBuf {
+    let out = dir.join("m.slip");
+    ok(bin()
+        .args(["repack", "--input"])
+        .arg(fixture("qwen3_moe"))
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap());
+    out
+}
+
+fn results(dir: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap()
+}
+
+fn check_charts(dir: &Path) {
+    for name in ["ttft", "decode", "decode-memory"] {
+        let svg = std::fs::read_to_string(dir.join(format!("bench-{name}.svg"))).unwrap();
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        let png = std::fs::read(dir.join(format!("bench-{name}.png"))).unwrap();
+        assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+    }
+}
+
+#[test]
+fn tiny_matrix_writes_results_with_drift_check() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let out = tmp.path().join("out");
+    let (stdout, _) = ok(bin()
+        .args(["bench", "--model"])
+        .arg(&m)
+        .args(["--slots", "1,all", "--prompt-lens", "8", "--gen", "12"])
+        .args(["--skip-steps", "2", "--threads", "1", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap());
+    assert!(
+        stdout.contains("| slipstream, 1 slots, aging |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("Drift check"), "{stdout}");
+    let j = results(&out);
+    let recs = j["records"].as_array().unwrap();
+    assert_eq!(recs.len(), 3, "two runs and the drift repeat");
+    assert_eq!(recs[2]["repeat_of"], 0);
+    for r in recs {
+        assert_eq!(r["status"], "ok", "{r}");
+        assert_eq!(r["prompt_len"], 8);
+        assert!(r["ttft_s"].as_f64().unwrap() > 0.0);
+        assert!(r["vmhwm_bytes"].as_u64().unwrap() > 1 << 20);
+        assert_eq!(r["cache"]["method"], "fadvise");
+        if r["tokens_done"] == 12 {
+            assert!(r["decode_tok_s"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+    // The all-slots run asked for as many slots as the model has experts.
+    assert!(recs[1]["command"]
+        .as_str()
+        .unwrap()
+        .contains("--expert-cache-slots 8"));
+    let d = &j["drift"];
+    let (a, b) = (
+        d["first_decode_tok_s"].as_f64(),
+        d["repeat_decode_tok_s"].as_f64(),
+    );
+    if let (Some(a), Some(b)) = (a, b) {
+        let rel = d["relative"].as_f64().unwrap();
+        assert!((rel - (b - a).abs() / a).abs() < 1e-9);
+        assert_eq!(d["discarded"].as_bool().unwrap(), rel > 0.05);
+    } else {
+        assert_eq!(d["discarded"], true);
+    }
+    let csv = std::fs::read_to_string(out.join("results.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 4);
+    assert!(csv.starts_with("index,repeat_of,label,"));
+    assert!(std::fs::read_to_string(out.join("table.md"))
+        .unwrap()
+        .contains("Sustained decode"));
+    check_charts(&out);
+}
+
+#[test]
+fn timeout_gives_did_not_finish_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let out = tmp.path().join("out");
+    ok(bin()
+        .args(["bench", "--model"])
+        .arg(&m)
+        .args(["--slots", "2", "--prompt-lens", "8", "--gen", "4"])
+        .args(["--timeout-s", "0.001", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap());
+    let j = results(&out);
+    for r in j["records"].as_array().unwrap() {
+        assert_eq!(r["status"], "did-not-finish", "{r}");
+        assert!(r["tokens_done"].as_u64().unwrap() <= 4);
+        assert!(r["error"].as_str().unwrap().contains("timeout"));
+    }
+    assert_eq!(j["drift"]["discarded"], true);
+    check_charts(&out);
+}
+
+#[test]
+fn malformed_flags_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    for (flag, value, expect) in [
+        ("--slots", "16,,64", "--slots"),
+        ("--slots", "many", "bad slot count"),
+        ("--memory-cap", "8X", "--memory-cap"),
+        ("--prompt-lens", "0", "prompt length 0"),
+        ("--policy", "fifo", "unknown policy"),
+    ] {
+        let out = bin()
+            .args(["bench", "--model"])
+            .arg(&m)
+            .args([flag, value])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} {value} should fail");
+        assert!(stderr.starts_with("error:"), "{stderr}");
+        assert!(stderr.contains(expect), "{flag} {value}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let out = bin()
+        .args(["bench", "--model"])
+        .arg(tmp.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("manifest.json"), "{stderr}");
+}
+
+#[test]
+fn fake_llama_bench_peer_is_parsed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let peer = tmp.path().join("peer");
+    std::fs::create_dir(&peer).unwrap();
+    let script = peer.join("llama-bench");
+    // Prints llama-bench's -o jsonl lines; the rates depend on -lm so the
+    // rows are told apart; the arguments are kept for inspection.
+    std::fs::write(
+        &script,
+        r#"#!/bin/sh
+echo "$@" >> "$(dirname "$0")/args.log"
+lm=mmap; p=0; n=0
+while [ $# -gt 0 ]; do
+  case "$1" in -lm) lm=$2; shift;; -p) p=$2; shift;; -n) n=$2; shift;; esac; shift
+done
+if [ "$lm" = none ]; then pp=20.5; tg=7.25; else pp=10.0; tg=5.5; fi
+echo "llama-bench: some log line" >&2
+echo "{\"build_commit\": \"0c1e570\", \"load_mode\": \"$lm\", \"n_prompt\": $p, \"n_gen\": 0, \"avg_ts\": $pp}"
+echo "{\"build_commit\": \"0c1e570\", \"load_mode\": \"$lm\", \"n_prompt\": 0, \"n_gen\": $n, \"avg_ts\": $tg}"
+"#,
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF fake").unwrap();
+    let out = tmp.path().join("out");
+    let (stdout, _) = ok(bin()
+        .args(["bench", "--model"])
+        .arg(&m)
+        .arg("--gguf")
+        .arg(&gguf)
+        .arg(format!("--peer=llama.cpp={}", peer.display()))
+        .args(["--slots", "2", "--prompt-lens", "10", "--gen", "6"])
+        .args(["--threads", "1", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap());
+    assert!(stdout.contains("llama.cpp, --mmap 0"), "{stdout}");
+    let j = results(&out);
+    let recs = j["records"].as_array().unwrap();
+    let peer_rows: Vec<&serde_json::Value> = recs
+        .iter()
+        .filter(|r| r["runtime"] == "llama.cpp")
+        .collect();
+    assert_eq!(peer_rows.len(), 2);
+    let mmap = peer_rows[0];
+    assert_eq!(mmap["status"], "ok", "{mmap}");
+    assert_eq!(mmap["decode_tok_s"], 5.5);
+    assert_eq!(mmap["prefill_tok_s"], 10.0);
+    assert!((mmap["ttft_s"].as_f64().unwrap() - 1.0).abs() < 1e-9);
+    assert_eq!(mmap["tokens_done"], 6);
+    assert_eq!(peer_rows[1]["decode_tok_s"], 7.25);
+    let args = std::fs::read_to_string(peer.join("args.log")).unwrap();
+    assert!(
+        args.contains("-p 10 -n 6 -t 1 -r 1 --no-warmup -o jsonl -lm mmap --repack 0"),
+        "{args}"
+    );
+    assert!(args.contains("-lm none"), "{args}");
+    check_charts(&out);
+}
+
+#[test]
+fn memory_cap_runs_in_a_cgroup_where_allowed() {
+    let parent = match std::fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.split_once(":memory:").map(|(_, p)| p.to_string()))
+        }) {
+        Some(p) => Path::new("/sys/fs/cgroup/memory").join(p.trim_start_matches('/')),
+        None => {
+            eprintln!("skipped: no cgroup v1 memory controller");
+            return;
+        }
+    };
+    let probe = parent.join(format!("slipstream-test-probe-{}", std::process::id()));
+    if std::fs::create_dir(&probe).is_err() {
+        eprintln!("skipped: {} is not writable", parent.display());
+        return;
+    }
+    std::fs::remove_dir(&probe).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let m = model(tmp.path());
+    let out = tmp.path().join("out");
+    ok(bin()
+        .args(["bench", "--model"])
+        .arg(&m)
+        .args(["--slots", "2", "--prompt-lens", "8", "--gen", "4"])
+        .args(["--memory-cap", "1G", "--cap-runs", "capped", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap());
+    let j = results(&out);
+    for r in j["records"].as_array().unwrap() {
+        assert_eq!(r["status"], "ok", "{r}");
+        assert_eq!(r["memory_cap_bytes"], 1u64 << 30);
+        let cg = r["cgroup_max_usage_bytes"].as_u64().unwrap();
+        assert!(cg > 0 && cg <= 1 << 30, "{r}");
+        assert_eq!(r["cache"]["mode"], "cold");
+    }
+    // Every run's cgroup was removed.
+    let left: Vec<_> = std::fs::read_dir(&parent)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("slipstream-bench-")
+        })
+        .collect();
+    assert!(left.is_empty(), "cgroups left behind: {left:?}");
+}
