@@ -196,7 +196,9 @@ fn parse_size_arg(s: &str) -> Result<u64, String> {
 
 #[derive(Args)]
 struct RepackArgs {
-    /// Checkpoint directory (config.json + safetensors, HF or MLX).
+    /// Checkpoint directory (config.json + safetensors, HF or MLX), or a
+    /// GGUF file (qwen35moe / qwen3moe; its tensor types are kept, --quant
+    /// does not apply).
     #[arg(long)]
     input: PathBuf,
     /// Output .slip directory (replaced atomically).
