@@ -101,7 +101,10 @@ pub fn to_f32(w: &TensorView) -> Vec<f32> {
 }
 
 /// Stores `values` (`[rows, cols]`) in the layout of `qtype`: little-endian
-/// f32, f16 / bf16 (round to nearest even), or affine ([`quantize_affine`]).
+/// f32, f16 / bf16 (round to nearest even), affine ([`quantize_affine`]) or
+/// GGML blocks ([`crate::ggml::quantize`]: llama.cpp's bytes for `q4_0` and
+/// `q8_0`, a simple fit for the K-quants; panics unless `cols` is a multiple
+/// of the block).
 pub fn from_f32(values: &[f32], rows: usize, cols: usize, qtype: QuantType) -> Vec<u8> {
     assert_eq!(values.len(), rows * cols, "values length != rows * cols");
     match qtype {
