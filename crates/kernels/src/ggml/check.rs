@@ -1,9 +1,11 @@
-//! Backend-independent checks of GGML block products, for any kernel under
-//! test (the CPU ISAs here; a GPU backend can call the same functions with its
-//! own kernel). Each check returns `Err(description)` on the first mismatch.
+//! Backend-independent checks of weight products, for any kernel under test
+//! (the CPU ISAs here; a GPU backend can call the same functions with its own
+//! kernel). Written for the GGML block types; float and affine weights work
+//! too ([`random_weights`]). Each check returns `Err(description)` on the
+//! first mismatch.
 //!
-//! The oracle is the scalar reference ([`crate::scalar::matmul`], which
-//! dequantizes exactly as gguf-py does).
+//! The oracle is the scalar reference ([`crate::scalar::matmul`], which for
+//! GGML types dequantizes exactly as gguf-py does).
 
 use super::{dequantize_block, scale_min_k4};
 use slipstream_core::{QuantType, TensorView};
@@ -100,12 +102,43 @@ pub fn random_blocks(
     out
 }
 
+/// Random `[rows, cols]` weights of any type: GGML types from
+/// [`random_blocks`]; float and affine types by storing random values whose
+/// magnitude varies every 32 elements (1x to 13x) with
+/// [`crate::quantize::from_f32`] (`extreme` is ignored there). Panics if
+/// `cols` is not legal for `qtype`.
+pub fn random_weights(
+    qtype: QuantType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+    extreme: bool,
+) -> Vec<u8> {
+    if qtype.is_ggml() {
+        return random_blocks(qtype, rows, cols, seed, extreme);
+    }
+    qtype.check_cols(cols).expect("legal row length");
+    let mut rng = SplitMix(seed);
+    let vals: Vec<f32> = (0..rows * cols)
+        .map(|i| rng.uniform(-1.0, 1.0) * (1.0 + (i / 32 % 5) as f32 * 3.0))
+        .collect();
+    crate::quantize::from_f32(&vals, rows, cols, qtype)
+}
+
 /// Per element of row `r`, the magnitude that rounding in any summation
 /// order is relative to: `|w x|`, plus twice the offset terms that kernels
 /// may sum separately (`|m x|` for `Q4_K`/`Q5_K`, `|8 d x|` for `Q4_0`,
 /// `|32 d sc x|` for `Q6_K`; the raw-code term is at most `|w x|` plus it).
 fn magnitude(w: &TensorView, r: usize, x: &[f32]) -> f64 {
-    let (be, bb) = w.qtype.ggml_block().expect("GGML block type");
+    let Some((be, bb)) = w.qtype.ggml_block() else {
+        let mut dense = vec![0f32; w.cols];
+        crate::scalar::dequantize_row(w, r, &mut dense);
+        return dense
+            .iter()
+            .zip(x)
+            .map(|(&a, &b)| (a as f64 * b as f64).abs())
+            .sum();
+    };
     let rb = w.cols / be * bb;
     let row = &w.data[r * rb..(r + 1) * rb];
     let mut buf = vec![0f32; be];
@@ -139,7 +172,7 @@ fn magnitude(w: &TensorView, r: usize, x: &[f32]) -> f64 {
     mag
 }
 
-/// Checks `kernel` against the scalar reference on random blocks:
+/// Checks `kernel` against the scalar reference on [`random_weights`]:
 /// `[rows, cols]` of `qtype`, `n` tokens of random `x`. Each output must be
 /// within `1e-4 * magnitude + 1e-30` of the reference, and the reference
 /// within the same bound of the float64 dot product of the dequantized row.
@@ -153,7 +186,7 @@ pub fn check_against_reference(
     seed: u64,
     extreme: bool,
 ) -> Result<(), String> {
-    let data = random_blocks(qtype, rows, cols, seed, extreme);
+    let data = random_weights(qtype, rows, cols, seed, extreme);
     let w = TensorView::new(qtype, rows, cols, &data).map_err(|e| e.to_string())?;
     let mut rng = SplitMix(seed ^ 0x5eed);
     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
@@ -163,7 +196,7 @@ pub fn check_against_reference(
     crate::scalar::matmul(&w, &x, n, &mut yr);
     let mut dense = vec![0f32; cols];
     for r in 0..rows {
-        super::dequantize_row(&w, r, &mut dense);
+        crate::scalar::dequantize_row(&w, r, &mut dense);
         for t in 0..n {
             let xt = &x[t * cols..(t + 1) * cols];
             let tol = 1e-4 * magnitude(&w, r, xt) + 1e-30;
@@ -191,7 +224,8 @@ pub fn check_against_reference(
 }
 
 /// Checks that row `t` of `kernel` over `n` tokens is bit-identical to
-/// `kernel` over token `t` alone (the batching invariant), on random blocks.
+/// `kernel` over token `t` alone (the batching invariant), on
+/// [`random_weights`].
 pub fn check_batch_is_single(
     kernel: MatmulFn,
     qtype: QuantType,
@@ -200,7 +234,7 @@ pub fn check_batch_is_single(
     n: usize,
     seed: u64,
 ) -> Result<(), String> {
-    let data = random_blocks(qtype, rows, cols, seed, true);
+    let data = random_weights(qtype, rows, cols, seed, true);
     let w = TensorView::new(qtype, rows, cols, &data).map_err(|e| e.to_string())?;
     let mut rng = SplitMix(seed ^ 0xba7c);
     let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();

@@ -29,6 +29,27 @@ fn case() -> impl Strategy<Value = (QuantType, usize, usize, usize, u64, bool)> 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 
+    /// The same generic checks on the float and affine types.
+    #[test]
+    fn generic_checks_on_other_types(
+        q in proptest::sample::select(vec![
+            QuantType::F32, QuantType::F16, QuantType::Bf16, QuantType::Q4, QuantType::Q8,
+        ]),
+        rows in 1usize..40,
+        ng in 1usize..4,
+        n in 1usize..7,
+        seed in any::<u64>(),
+    ) {
+        let cols = 64 * ng;
+        for isa in Isa::available() {
+            let k = isa_kernel(isa);
+            let r = check_against_reference(&k, q, rows, cols, n, seed, false);
+            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+            let r = check_batch_is_single(&k, q, rows, cols, n, seed);
+            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+        }
+    }
+
     #[test]
     fn kernels_match_reference((q, rows, cols, n, seed, extreme) in case()) {
         for isa in Isa::available() {
