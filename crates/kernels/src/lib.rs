@@ -4,8 +4,8 @@
 //!
 //! # Dispatch
 //! The public entry points ([`matvec`], [`matmul`]) pick the best instruction
-//! set at run time ([`Isa::detect`]): AVX2+FMA+F16C on x86-64, the portable
-//! scalar code everywhere else. [`matvec_with`] / [`matmul_with`] force one.
+//! set at run time ([`Isa::detect`]): AVX2+FMA+F16C on x86-64, NEON on
+//! aarch64, the portable scalar code everywhere else. [`matvec_with`] / [`matmul_with`] force one.
 //! The scalar code ([`scalar`]) is also the test oracle.
 //!
 //! # Determinism
@@ -26,6 +26,8 @@ use slipstream_core::{QuantType, TensorView};
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod ggml;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod q4i16;
 pub mod quantize;
 pub mod recurrence;
@@ -40,6 +42,9 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// aarch64 NEON (4-bit affine and f32/bf16 products; other layouts run
+    /// the scalar code).
+    Neon,
 }
 
 impl Isa {
@@ -47,6 +52,8 @@ impl Isa {
     pub fn detect() -> Isa {
         if Isa::Avx2.is_supported() {
             Isa::Avx2
+        } else if Isa::Neon.is_supported() {
+            Isa::Neon
         } else {
             Isa::Scalar
         }
@@ -57,12 +64,13 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_supported(),
+            Isa::Neon => cfg!(target_arch = "aarch64"),
         }
     }
 
     /// All instruction sets this CPU supports (scalar first).
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2]
+        [Isa::Scalar, Isa::Avx2, Isa::Neon]
             .into_iter()
             .filter(|i| i.is_supported())
             .collect()
@@ -298,6 +306,8 @@ fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], o
             Isa::Avx2 => q4i16::avx2_rows(w, r0, r1, toks, out),
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 => unreachable!("AVX2 requested on a non-x86-64 CPU"),
+            // Int16 inputs have no NEON kernel yet: the scalar reference.
+            Isa::Neon => q4i16::scalar_rows(w, r0, r1, toks, out),
         }
         return;
     }
@@ -307,6 +317,10 @@ fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], o
         Isa::Avx2 => avx2::rows(w, r0, r1, toks, out),
         #[cfg(not(target_arch = "x86_64"))]
         Isa::Avx2 => unreachable!("AVX2 requested on a non-x86-64 CPU"),
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => neon::rows(w, r0, r1, toks, out),
+        #[cfg(not(target_arch = "aarch64"))]
+        Isa::Neon => unreachable!("NEON requested on a non-aarch64 CPU"),
     }
 }
 
