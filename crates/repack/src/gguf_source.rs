@@ -64,6 +64,8 @@ pub(crate) fn untile_heads(nk: usize, r: usize) -> Vec<usize> {
 struct Src<'a> {
     f: &'a GgufFile,
     path: String,
+    /// Names of the tensors read so far (the rest is reported as ignored).
+    read: std::cell::RefCell<std::collections::HashSet<String>>,
 }
 
 impl<'a> Src<'a> {
@@ -113,6 +115,7 @@ impl<'a> Src<'a> {
     }
 
     fn tensor(&self, name: &str) -> Result<&'a TensorInfo> {
+        self.read.borrow_mut().insert(name.to_string());
         self.f
             .tensor(name)
             .ok_or_else(|| RepackError::MissingTensor {
@@ -219,9 +222,11 @@ fn arch_of(src: &Src) -> Result<(Architecture, &'static str)> {
     match a {
         "qwen35moe" => Ok((Architecture::Qwen35Moe, "qwen35moe")),
         "qwen3moe" => Ok((Architecture::Qwen3Moe, "qwen3moe")),
-        other => Err(RepackError::UnknownArchitecture {
-            model_type: format!("{other} (GGUF general.architecture)"),
-            supported: "GGUF qwen35moe, qwen3moe",
+        other => Err(RepackError::Config {
+            path: src.path.clone(),
+            message: format!(
+                "GGUF general.architecture {other:?} is not supported (supported: qwen35moe, qwen3moe)"
+            ),
         }),
     }
 }
@@ -814,6 +819,7 @@ pub(crate) fn repack_gguf(
     let src = Src {
         f: &f,
         path: path.clone(),
+        read: Default::default(),
     };
     let cfg = model_config(&src)?;
     let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
@@ -913,20 +919,16 @@ pub(crate) fn repack_gguf(
         )?;
         li += 1;
     }
-    // Anything we did not read is reported (e.g. MTP blocks beyond the text layers).
+    // Anything we did not read is reported (e.g. MTP blocks beyond the text
+    // layers, rope_freqs): llama.cpp files may carry extras we do not need.
+    let read = src.read.borrow();
     let ignored: Vec<String> = f
         .tensors
         .iter()
-        .filter(|t| {
-            let blk = t
-                .name
-                .strip_prefix("blk.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|s| s.parse::<usize>().ok());
-            blk.is_some_and(|b| b >= n_layers)
-        })
+        .filter(|t| !read.contains(&t.name))
         .map(|t| t.name.clone())
         .collect();
+    drop(read);
 
     progress(ProgressEvent::Finishing);
     let tok = tokenizer(&f);
@@ -1015,6 +1017,41 @@ mod tests {
         assert_eq!(rows.len(), 14);
     }
 
+    #[test]
+    fn unsupported_architecture_and_corrupt_file_are_clear_errors() {
+        use slipstream_gguf::GgufWriter;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("llama.gguf");
+        let meta = vec![(
+            "general.architecture".to_string(),
+            Value::String("llama".into()),
+        )];
+        GgufWriter::create(&path, &meta, vec![])
+            .unwrap()
+            .finish()
+            .unwrap();
+        let opts = |input: std::path::PathBuf| RepackOptions {
+            input,
+            output: dir.path().join("out.slip"),
+            quant: Default::default(),
+        };
+        assert!(is_gguf(&path));
+        let e = repack_gguf(&opts(path.clone()), &|_| {})
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("llama") && e.contains("qwen35moe"), "{e}");
+        // Truncated: the error names the file.
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..30]).unwrap();
+        let e = repack_gguf(&opts(path.clone()), &|_| {})
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("llama.gguf") && e.contains("truncated"), "{e}");
+        assert!(!dir.path().join("out.slip").exists());
+    }
+
     /// `ssm_out` columns: the f32 path (elements move) and the Q8_0 path with
     /// a head of 16 columns (half a block: dequantized to f32) agree.
     #[test]
@@ -1055,6 +1092,7 @@ mod tests {
         let src = Src {
             f: &f,
             path: "t".into(),
+            read: Default::default(),
         };
         let a = out_proj(&src, "a", "x", h, nk, r, dv).unwrap();
         let b = out_proj(&src, "b", "x", h, nk, r, dv).unwrap();
