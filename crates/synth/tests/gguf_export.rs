@@ -118,3 +118,30 @@ fn gguf_export_imports_back_to_the_q4_0_slip() {
         assert_eq!(ra.tokens, rb.tokens, "{arch:?}: generated tokens differ");
     }
 }
+
+/// The router skew survives Q4_0: the control channel stays exact (zero
+/// blocks are zero, a `First(v)` block is exact) and the router is f32.
+#[test]
+fn q4_0_keeps_the_router_skew() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(Architecture::Qwen35Moe);
+    cfg.num_experts = 32;
+    let prompt = measure::random_prompt(cfg.vocab_size, 64, 5);
+    let rate = |skew: Skew, name: &str| {
+        let p = dir.path().join(name);
+        let mut o = opts(&cfg, p.clone());
+        o.skew = skew;
+        synthesize_q(&o, SynthQuant::Q4_0, &|_| {}).unwrap();
+        let run = measure::run_routes(&p, &prompt, 96).unwrap();
+        let st = measure::replay(&run, 8);
+        1.0 - st.lru_misses_per_token / st.requests_per_token
+    };
+    let uniform = rate(Skew::UNIFORM, "u");
+    let skewed = rate(Skew::DEFAULT, "s");
+    eprintln!("Q4_0 LRU hit rate at 8 of 32 slots: uniform {uniform:.3}, skewed {skewed:.3}");
+    assert!(uniform < 0.45, "uniform routing hit rate {uniform}");
+    assert!(
+        skewed > uniform + 0.15,
+        "skewed {skewed} vs uniform {uniform}"
+    );
+}
