@@ -144,6 +144,21 @@ struct RunArgs {
     /// token, latency ms, tokens/s) to this file.
     #[arg(long)]
     decode_curve: Option<PathBuf>,
+    /// Where the model runs: cpu, cuda, or auto (cuda when a GPU is usable).
+    /// With cuda the expert store flags set the host tier (RAM or SSD) and
+    /// --vram-slots / --vram-budget the VRAM expert cache above it.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "auto"])]
+    backend: String,
+    /// VRAM expert slots per layer (cuda; default: every expert).
+    #[arg(long, conflicts_with = "vram_budget")]
+    vram_slots: Option<usize>,
+    /// VRAM for the expert cache, e.g. 4G, split evenly over the layers (cuda).
+    #[arg(long, value_parser = parse_size_arg)]
+    vram_budget: Option<u64>,
+    /// Pinned host-RAM expert slots per layer between VRAM and the expert
+    /// store (cuda; e.g. 256 keeps every expert of a 256-expert model pinned).
+    #[arg(long)]
+    ram_cache_slots: Option<usize>,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -375,6 +390,32 @@ fn run(args: RunArgs) -> Result<()> {
     .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
+    if args.backend != "cpu" {
+        let c = engine.model_config();
+        let vram_slots = match (args.vram_slots, args.vram_budget) {
+            (Some(n), _) => Some(n.max(1)),
+            (None, Some(b)) => {
+                let file = slipstream_format::SlipModel::open(&model_path)
+                    .with_context(|| format!("opening model {}", model_path.display()))?;
+                let rec = file.manifest.experts.record_bytes.max(1);
+                let per_layer = b / (c.num_layers().max(1) as u64);
+                Some(((per_layer / rec) as usize).clamp(1, c.num_experts))
+            }
+            (None, None) => None,
+        };
+        let opts = slipstream_cuda::CudaOptions {
+            device: 0,
+            vram_slots,
+            ram_slots: args.ram_cache_slots,
+            policy: args.store.expert_cache_policy,
+        };
+        let choice = if args.backend == "cuda" {
+            slipstream_engine::BackendChoice::Cuda(opts)
+        } else {
+            slipstream_engine::BackendChoice::Auto(opts)
+        };
+        eprintln!("[backend] {}", engine.set_backend(&choice)?);
+    }
 
     let prompt_text = match (&args.prompt, &args.prompt_file, &args.prompt_tokens) {
         (Some(p), _, _) => Some(p.clone()),
@@ -602,6 +643,21 @@ fn run(args: RunArgs) -> Result<()> {
         s.prefill_expert_misses,
         s.prefill_expert_bytes_read as f64 / 1e6,
     );
+    if let Some(cs) = engine.cuda_stats() {
+        let t = cs.tokens.max(1) as f64;
+        eprintln!(
+            "[cuda] VRAM hits {} misses {} (RAM tier hits {}, store reads {}) ({:.2} misses/token over {} tokens, {:.2} MB host->device/token) | routing round trip {:.3} ms/token | host fetch {:.3} ms/token",
+            cs.vram_hits,
+            cs.vram_misses,
+            cs.ram_hits,
+            cs.store_reads,
+            cs.vram_misses as f64 / t,
+            cs.tokens,
+            cs.h2d_bytes as f64 / 1e6 / t,
+            cs.route_wait_ns as f64 / 1e6 / t,
+            cs.fetch_ns as f64 / 1e6 / t,
+        );
+    }
     if let Some(p) = &gen.phases {
         eprintln!("[phases] prefill: {}", p.prefill.report(0));
         eprintln!(

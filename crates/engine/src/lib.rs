@@ -133,6 +133,18 @@ pub struct Engine {
     prefill_hook: Option<PrefillHook>,
     /// Phase timers, when turned on by [`Engine::set_phases`].
     phases: Option<PhaseTimes>,
+    /// The CUDA backend, when [`Engine::set_backend`] chose it.
+    cuda: Option<slipstream_cuda::CudaModel>,
+}
+
+/// Where the model runs (`slipstream run --backend`).
+#[derive(Debug, Clone)]
+pub enum BackendChoice {
+    Cpu,
+    /// The CUDA backend; an error when no GPU is usable.
+    Cuda(slipstream_cuda::CudaOptions),
+    /// CUDA when a GPU is usable, else the CPU.
+    Auto(slipstream_cuda::CudaOptions),
 }
 
 /// One generation request.
@@ -256,7 +268,91 @@ impl Engine {
             dense_touched: false,
             prefill_hook: None,
             phases: None,
+            cuda: None,
         })
+    }
+
+    /// Chooses where the model runs; returns a line describing the choice.
+    /// The CUDA backend keeps its state on the device, so snapshots and the
+    /// prompt cache need the CPU backend.
+    pub fn set_backend(&mut self, choice: &BackendChoice) -> Result<String, EngineError> {
+        let opts = match choice {
+            BackendChoice::Cpu => {
+                self.cuda = None;
+                return Ok("backend: cpu".into());
+            }
+            BackendChoice::Auto(o) => match slipstream_cuda::probe() {
+                Ok(_) => o,
+                Err(e) => {
+                    self.cuda = None;
+                    return Ok(format!("backend: cpu ({e})"));
+                }
+            },
+            BackendChoice::Cuda(o) => o,
+        };
+        let parts = &self.file.manifest.experts.parts;
+        if parts.len() != 3 {
+            return Err(EngineError::Request(format!(
+                "the expert pool has {} parts per record, the CUDA backend needs gate, up, down",
+                parts.len()
+            )));
+        }
+        let p = |i: usize| (parts[i].qtype, parts[i].shape);
+        let m = slipstream_cuda::CudaModel::new(&self.model, [p(0), p(1), p(2)], opts)
+            .map_err(|e| EngineError::Request(format!("CUDA backend: {e}")))?;
+        let mut m = m;
+        let mut line = format!("backend: {}", m.describe());
+        if m.slots() >= self.model.config.num_experts
+            || opts
+                .ram_slots
+                .is_some_and(|r| r >= self.model.config.num_experts)
+        {
+            // Fully resident: fill VRAM now so decode carries no first-use copies.
+            let t = std::time::Instant::now();
+            let n = m
+                .preload(&mut self.store)
+                .map_err(|e| EngineError::Request(format!("CUDA backend: {e}")))?
+                .map_err(|e| EngineError::Store(e.to_string()))?;
+            line.push_str(&format!(
+                "; {n} experts preloaded into VRAM (and a full RAM tier) in {:.1} s",
+                t.elapsed().as_secs_f64()
+            ));
+        }
+        self.cuda = Some(m);
+        Ok(line)
+    }
+
+    /// Counters of the CUDA backend (`None` on the CPU).
+    pub fn cuda_stats(&self) -> Option<slipstream_cuda::CudaStats> {
+        self.cuda.as_ref().map(|c| c.stats)
+    }
+
+    /// One forward pass on the chosen backend.
+    fn run_model(
+        &mut self,
+        state: &mut ModelState,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<Vec<f32>, slipstream_models::ModelError> {
+        match self.cuda.as_mut() {
+            Some(c) => self.model.run(
+                c,
+                state,
+                tokens,
+                &mut self.store,
+                want,
+                None,
+                self.phases.as_mut(),
+            ),
+            None => self.model.forward_timed(
+                state,
+                tokens,
+                &mut self.store,
+                want,
+                None,
+                self.phases.as_mut(),
+            ),
+        }
     }
 
     /// Turns the per-phase timers on or off (off by default: timing costs a
@@ -535,14 +631,7 @@ impl Engine {
                 _ if last || hooked => Logits::Last,
                 _ => Logits::None,
             };
-            let logits = self.model.forward_timed(
-                state,
-                piece,
-                &mut self.store,
-                w,
-                None,
-                self.phases.as_mut(),
-            )?;
+            let logits = self.run_model(state, piece, w)?;
             self.dense_touched = true;
             if w == Logits::None {
                 state.last_logits.clear();
@@ -701,14 +790,7 @@ impl Engine {
             if tokens.len() == req.max_new_tokens {
                 break;
             }
-            last = self.model.forward_timed(
-                state,
-                &[next],
-                &mut self.store,
-                Logits::Last,
-                None,
-                self.phases.as_mut(),
-            )?;
+            last = self.run_model(state, &[next], Logits::Last)?;
             state.last_logits.clone_from(&last);
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);

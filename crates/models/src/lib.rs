@@ -5,6 +5,7 @@
 //! [`slipstream_core::ExpertSource`], and every number they compute is
 //! independent of chunk size, thread count and expert arrival order.
 
+pub mod backend;
 pub mod blocks;
 pub mod loader;
 pub mod ops;
@@ -15,6 +16,7 @@ pub mod transformer;
 
 use slipstream_core::{Architecture, BoxError, ModelConfig, TensorSource};
 
+pub use backend::{Backend, CpuBackend, NormKind};
 pub use blocks::Route;
 pub use state::ModelState;
 pub use transformer::{Logits, RouteObserver, Transformer};

@@ -4,9 +4,9 @@
 use std::time::Instant;
 
 use slipstream_core::{ExpertSource, ModelConfig, Tensor};
-use slipstream_kernels as k;
 
-use crate::blocks::{rms_norm_rows, Attention, GatedDeltaNet, Moe, MoeTimes, Route};
+use crate::backend::{Backend, CpuBackend, NormKind};
+use crate::blocks::{Attention, GatedDeltaNet, Moe, MoeTimes, Route};
 use crate::state::{AttnState, LayerState, LinearState, ModelState};
 use crate::ModelError;
 
@@ -100,87 +100,145 @@ impl Transformer {
         tokens: &[u32],
         experts: &mut dyn ExpertSource,
         want: Logits,
-        mut observer: Option<RouteObserver<'_>>,
+        observer: Option<RouteObserver<'_>>,
         phases: Option<&mut PhaseTimes>,
     ) -> Result<Vec<f32>, ModelError> {
-        let t_total = Instant::now();
-        let h = self.config.hidden_size;
+        self.run(
+            &mut CpuBackend,
+            state,
+            tokens,
+            experts,
+            want,
+            observer,
+            phases,
+        )
+    }
+
+    /// The decoder stack on `backend`: the one place the layer sequence is
+    /// written. Inputs longer than the backend's
+    /// [`Backend::max_pass_tokens`] run as several passes (the numbers do
+    /// not depend on the split). See [`Transformer::forward_timed`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<B: Backend>(
+        &self,
+        backend: &mut B,
+        state: &mut ModelState,
+        tokens: &[u32],
+        experts: &mut dyn ExpertSource,
+        want: Logits,
+        mut observer: Option<RouteObserver<'_>>,
+        mut phases: Option<&mut PhaseTimes>,
+    ) -> Result<Vec<f32>, ModelError> {
         let n = tokens.len();
         if n == 0 {
             return Ok(Vec::new());
         }
+        if state.layers.len() != self.layers.len() {
+            return Err(ModelError::State("state was made for another model".into()));
+        }
+        if let Some(&tok) = tokens
+            .iter()
+            .find(|&&t| t as usize >= self.config.vocab_size)
+        {
+            return Err(ModelError::Token {
+                token: tok,
+                vocab: self.config.vocab_size,
+            });
+        }
+        let step = backend.max_pass_tokens().max(1);
+        if n <= step {
+            return self.pass(backend, state, tokens, experts, want, observer, phases);
+        }
+        let mut logits = Vec::new();
+        let chunks: Vec<&[u32]> = tokens.chunks(step).collect();
+        let last = chunks.len() - 1;
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            let w = match want {
+                Logits::All => Logits::All,
+                Logits::Last if i == last => Logits::Last,
+                _ => Logits::None,
+            };
+            let obs = observer
+                .as_mut()
+                .map(|o| &mut **o as &mut dyn FnMut(usize, &[Route]));
+            let part = self.pass(
+                backend,
+                state,
+                chunk,
+                experts,
+                w,
+                obs,
+                phases.as_deref_mut(),
+            )?;
+            logits.extend_from_slice(&part);
+        }
+        Ok(logits)
+    }
+
+    /// One pass of `tokens` (at most the backend's pass length).
+    #[allow(clippy::too_many_arguments)]
+    fn pass<B: Backend>(
+        &self,
+        backend: &mut B,
+        state: &mut ModelState,
+        tokens: &[u32],
+        experts: &mut dyn ExpertSource,
+        want: Logits,
+        mut observer: Option<RouteObserver<'_>>,
+        phases: Option<&mut PhaseTimes>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let t_total = Instant::now();
+        let n = tokens.len();
         let mut clock = Clock {
             last: Some(t_total),
             ..Clock::default()
         };
-        if state.layers.len() != self.layers.len() {
-            return Err(ModelError::State("state was made for another model".into()));
-        }
-        let embed = self.embed.view();
-        let mut x = vec![0.0f32; n * h];
-        for (t, &tok) in tokens.iter().enumerate() {
-            if tok as usize >= self.config.vocab_size {
-                return Err(ModelError::Token {
-                    token: tok,
-                    vocab: self.config.vocab_size,
-                });
-            }
-            k::dequantize_row(&embed, tok as usize, &mut x[t * h..][..h]);
-        }
-        let eps = self.config.rms_norm_eps;
+        backend.begin_pass(state.tokens.len(), n)?;
+        let mut x = backend.embed(self, tokens)?;
         let mut routes = Vec::new();
         let mut moe_times = MoeTimes::default();
         clock.lap(NORMS);
-        for (li, (layer, lstate)) in self.layers.iter().zip(state.layers.iter_mut()).enumerate() {
-            let xn = rms_norm_rows(&x, &layer.input_norm, eps);
+        for (li, lstate) in state.layers.iter_mut().enumerate() {
+            let xn = backend.norm(self, &x, NormKind::Input(li), n)?;
             clock.lap(NORMS);
-            let mixed = match (&layer.mixer, lstate) {
-                (Mixer::Attention(a), LayerState::Attn(s)) => {
-                    let m = a.forward(&xn, n, s);
-                    clock.lap(FULL);
-                    m
-                }
-                (Mixer::Linear(g), LayerState::Linear(s)) => {
-                    let m = g.forward(&xn, n, s);
-                    clock.lap(LINEAR);
-                    m
-                }
-                _ => return Err(ModelError::State(format!("layer {li} state kind mismatch"))),
-            };
-            add_into(&mut x, &mixed);
-            clock.lap(OTHER);
-            let xn = rms_norm_rows(&x, &layer.post_attn_norm, eps);
+            backend.mixer(self, li, &mut x, &xn, n, lstate)?;
+            clock.lap(match self.layers[li].mixer {
+                Mixer::Attention(_) => FULL,
+                Mixer::Linear(_) => LINEAR,
+            });
+            let xn = backend.norm(self, &x, NormKind::PostAttn(li), n)?;
             clock.lap(NORMS);
             routes.clear();
-            let moe = layer.moe.forward_timed(
+            backend.moe(
+                self,
+                li,
+                &mut x,
                 &xn,
                 n,
                 experts,
-                Some(&mut routes),
-                Some(&mut moe_times),
+                &mut routes,
+                &mut moe_times,
             )?;
             clock.lap(MOE);
             if let Some(obs) = observer.as_mut() {
                 obs(li, &routes);
             }
-            add_into(&mut x, &moe);
             clock.lap(OTHER);
         }
         state.tokens.extend_from_slice(tokens);
 
-        let rows: &[f32] = match want {
-            Logits::None => &[],
-            Logits::Last => &x[(n - 1) * h..],
-            Logits::All => &x,
+        let m = match want {
+            Logits::None => 0,
+            Logits::Last => 1,
+            Logits::All => n,
         };
-        let m = rows.len() / h;
         let mut logits = Vec::new();
         if m > 0 {
+            let rows = backend.tail(self, &x, n, m)?;
             clock.lap(OTHER);
-            let xn = rms_norm_rows(rows, &self.final_norm, eps);
+            let xn = backend.norm(self, &rows, NormKind::Final, m)?;
             clock.lap(NORMS);
-            logits = vec![0.0f32; m * self.config.vocab_size];
-            k::matmul(&self.lm_head.view(), &xn, m, &mut logits);
+            logits = backend.head(self, &xn, m, m)?;
             clock.lap(HEAD);
         }
         if let Some(p) = phases {
@@ -318,11 +376,5 @@ impl PhaseTimes {
             s.push_str(&format!(", store read wait {:.2} ms", ms(w)));
         }
         s
-    }
-}
-
-fn add_into(x: &mut [f32], y: &[f32]) {
-    for (a, b) in x.iter_mut().zip(y) {
-        *a += b;
     }
 }

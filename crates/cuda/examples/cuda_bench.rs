@@ -1,0 +1,380 @@
+//! Kernel bandwidth bench: HBM copy/read bandwidth measured in the same run,
+//! then each decode kernel's achieved GB/s against it (bytes = weights and
+//! activations each moved once). Inputs rotate over buffers several times
+//! the L2 so the figures are HBM, not cache. Prints a table; with `--json
+//! FILE` also writes the figures.
+//!
+//! `cargo run --release -p slipstream-cuda --example cuda_bench [-- --json out.json]`
+
+use std::time::Duration;
+
+use slipstream_core::QuantType;
+use slipstream_cuda::{DBuf, Gpu, WDesc};
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Launches of `f` per timed region (event overhead amortised; inputs
+/// rotate with the iteration index).
+const PER: usize = 10;
+
+/// Median milliseconds per call of `f` (launching work for iteration i)
+/// over `reps` timed regions of [`PER`] calls after warm-up, with events
+/// around each region.
+fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut(usize)) -> f64 {
+    for i in 0..3 {
+        f(i);
+    }
+    g.sync().unwrap();
+    let mut t = Vec::new();
+    for i in 0..reps {
+        let a = g.mark().unwrap();
+        for j in 0..PER {
+            f(3 + i * PER + j);
+        }
+        let b = g.mark().unwrap();
+        b.synchronize().unwrap();
+        t.push(a.elapsed_ms(&b).unwrap() as f64 / PER as f64);
+    }
+    median(t)
+}
+
+fn fill_random(g: &Gpu, b: &DBuf, seed: u64) {
+    // Random bytes (never zeros: they can run faster than real data).
+    let mut x = seed | 1;
+    let mut v = vec![0u8; b.bytes.min(64 << 20)];
+    for c in v.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let bytes = x.to_le_bytes();
+        c.copy_from_slice(&bytes[..c.len()]);
+    }
+    let mut off = 0;
+    while off < b.bytes {
+        let n = v.len().min(b.bytes - off);
+        g.write(b, off, &v[..n]).unwrap();
+        off += n;
+    }
+}
+
+/// Random but finite affine weights: codes random, scales/biases small f16.
+fn fill_affine(g: &Gpu, b: &DBuf, descs: &[WDesc], seed: u64) {
+    fill_random(g, b, seed);
+    let half = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    for d in descs {
+        let n = d.rows() * (d.cols() / d.group as usize);
+        let v: Vec<u8> = (0..n).flat_map(|_| half).collect();
+        g.write(b, (d.scales - b.ptr) as usize, &v).unwrap();
+        g.write(b, (d.biases - b.ptr) as usize, &v).unwrap();
+    }
+}
+
+struct Row {
+    name: String,
+    ms: f64,
+    bytes: f64,
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let json = args
+        .iter()
+        .position(|a| a == "--json")
+        .and_then(|i| args.get(i + 1).cloned());
+    if let Err(e) = slipstream_cuda::probe() {
+        eprintln!("no CUDA: {e}");
+        std::process::exit(2);
+    }
+    let g = Gpu::new(0).expect("opening the GPU");
+    println!("device: {} ({} SMs)", g.name, g.sms);
+    let reps = 20;
+    let mut rows: Vec<Row> = Vec::new();
+
+    // 1. HBM ceilings.
+    let big = 2usize << 30;
+    let src = g.alloc(big).unwrap();
+    let dst = g.alloc(big).unwrap();
+    fill_random(&g, &src, 7);
+    let sink = g.alloc(16).unwrap();
+    let copy_ms = time_ms(&g, reps, |_| g.bw_copy(src.ptr, dst.ptr, big).unwrap());
+    let read_ms = time_ms(&g, reps, |_| g.bw_read(src.ptr, big, sink.ptr).unwrap());
+    let copy_gbs = 2.0 * big as f64 / copy_ms / 1e6;
+    let read_gbs = big as f64 / read_ms / 1e6;
+    println!("HBM: copy {copy_gbs:.0} GB/s (read+write), read {read_gbs:.0} GB/s");
+    drop(dst);
+
+    // 2. A layer's batched routed experts (35B shapes: H 2048, I 512, top 8,
+    // q4 g64), rotating over 48 layers' worth of distinct experts (> L2).
+    let (h, inter, k, sets) = (2048usize, 512usize, 8usize, 48usize);
+    let q = QuantType::Q4;
+    let gt = WDesc::new(q, inter, h, 0).unwrap();
+    let dt = WDesc::new(q, h, inter, 0).unwrap();
+    let part = q.nbytes(inter, h);
+    let rec = 3 * part.div_ceil(256) * 256;
+    let pool = g.alloc(sets * k * rec).unwrap();
+    let mut descs = Vec::new();
+    for i in 0..sets * k {
+        let base = pool.ptr + (i * rec) as u64;
+        let p2 = part.div_ceil(256) * 256;
+        descs.push(WDesc::new(q, inter, h, base).unwrap());
+        descs.push(WDesc::new(q, inter, h, base + p2 as u64).unwrap());
+        descs.push(WDesc::new(q, h, inter, base + 2 * p2 as u64).unwrap());
+    }
+    fill_affine(&g, &pool, &descs, 11);
+    let mut table = Vec::new();
+    for s in 0..sets {
+        for part_i in 0..3 {
+            for r in 0..k {
+                table.push(descs[(s * k + r) * 3 + part_i].codes);
+            }
+        }
+    }
+    let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
+    let tdev = g.upload(&tb).unwrap();
+    let x = g.upload_f32(&vec![0.5f32; h]).unwrap();
+    let xrow = g.alloc(4 * k).unwrap();
+    let hbuf = g.alloc(4 * k * inter).unwrap();
+    let wts = g.upload_f32(&vec![0.125f32; k]).unwrap();
+    let res = g.alloc(4 * h).unwrap();
+    let tab = |s: usize, p: usize| tdev.ptr + ((s * 3 + p) * k * 8) as u64;
+    let ms_gu = time_ms(&g, reps * 4, |i| {
+        let s = i % sets;
+        g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
+            .unwrap()
+    });
+    let ms_dn = time_ms(&g, reps * 4, |i| {
+        let s = i % sets;
+        g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
+            .unwrap()
+    });
+    let ms_layer = time_ms(&g, reps * 4, |i| {
+        let s = i % sets;
+        g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
+            .unwrap();
+        g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
+            .unwrap();
+    });
+    // Many layers back to back in one timed region (launch gaps amortised).
+    let ms_40 = time_ms(&g, 3, |_| {
+        for s in 0..40 {
+            g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
+                .unwrap();
+            g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
+                .unwrap();
+        }
+    }) / 40.0;
+    rows.push(Row {
+        name: format!("experts gate+up ({k} x 2 x [{inter},{h}] q4)"),
+        ms: ms_gu,
+        bytes: (2 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: format!("experts down ({k} x [{h},{inter}] q4)"),
+        ms: ms_dn,
+        bytes: (k * part) as f64,
+    });
+    rows.push(Row {
+        name: "layer's routed experts (2 launches)".into(),
+        ms: ms_layer,
+        bytes: (3 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: "layer's routed experts, 40 layers queued".into(),
+        ms: ms_40,
+        bytes: (3 * k * part) as f64,
+    });
+    // Larger batch: all 256 experts of a layer at once (prefill-like).
+    {
+        let kk = 64usize;
+        let mut t2 = Vec::new();
+        for p in 0..3 {
+            for r in 0..kk {
+                t2.push(descs[r * 3 + p].codes);
+            }
+        }
+        let tb2: Vec<u8> = t2.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let td2 = g.upload(&tb2).unwrap();
+        let xr2 = g.alloc(4 * kk).unwrap();
+        let h2 = g.alloc(4 * kk * inter).unwrap();
+        let w2 = g.upload_f32(&vec![0.01f32; kk]).unwrap();
+        let ms = time_ms(&g, reps, |_| {
+            g.moe_gate_up(
+                &gt,
+                &gt,
+                td2.ptr,
+                td2.ptr + 8 * kk as u64,
+                xr2.ptr,
+                x.ptr,
+                h2.ptr,
+                kk,
+            )
+            .unwrap();
+            g.moe_down(
+                &dt,
+                td2.ptr + 16 * kk as u64,
+                h2.ptr,
+                w2.ptr,
+                kk,
+                0,
+                0,
+                res.ptr,
+                1,
+            )
+            .unwrap();
+        });
+        rows.push(Row {
+            name: format!("{kk} experts in one launch pair"),
+            ms,
+            bytes: (3 * kk * part) as f64,
+        });
+    }
+    drop(pool);
+
+    // 3. Dense matvecs (rotating over 8 copies).
+    for (name, q, r, c) in [
+        (
+            "dense q4 [8192, 2048] (attn q)",
+            QuantType::Q4,
+            8192usize,
+            2048usize,
+        ),
+        (
+            "dense q4 [12288, 2048] (gdn qkv)",
+            QuantType::Q4,
+            12288,
+            2048,
+        ),
+        ("dense bf16 [4096, 2048]", QuantType::Bf16, 4096, 2048),
+        ("dense f16 [4096, 2048]", QuantType::F16, 4096, 2048),
+        ("dense f32 [2048, 2048]", QuantType::F32, 2048, 2048),
+        ("lm head q4 [248320, 2048]", QuantType::Q4, 248320, 2048),
+    ] {
+        let nb = q.nbytes(r, c);
+        let copies = if nb > 64 << 20 { 1 } else { 8 };
+        let buf = g.alloc(copies * nb.div_ceil(256) * 256).unwrap();
+        let ds: Vec<WDesc> = (0..copies)
+            .map(|i| WDesc::new(q, r, c, buf.ptr + (i * nb.div_ceil(256) * 256) as u64).unwrap())
+            .collect();
+        if matches!(q, QuantType::Affine { .. }) {
+            fill_affine(&g, &buf, &ds, 3);
+        } else {
+            // Small finite values: 0x3c00 = 1.0 in f16, 0x3f80 = 1.0 in bf16.
+            fill_random(&g, &buf, 5);
+        }
+        let xb = g.upload_f32(&vec![0.01f32; c]).unwrap();
+        let yb = g.alloc(4 * r).unwrap();
+        let ms = time_ms(&g, reps, |i| {
+            g.matvec(&ds[i % copies], xb.ptr, yb.ptr, 1).unwrap()
+        });
+        rows.push(Row {
+            name: name.into(),
+            ms,
+            bytes: nb as f64,
+        });
+    }
+
+    // 4. Decode attention over a 4096-token cache (35B: 16 heads, 2 KV heads, 256).
+    {
+        let (nh, nkv, hd, keys) = (16usize, 2usize, 256usize, 4096usize);
+        let kc = g.upload_f32(&vec![0.01f32; keys * nkv * hd]).unwrap();
+        let vc = g.upload_f32(&vec![0.02f32; keys * nkv * hd]).unwrap();
+        let qb = g.upload_f32(&vec![0.03f32; nh * hd]).unwrap();
+        let sc = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, keys)).unwrap();
+        let out = g.alloc(4 * nh * hd).unwrap();
+        let ms = time_ms(&g, reps, |_| {
+            g.attention(
+                qb.ptr,
+                kc.ptr,
+                vc.ptr,
+                keys,
+                (nh, nkv, hd),
+                qb.ptr,
+                &sc,
+                out.ptr,
+            )
+            .unwrap()
+        });
+        rows.push(Row {
+            name: format!("attention {keys} keys (K+V f32)"),
+            ms,
+            bytes: (2 * keys * nkv * hd * 4) as f64,
+        });
+    }
+    // 5. Gated DeltaNet step (35B: 16x128 / 32x128): state read + written.
+    {
+        let (nk, dk, nv, dv) = (16usize, 128usize, 32usize, 128usize);
+        let c = 2 * nk * dk + nv * dv;
+        let co = g.upload_f32(&vec![0.1f32; c]).unwrap();
+        let z = g.upload_f32(&vec![0.1f32; nv * dv]).unwrap();
+        let ab = g.upload_f32(&vec![0.1f32; nv]).unwrap();
+        let nw = g.upload_f32(&vec![1.0f32; dv]).unwrap();
+        let states: Vec<DBuf> = (0..16)
+            .map(|_| g.upload_f32(&vec![0.01f32; nv * dk * dv]).unwrap())
+            .collect();
+        let core = g.alloc(4 * nv * dv).unwrap();
+        let ms = time_ms(&g, reps * 4, |i| {
+            g.gdn_step(
+                co.ptr,
+                z.ptr,
+                ab.ptr,
+                ab.ptr,
+                ab.ptr,
+                ab.ptr,
+                nw.ptr,
+                states[i % 16].ptr,
+                1,
+                (nk, dk, nv, dv),
+                1e-6,
+                core.ptr,
+            )
+            .unwrap()
+        });
+        rows.push(Row {
+            name: "gated delta rule step (state r+w)".into(),
+            ms,
+            bytes: (2 * nv * dk * dv * 4) as f64,
+        });
+    }
+
+    println!(
+        "\n{:<48} {:>10} {:>10} {:>9} {:>8}",
+        "kernel", "us", "MB", "GB/s", "% read"
+    );
+    for r in &rows {
+        let gbs = r.bytes / r.ms / 1e6;
+        println!(
+            "{:<48} {:>10.1} {:>10.2} {:>9.0} {:>7.0}%",
+            r.name,
+            r.ms * 1e3,
+            r.bytes / 1e6,
+            gbs,
+            100.0 * gbs / read_gbs
+        );
+    }
+    if let Some(path) = json {
+        let mut s = format!(
+            "{{\n  \"device\": \"{}\",\n  \"hbm_copy_gbs\": {copy_gbs:.1},\n  \"hbm_read_gbs\": {read_gbs:.1},\n  \"kernels\": [\n",
+            g.name
+        );
+        for (i, r) in rows.iter().enumerate() {
+            s.push_str(&format!(
+                "    {{\"name\": \"{}\", \"us\": {:.2}, \"bytes\": {}, \"gbs\": {:.1}}}{}\n",
+                r.name,
+                r.ms * 1e3,
+                r.bytes,
+                r.bytes / r.ms / 1e6,
+                if i + 1 < rows.len() { "," } else { "" }
+            ));
+        }
+        s.push_str("  ]\n}\n");
+        std::fs::write(&path, s).expect("writing the json");
+    }
+    // Clock-hold probe: a spinning kernel on the copy stream for 200 ms
+    // while nothing else runs (the script samples clocks meanwhile).
+    g.spin_on(&g.copy_stream, 200_000_000).unwrap();
+    g.copy_stream.synchronize().unwrap();
+    std::thread::sleep(Duration::from_millis(10));
+}

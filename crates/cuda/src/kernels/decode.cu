@@ -1,0 +1,780 @@
+// Decode kernels of the CUDA backend, compiled at run time by NVRTC.
+// No headers: f16/bf16 conversions are done by hand so NVRTC needs no
+// include path. Activations are f32; weights keep their stored layout
+// (see crates/core/src/quant.rs): affine rows are packed codes (low nibble
+// = even element), then f16/bf16 scales, then biases, one per group.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+
+// Weight kinds (must match `QKind` in src/lib.rs).
+#define INFINITY __int_as_float(0x7f800000)
+#define QT_F32 0
+#define QT_F16 1
+#define QT_BF16 2
+#define QT_A4 3
+#define QT_A8 4
+
+// One weight matrix `[rows, cols]`; for affine kinds `scales`/`biases` are
+// `[rows, cols / group]`. Mirrors `WDesc` in src/lib.rs (repr(C)).
+struct W {
+    const u8* codes;
+    const u16* scales;
+    const u16* biases;
+    int rows;
+    int cols;
+    int qt;
+    int group;
+    int scale_bf16;
+    int pad;
+};
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ float half_val(u16 h, int bf) { return bf ? bf16_to_f32(h) : f16_to_f32(h); }
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double warp_sum_d(double v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+
+// The same layout at another base (experts: every record of a layer has
+// the same part shapes). For affine kinds the scales and biases follow the
+// codes back to back.
+__device__ __forceinline__ W at_base(W t, const u8* p) {
+    W w = t;
+    w.codes = p;
+    if (t.qt == QT_A4 || t.qt == QT_A8) {
+        size_t cb = (size_t)t.rows * t.cols * (t.qt == QT_A4 ? 4 : 8) / 8;
+        size_t sb = (size_t)t.rows * (t.cols / t.group) * 2;
+        w.scales = (const u16*)(p + cb);
+        w.biases = (const u16*)(p + cb + sb);
+    }
+    return w;
+}
+
+// Dot of row `r` of `w` with `x` (`[cols]`, 16-byte aligned), one warp;
+// the result is valid in every lane.
+__device__ __forceinline__ float row_dot(const W& w, int r, const float* __restrict__ x, int lane) {
+    float acc = 0.0f;
+    const int cols = w.cols;
+    if (w.qt == QT_A4) {
+        const u32* c = (const u32*)(w.codes + (size_t)r * cols / 2);
+        const int ng = cols / w.group;
+        const u16* s = w.scales + (size_t)r * ng;
+        const u16* b = w.biases + (size_t)r * ng;
+        const int nw = cols / 8;
+#pragma unroll 4
+        for (int i = lane; i < nw; i += 32) {
+            u32 q = __ldg(c + i);
+            int j = i * 8;
+            int g = j / w.group;
+            float4 x0 = *(const float4*)(x + j);
+            float4 x1 = *(const float4*)(x + j + 4);
+            float qx = (float)(q & 15u) * x0.x + (float)((q >> 4) & 15u) * x0.y +
+                       (float)((q >> 8) & 15u) * x0.z + (float)((q >> 12) & 15u) * x0.w +
+                       (float)((q >> 16) & 15u) * x1.x + (float)((q >> 20) & 15u) * x1.y +
+                       (float)((q >> 24) & 15u) * x1.z + (float)(q >> 28) * x1.w;
+            float xs = ((x0.x + x0.y) + (x0.z + x0.w)) + ((x1.x + x1.y) + (x1.z + x1.w));
+            acc += half_val(__ldg(s + g), w.scale_bf16) * qx + half_val(__ldg(b + g), w.scale_bf16) * xs;
+        }
+    } else if (w.qt == QT_A8) {
+        const u32* c = (const u32*)(w.codes + (size_t)r * cols);
+        const int ng = cols / w.group;
+        const u16* s = w.scales + (size_t)r * ng;
+        const u16* b = w.biases + (size_t)r * ng;
+        const int nw = cols / 4;
+#pragma unroll 4
+        for (int i = lane; i < nw; i += 32) {
+            u32 q = __ldg(c + i);
+            int j = i * 4;
+            int g = j / w.group;
+            float4 x0 = *(const float4*)(x + j);
+            float qx = (float)(q & 255u) * x0.x + (float)((q >> 8) & 255u) * x0.y +
+                       (float)((q >> 16) & 255u) * x0.z + (float)(q >> 24) * x0.w;
+            float xs = (x0.x + x0.y) + (x0.z + x0.w);
+            acc += half_val(__ldg(s + g), w.scale_bf16) * qx + half_val(__ldg(b + g), w.scale_bf16) * xs;
+        }
+    } else if (w.qt == QT_F32) {
+        const float* row = (const float*)w.codes + (size_t)r * cols;
+        for (int j = lane; j < cols; j += 32) acc += __ldg(row + j) * x[j];
+    } else {
+        const u16* row = (const u16*)w.codes + (size_t)r * cols;
+        const int bf = w.qt == QT_BF16;
+        if ((cols & 1) == 0) {
+            const u32* r2 = (const u32*)row;
+#pragma unroll 4
+            for (int i = lane; i < cols / 2; i += 32) {
+                u32 v = __ldg(r2 + i);
+                acc += half_val((u16)(v & 0xffffu), bf) * x[2 * i] + half_val((u16)(v >> 16), bf) * x[2 * i + 1];
+            }
+        } else {
+            for (int j = lane; j < cols; j += 32) acc += half_val(__ldg(row + j), bf) * x[j];
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Code k (0..3) of a word of four byte-sized codes as an exact float:
+// PRMT builds 0x4B0000cc (= 2^23 + c), one FADD removes 2^23 (no I2F).
+__device__ __forceinline__ float nib(u32 v, int k) {
+    return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7540u + k)) - 8388608.0f;
+}
+
+// Affine 4-bit dot products of rows r0..r0+R of `w` with `x`, one warp:
+// each lane loads NW words (8*NW codes, one group or less) per step, keeps
+// those 8*NW values of x in registers and reuses them for all R rows, so x
+// costs one read per R rows. Requires group % (8*NW) == 0. out[rr] is valid
+// in every lane.
+template <int R, int NW>
+__device__ __forceinline__ void rows_a4(const W& w, int r0, const float* __restrict__ x, int lane, float* out) {
+    const int cols = w.cols;
+    const int per = 8 * NW;
+    const int nv = cols / per;
+    const int ng = cols / w.group;
+    float acc[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) acc[rr] = 0.0f;
+    for (int i = lane; i < nv; i += 32) {
+        const int j = i * per;
+        float xv[8 * NW];
+        float xs = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 2 * NW; c++) {
+            float4 t = *(const float4*)(x + j + 4 * c);
+            xv[4 * c] = t.x;
+            xv[4 * c + 1] = t.y;
+            xv[4 * c + 2] = t.z;
+            xv[4 * c + 3] = t.w;
+            xs += (t.x + t.y) + (t.z + t.w);
+        }
+        const int g = j / w.group;
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            const int r = r0 + rr;
+            if (r >= w.rows) break;
+            const u32* cp = (const u32*)(w.codes + (size_t)r * cols / 2) + (size_t)i * NW;
+            u32 q[NW];
+            if (NW == 4) {
+                uint4 v = __ldg((const uint4*)cp);
+                q[0] = v.x; q[NW > 1 ? 1 : 0] = v.y; q[NW > 2 ? 2 : 0] = v.z; q[NW > 3 ? 3 : 0] = v.w;
+            } else if (NW == 2) {
+                uint2 v = __ldg((const uint2*)cp);
+                q[0] = v.x; q[NW > 1 ? 1 : 0] = v.y;
+            } else {
+                q[0] = __ldg(cp);
+            }
+            float qx = 0.0f;
+#pragma unroll
+            for (int wi = 0; wi < NW; wi++) {
+                u32 lo = q[wi] & 0x0F0F0F0Fu;
+                u32 hi = (q[wi] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    qx += nib(lo, m) * xv[wi * 8 + 2 * m];
+                    qx += nib(hi, m) * xv[wi * 8 + 2 * m + 1];
+                }
+            }
+            const size_t gi = (size_t)r * ng + g;
+            acc[rr] += half_val(__ldg(w.scales + gi), w.scale_bf16) * qx +
+                       half_val(__ldg(w.biases + gi), w.scale_bf16) * xs;
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
+}
+
+#define A4_R 4
+// rows_a4 with the load width chosen at run time (nw in {4, 2, 1}).
+__device__ __forceinline__ void rows_a4_any(const W& w, int r0, const float* __restrict__ x, int lane, int nw,
+                                            float* out) {
+    if (nw == 4)
+        rows_a4<A4_R, 4>(w, r0, x, lane, out);
+    else if (nw == 2)
+        rows_a4<A4_R, 2>(w, r0, x, lane, out);
+    else
+        rows_a4<A4_R, 1>(w, r0, x, lane, out);
+}
+
+// Affine 4-bit matvec: 128 threads, A4_R rows per warp (16 per block);
+// grid (ceil(rows / 16), n).
+extern "C" __global__ void matvec_a4(W w, const float* __restrict__ x, float* __restrict__ y, int nw) {
+    int lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
+    int t = blockIdx.y;
+    if (r0 >= w.rows) return;
+    float o[A4_R];
+    rows_a4_any(w, r0, x + (size_t)t * w.cols, lane, nw, o);
+    if (lane < A4_R && r0 + lane < w.rows) {
+        float v = o[0];
+#pragma unroll
+        for (int rr = 1; rr < A4_R; rr++)
+            if (lane == rr) v = o[rr];
+        y[(size_t)t * w.rows + r0 + lane] = v;
+    }
+}
+
+// moe_gate_up for affine 4-bit experts (see below); grid (ceil(I / 16), pairs), 128 threads.
+extern "C" __global__ void moe_gate_up_a4(W gt, W ut, const u64* __restrict__ gbase, const u64* __restrict__ ubase,
+                                          const int* __restrict__ xrow, const float* __restrict__ x,
+                                          float* __restrict__ h, int nw) {
+    int lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
+    int p = blockIdx.y;
+    if (r0 >= gt.rows) return;
+    W g = at_base(gt, (const u8*)gbase[p]);
+    W u = at_base(ut, (const u8*)ubase[p]);
+    const float* xp = x + (size_t)xrow[p] * gt.cols;
+    float go[A4_R], uo[A4_R];
+    rows_a4_any(g, r0, xp, lane, nw, go);
+    rows_a4_any(u, r0, xp, lane, nw, uo);
+    if (lane < A4_R && r0 + lane < gt.rows) {
+        float gv = go[0], uv = uo[0];
+#pragma unroll
+        for (int rr = 1; rr < A4_R; rr++)
+            if (lane == rr) {
+                gv = go[rr];
+                uv = uo[rr];
+            }
+        h[(size_t)p * gt.rows + r0 + lane] = siluf_(gv) * uv;
+    }
+}
+
+// moe_down for affine 4-bit experts (see below); grid (ceil(H / 16), tokens), 128 threads.
+extern "C" __global__ void moe_down_a4(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
+                                       const float* __restrict__ wts, int K, const float* __restrict__ shared,
+                                       const float* __restrict__ sg, float* __restrict__ x, int nw) {
+    int lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
+    int t = blockIdx.y;
+    if (r0 >= dt.rows) return;
+    float acc[A4_R];
+#pragma unroll
+    for (int rr = 0; rr < A4_R; rr++) acc[rr] = 0.0f;
+    for (int k = 0; k < K; k++) {
+        int p = t * K + k;
+        W d = at_base(dt, (const u8*)dbase[p]);
+        float o[A4_R];
+        rows_a4_any(d, r0, h + (size_t)p * dt.cols, lane, nw, o);
+        float wk = wts[p];
+#pragma unroll
+        for (int rr = 0; rr < A4_R; rr++) acc[rr] += o[rr] * wk;
+    }
+    if (lane < A4_R && r0 + lane < dt.rows) {
+        float v = acc[0];
+#pragma unroll
+        for (int rr = 1; rr < A4_R; rr++)
+            if (lane == rr) v = acc[rr];
+        int r = r0 + lane;
+        float s = 0.0f;
+        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + r];
+        x[(size_t)t * dt.rows + r] += v + s;
+    }
+}
+
+// y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
+// per row; grid (ceil(rows / 8), n).
+extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __restrict__ y) {
+    int lane = threadIdx.x & 31;
+    int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int t = blockIdx.y;
+    if (r >= w.rows) return;
+    float v = row_dot(w, r, x + (size_t)t * w.cols, lane);
+    if (lane == 0) y[(size_t)t * w.rows + r] = v;
+}
+
+// Routed experts' gate and up for `pairs` (token, rank) pairs in one launch:
+// h[p, i] = silu(gate_p[i] . x[xrow[p]]) * (up_p[i] . x[xrow[p]]).
+// `gbase[p]`/`ubase[p]` are the device addresses of pair p's gate and up
+// parts. Grid (ceil(I / 8), pairs), 256 threads.
+extern "C" __global__ void moe_gate_up(W gt, W ut, const u64* __restrict__ gbase, const u64* __restrict__ ubase,
+                                       const int* __restrict__ xrow, const float* __restrict__ x,
+                                       float* __restrict__ h) {
+    int lane = threadIdx.x & 31;
+    int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int p = blockIdx.y;
+    if (r >= gt.rows) return;
+    W g = at_base(gt, (const u8*)gbase[p]);
+    W u = at_base(ut, (const u8*)ubase[p]);
+    const float* xp = x + (size_t)xrow[p] * gt.cols;
+    float gv = row_dot(g, r, xp, lane);
+    float uv = row_dot(u, r, xp, lane);
+    if (lane == 0) h[(size_t)p * gt.rows + r] = siluf_(gv) * uv;
+}
+
+// Routed experts' down projections and their weighted sum in rank order,
+// plus the gated shared expert, added to the residual:
+// x[t, r] += sum_k wts[t, k] * (down_{t,k}[r] . h[t*K + k]) + sigmoid(sg[t]) * shared[t, r].
+// `shared` may be null (no shared expert). Grid (ceil(H / 8), tokens).
+extern "C" __global__ void moe_down(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
+                                    const float* __restrict__ wts, int K, const float* __restrict__ shared,
+                                    const float* __restrict__ sg, float* __restrict__ x) {
+    int lane = threadIdx.x & 31;
+    int r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    int t = blockIdx.y;
+    if (r >= dt.rows) return;
+    float acc = 0.0f;
+    for (int k = 0; k < K; k++) {
+        int p = t * K + k;
+        W d = at_base(dt, (const u8*)dbase[p]);
+        float v = row_dot(d, r, h + (size_t)p * dt.cols, lane);
+        acc += v * wts[p];
+    }
+    if (lane == 0) {
+        float s = 0.0f;
+        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + r];
+        x[(size_t)t * dt.rows + r] += acc + s;
+    }
+}
+
+// Block-wide sum (double) of one value per thread; blockDim.x a multiple of
+// 32, at most 1024. Every thread gets the result.
+__device__ double block_sum_d(double v) {
+    __shared__ double part[32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    v = warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0) part[wid] = v;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    double s = 0.0;
+    for (int i = 0; i < nw; i++) s += part[i];
+    return s;
+}
+
+// out[row] = x[row] * rsqrt(mean(x^2) + eps) * w; grid rows, 256 threads.
+extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
+                                   float* __restrict__ out, int dim, float eps) {
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* o = out + (size_t)blockIdx.x * dim;
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    ss = block_sum_d(ss);
+    float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (xr[i] * inv) * w[i];
+}
+
+// NeoX rotation of the first 2*half values of `v` at `pos`.
+__device__ void rope_apply(float* v, const float* inv_freq, int half, int pos) {
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float s, c;
+        sincosf((float)pos * inv_freq[i], &s, &c);
+        float x1 = v[i], x2 = v[i + half];
+        v[i] = x1 * c - x2 * s;
+        v[i + half] = x2 * c + x1 * s;
+    }
+}
+
+// Stand-alone RoPE on `[heads, hd]` rows at `pos` (test entry point).
+extern "C" __global__ void rope(float* v, const float* inv_freq, int half, int hd, int pos) {
+    rope_apply(v + (size_t)blockIdx.x * hd, inv_freq, half, pos);
+}
+
+// Per token t (grid.y) and head (grid.x < nh: query head, else KV head):
+// q/k RMS norm, RoPE at pos0 + t, the gate split off, K and V appended to
+// the caches at row pos0 + t. q_all rows hold per head [query(hd), gate(hd)]
+// when gated (q_stride = 2 hd). 256 threads; hd <= 1024.
+extern "C" __global__ void qk_prep(const float* __restrict__ q_all, const float* __restrict__ k_all,
+                                  const float* __restrict__ v_all, const float* __restrict__ qn,
+                                  const float* __restrict__ kn, const float* __restrict__ inv_freq, int half,
+                                  int nh, int nkv, int hd, int q_stride, float eps, int pos0,
+                                  float* __restrict__ q_out, float* __restrict__ gate_out,
+                                  float* __restrict__ kcache, float* __restrict__ vcache) {
+    __shared__ float buf[1024];
+    int t = blockIdx.y, hh = blockIdx.x;
+    const float* src;
+    const float* nw;
+    float* dst;
+    if (hh < nh) {
+        src = q_all + ((size_t)t * nh + hh) * q_stride;
+        nw = qn;
+        dst = q_out + ((size_t)t * nh + hh) * hd;
+        if (gate_out)
+            for (int i = threadIdx.x; i < hd; i += blockDim.x) gate_out[((size_t)t * nh + hh) * hd + i] = src[hd + i];
+    } else {
+        int kh = hh - nh;
+        src = k_all + ((size_t)t * nkv + kh) * hd;
+        nw = kn;
+        dst = kcache + ((size_t)(pos0 + t) * nkv + kh) * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x)
+            vcache[((size_t)(pos0 + t) * nkv + kh) * hd + i] = v_all[((size_t)t * nkv + kh) * hd + i];
+    }
+    double ss = 0.0;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += (double)src[i] * (double)src[i];
+    ss = block_sum_d(ss);
+    float inv = 1.0f / sqrtf((float)(ss / hd) + eps);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) buf[i] = (src[i] * inv) * nw[i];
+    __syncthreads();
+    rope_apply(buf, inv_freq, half, pos0 + t);
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = buf[i];
+}
+
+#define ATT_CHUNK 128
+#define ATT_MAXG 16
+
+// Decode attention, pass 1 (split over keys). Block (kv head, split): the
+// `group` query heads of that KV head walk keys [split*ATT_CHUNK, ..) of the
+// first `keys` together, so each K and V row is read once per KV head.
+// Writes per (head, split) the running max m, sum l and unnormalised
+// acc[hd]. 256 threads; group <= ATT_MAXG; hd <= 256.
+extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ kc,
+                                       const float* __restrict__ vc, int keys, int nh, int nkv, int hd,
+                                       float scale, int nsplit, float* __restrict__ pm, float* __restrict__ pl,
+                                       float* __restrict__ pacc) {
+    __shared__ float qs[ATT_MAXG * 256];
+    __shared__ float sc[ATT_MAXG * ATT_CHUNK];
+    __shared__ float mx[ATT_MAXG];
+    __shared__ float sm[ATT_MAXG];
+    int kvh = blockIdx.x, sp = blockIdx.y;
+    int group = nh / nkv;
+    int j0 = sp * ATT_CHUNK;
+    int nj = min(ATT_CHUNK, keys - j0);
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    for (int i = threadIdx.x; i < group * hd; i += blockDim.x) qs[i] = q[(size_t)kvh * group * hd + i];
+    __syncthreads();
+    size_t kvs = (size_t)nkv * hd;
+    for (int j = wid; j < nj; j += nwarp) {
+        const float* kr = kc + (size_t)(j0 + j) * kvs + (size_t)kvh * hd;
+        float kreg[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            int d = lane + 32 * u;
+            kreg[u] = d < hd ? kr[d] : 0.0f;
+        }
+        for (int g = 0; g < group; g++) {
+            float a = 0.0f;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                int d = lane + 32 * u;
+                if (d < hd) a += qs[g * hd + d] * kreg[u];
+            }
+            a = warp_sum(a);
+            if (lane == 0) sc[g * ATT_CHUNK + j] = a * scale;
+        }
+    }
+    __syncthreads();
+    for (int g = wid; g < group; g += nwarp) {
+        float m = -INFINITY;
+        for (int j = lane; j < nj; j += 32) m = fmaxf(m, sc[g * ATT_CHUNK + j]);
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float l = 0.0f;
+        for (int j = lane; j < nj; j += 32) {
+            float e = expf(sc[g * ATT_CHUNK + j] - m);
+            sc[g * ATT_CHUNK + j] = e;
+            l += e;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            mx[g] = m;
+            sm[g] = l;
+        }
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float acc[ATT_MAXG];
+#pragma unroll
+        for (int g = 0; g < ATT_MAXG; g++) acc[g] = 0.0f;
+        for (int j = 0; j < nj; j++) {
+            float v = vc[(size_t)(j0 + j) * kvs + (size_t)kvh * hd + d];
+#pragma unroll
+            for (int g = 0; g < ATT_MAXG; g++)
+                if (g < group) acc[g] += sc[g * ATT_CHUNK + j] * v;
+        }
+#pragma unroll
+        for (int g = 0; g < ATT_MAXG; g++)
+            if (g < group) pacc[((size_t)(kvh * group + g) * nsplit + sp) * hd + d] = acc[g];
+    }
+    if (threadIdx.x < group) {
+        pm[(size_t)(kvh * group + threadIdx.x) * nsplit + sp] = mx[threadIdx.x];
+        pl[(size_t)(kvh * group + threadIdx.x) * nsplit + sp] = sm[threadIdx.x];
+    }
+}
+
+// Decode attention, pass 2: combine the splits of head blockIdx.x and apply
+// the sigmoid output gate (when `gate` is not null). 256 threads.
+extern "C" __global__ void attn_combine(const float* __restrict__ pm, const float* __restrict__ pl,
+                                       const float* __restrict__ pacc, int nsplit, int hd,
+                                       const float* __restrict__ gate, float* __restrict__ out) {
+    int h = blockIdx.x;
+    float m = -INFINITY;
+    for (int s = 0; s < nsplit; s++) m = fmaxf(m, pm[(size_t)h * nsplit + s]);
+    float l = 0.0f;
+    for (int s = 0; s < nsplit; s++) l += expf(pm[(size_t)h * nsplit + s] - m) * pl[(size_t)h * nsplit + s];
+    float inv = 1.0f / l;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float a = 0.0f;
+        for (int s = 0; s < nsplit; s++)
+            a += expf(pm[(size_t)h * nsplit + s] - m) * pacc[((size_t)h * nsplit + s) * hd + d];
+        float o = a * inv;
+        if (gate) o *= sigmoidf_(gate[(size_t)h * hd + d]);
+        out[(size_t)h * hd + d] = o;
+    }
+}
+
+// Gated DeltaNet causal depthwise conv + SiLU for `n` tokens, one thread per
+// channel: window = [state (K-1 rows) ++ x rows]; the state keeps the last
+// K-1 rows. conv_w is `[C, K]`, state `[K-1, C]`.
+extern "C" __global__ void gdn_conv(const float* __restrict__ x, int n, const float* __restrict__ cw, int C,
+                                   int K, float* __restrict__ state, float* __restrict__ out) {
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= C) return;
+    float win[8];
+    int hist = K - 1;
+    for (int i = 0; i < hist; i++) win[i] = state[(size_t)i * C + ch];
+    for (int t = 0; t < n; t++) {
+        win[hist] = x[(size_t)t * C + ch];
+        float acc = 0.0f;
+        for (int j = 0; j < K; j++) acc += cw[(size_t)ch * K + j] * win[j];
+        out[(size_t)t * C + ch] = siluf_(acc);
+        for (int i = 0; i < hist; i++) win[i] = win[i + 1];
+    }
+    for (int i = 0; i < hist; i++) state[(size_t)i * C + ch] = win[i];
+}
+
+// One Gated DeltaNet value head (blockIdx.x = j) over `n` tokens of the
+// recurrent form. Each thread owns column(s) d of the state S `[dk, dv]`:
+// pass 1 decays S and accumulates kv = k^T S; delta = (v - kv) * beta;
+// pass 2 adds k delta^T and accumulates o = q^T S (the order of
+// slipstream_kernels::recurrence::delta_rule_step). Then the gated RMS
+// norm: core = o * inv_rms(o) * norm * silu(z). dk, dv <= 256.
+extern "C" __global__ void gdn_step(const float* __restrict__ conv_out, const float* __restrict__ z,
+                                   const float* __restrict__ b, const float* __restrict__ a,
+                                   const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+                                   const float* __restrict__ nw, float* __restrict__ S, int n, int nk, int dk,
+                                   int nv, int dv, float eps, float* __restrict__ core) {
+    __shared__ float qs[256];
+    __shared__ float ks[256];
+    int j = blockIdx.x;
+    int kh = j / (nv / nk);
+    int C = 2 * nk * dk + nv * dv;
+    float* s = S + (size_t)j * dk * dv;
+    float decay_rate = -expf(a_log[j]);
+    float q_scale = 1.0f / sqrtf((float)dk);
+    for (int t = 0; t < n; t++) {
+        const float* row = conv_out + (size_t)t * C;
+        double sq = 0.0, sk = 0.0;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            float qv = row[kh * dk + i], kv = row[nk * dk + kh * dk + i];
+            qs[i] = qv;
+            ks[i] = kv;
+            sq += (double)qv * qv;
+            sk += (double)kv * kv;
+        }
+        sq = block_sum_d(sq);
+        sk = block_sum_d(sk);
+        float iq = 1.0f / sqrtf((float)sq + 1e-6f), ik = 1.0f / sqrtf((float)sk + 1e-6f);
+        __syncthreads();
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = (qs[i] * iq) * q_scale;
+            ks[i] = ks[i] * ik;
+        }
+        __syncthreads();
+        float beta = sigmoidf_(b[(size_t)t * nv + j]);
+        float ax = a[(size_t)t * nv + j] + dt_bias[j];
+        float sp = ax > 20.0f ? ax : log1pf(expf(ax));
+        float decay = expf(decay_rate * sp);
+        const float* v = row + 2 * nk * dk + (size_t)j * dv;
+        double oo = 0.0;
+        float ov[2] = {0.0f, 0.0f};
+        for (int u = 0; u < 2; u++) {
+            int d = threadIdx.x + u * blockDim.x;
+            if (d >= dv) continue;
+            float kv = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float x = s[(size_t)i * dv + d] * decay;
+                s[(size_t)i * dv + d] = x;
+                kv += ks[i] * x;
+            }
+            float delta = (v[d] - kv) * beta;
+            float o = 0.0f;
+            for (int i = 0; i < dk; i++) {
+                float x = s[(size_t)i * dv + d] + ks[i] * delta;
+                s[(size_t)i * dv + d] = x;
+                o += qs[i] * x;
+            }
+            ov[u] = o;
+            oo += (double)o * o;
+        }
+        oo = block_sum_d(oo);
+        float inv = 1.0f / sqrtf((float)(oo / dv) + eps);
+        for (int u = 0; u < 2; u++) {
+            int d = threadIdx.x + u * blockDim.x;
+            if (d >= dv) continue;
+            float zz = z[(size_t)t * nv * dv + (size_t)j * dv + d];
+            core[(size_t)t * nv * dv + (size_t)j * dv + d] = (ov[u] * inv) * nw[d] * siluf_(zz);
+        }
+        __syncthreads();
+    }
+}
+
+// Router of token blockIdx.x: softmax over E logits, top-K (ties to the
+// lower id), optional renormalisation. 256 threads.
+extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
+                                      int* __restrict__ ids, float* __restrict__ wts) {
+    __shared__ float p[1024];
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    __shared__ float wsel[64];
+    const float* lg = logits + (size_t)blockIdx.x * E;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float m = -INFINITY;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, lg[e]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) rv[wid] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int i = 0; i < nw; i++) m = fmaxf(m, rv[i]);
+    double sum = 0.0;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float x = expf(lg[e] - m);
+        p[e] = x;
+        sum += x;
+    }
+    sum = block_sum_d(sum);
+    float inv = (float)(1.0 / sum);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) p[e] *= inv;
+    __syncthreads();
+    for (int k = 0; k < K; k++) {
+        float bv = -1.0f;
+        int bi = 0x7fffffff;
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            float v = p[e];
+            if (v > bv || (v == bv && e < bi)) {
+                bv = v;
+                bi = e;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        __syncthreads();
+        if (lane == 0) {
+            rv[wid] = bv;
+            ri[wid] = bi;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float v = rv[0];
+            int i = ri[0];
+            for (int w = 1; w < nw; w++)
+                if (rv[w] > v || (rv[w] == v && ri[w] < i)) {
+                    v = rv[w];
+                    i = ri[w];
+                }
+            ids[(size_t)blockIdx.x * K + k] = i;
+            wsel[k] = v;
+            p[i] = -2.0f;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int k = 0; k < K; k++) s += wsel[k];
+        for (int k = 0; k < K; k++) wts[(size_t)blockIdx.x * K + k] = renorm ? wsel[k] / s : wsel[k];
+    }
+}
+
+// Index of the largest of n values (ties to the lower index), one block of
+// 1024 threads.
+extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* __restrict__ out) {
+    __shared__ float rv[32];
+    __shared__ int ri[32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = x[i];
+        if (v > bv || (v == bv && i < bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    if (lane == 0) {
+        rv[wid] = bv;
+        ri[wid] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < nw; w++)
+            if (rv[w] > bv || (rv[w] == bv && ri[w] < bi)) {
+                bv = rv[w];
+                bi = ri[w];
+            }
+        *out = bi;
+    }
+}
+
+// Row `ids[t]` of `w` dequantized into out[t, :] (embedding lookup);
+// grid (ceil(cols / 256), tokens).
+extern "C" __global__ void embed_rows(W w, const int* __restrict__ ids, float* __restrict__ out) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = blockIdx.y;
+    if (c >= w.cols) return;
+    size_t r = (size_t)ids[t];
+    float v;
+    if (w.qt == QT_F32) {
+        v = ((const float*)w.codes)[r * w.cols + c];
+    } else if (w.qt == QT_F16 || w.qt == QT_BF16) {
+        v = half_val(((const u16*)w.codes)[r * w.cols + c], w.qt == QT_BF16);
+    } else {
+        int bits = w.qt == QT_A4 ? 4 : 8;
+        size_t j = r * w.cols + c;
+        u32 q = bits == 4 ? ((w.codes[j / 2] >> ((j & 1) * 4)) & 15u) : w.codes[j];
+        size_t g = r * (w.cols / w.group) + c / w.group;
+        v = half_val(w.scales[g], w.scale_bf16) * (float)q + half_val(w.biases[g], w.scale_bf16);
+    }
+    out[(size_t)t * w.cols + c] = v;
+}
+
+// x += y, n elements.
+extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+// HBM bandwidth probes: a float4 copy and a float4 read (sum kept so the
+// loads are not removed).
+extern "C" __global__ void bw_copy(const float4* __restrict__ src, float4* __restrict__ dst, u64 n) {
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) dst[i] = src[i];
+}
+extern "C" __global__ void bw_read(const float4* __restrict__ src, u64 n, float* __restrict__ out) {
+    float s = 0.0f;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        float4 v = __ldg(src + i);
+        s += (v.x + v.y) + (v.z + v.w);
+    }
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0 && s == 12345.678f) out[0] = s;
+}
+
+// Spins for `cycles` clock cycles (a clock-hold probe on a second stream).
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {
+    }
+}

@@ -1,0 +1,802 @@
+//! CUDA backend: decode kernels compiled at run time by NVRTC
+//! (`kernels/decode.cu`), device buffers, and [`CudaModel`], the CUDA
+//! implementation of the model's [`slipstream_models::Backend`] with dense
+//! weights resident in VRAM and a per-layer VRAM expert cache.
+//!
+//! Nothing here links against CUDA: the driver and NVRTC are loaded
+//! dynamically (cudarc `dynamic-loading`), so the crate builds and its tests
+//! skip cleanly on machines without a GPU. Call [`available`] before
+//! [`Gpu::new`].
+//!
+//! Device addresses are passed to kernels as `u64`; every buffer is a
+//! [`DBuf`] whose size the wrappers check before a launch.
+
+mod model;
+
+pub use model::{CudaModel, CudaOptions, CudaStats};
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUevent_flags, CUfunction};
+use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream};
+use slipstream_core::{QuantType, ScaleType, TensorView};
+
+/// The kernel source, compiled by NVRTC when a [`Gpu`] is created.
+pub const KERNELS: &str = include_str!("kernels/decode.cu");
+
+/// Errors of the CUDA backend.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("CUDA is not available: {0}")]
+    Unavailable(String),
+    #[error("CUDA driver: {0}")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error("NVRTC could not compile the kernels: {0}")]
+    Compile(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, CudaError>;
+
+/// Whether a CUDA driver, NVRTC and at least one device are present.
+/// Never panics (the libraries are probed before any call into them).
+pub fn available() -> bool {
+    probe().is_ok()
+}
+
+/// Why CUDA is not usable here, or `Ok(device count)`.
+pub fn probe() -> Result<usize> {
+    // SAFETY: only tries to dlopen the libraries; no symbol is called.
+    let (drv, rtc) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+        )
+    };
+    if !drv {
+        return Err(CudaError::Unavailable(
+            "no CUDA driver library (libcuda.so)".into(),
+        ));
+    }
+    if !rtc {
+        return Err(CudaError::Unavailable(
+            "no NVRTC library (libnvrtc.so; add the CUDA toolkit's lib64 to LD_LIBRARY_PATH)"
+                .into(),
+        ));
+    }
+    let n = CudaContext::device_count()
+        .map_err(|e| CudaError::Unavailable(format!("cuInit failed: {e}")))?;
+    if n < 1 {
+        return Err(CudaError::Unavailable("no CUDA device".into()));
+    }
+    Ok(n as usize)
+}
+
+/// Weight kinds the kernels know (`QT_*` in decode.cu).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum QKind {
+    F32 = 0,
+    F16 = 1,
+    Bf16 = 2,
+    Affine4 = 3,
+    Affine8 = 4,
+}
+
+/// A weight matrix as the kernels see it (`struct W` in decode.cu).
+#[derive(Debug, Clone, Copy, Default)]
+#[repr(C)]
+pub struct WDesc {
+    pub codes: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub qt: i32,
+    pub group: i32,
+    pub scale_bf16: i32,
+    pub pad: i32,
+}
+
+// SAFETY: plain repr(C) data matching `struct W` in decode.cu.
+unsafe impl cudarc::driver::DeviceRepr for WDesc {}
+
+impl WDesc {
+    /// The descriptor of a `[rows, cols]` tensor of `qtype` stored at device
+    /// address `base` (affine: codes, scales, biases back to back).
+    pub fn new(qtype: QuantType, rows: usize, cols: usize, base: u64) -> Result<WDesc> {
+        let (qt, group, sbf, cb, sb) = match qtype {
+            QuantType::F32 => (QKind::F32, 0, false, 0, 0),
+            QuantType::F16 => (QKind::F16, 0, false, 0, 0),
+            QuantType::Bf16 => (QKind::Bf16, 0, false, 0, 0),
+            QuantType::Affine { bits, group, scale } => {
+                let g = group as usize;
+                if !cols.is_multiple_of(g) || !g.is_multiple_of(8) {
+                    return Err(CudaError::Invalid(format!(
+                        "affine group {g} does not divide row length {cols}"
+                    )));
+                }
+                let k = match bits {
+                    4 => QKind::Affine4,
+                    8 => QKind::Affine8,
+                    b => {
+                        return Err(CudaError::Invalid(format!(
+                            "{b}-bit weights are not supported"
+                        )))
+                    }
+                };
+                let cb = rows * cols * bits as usize / 8;
+                let sb = rows * (cols / g) * 2;
+                (k, g, scale == ScaleType::Bf16, cb, sb)
+            }
+            #[allow(unreachable_patterns)]
+            other => {
+                return Err(CudaError::Invalid(format!(
+                    "the CUDA backend has no kernel for {} weights yet",
+                    other.name()
+                )))
+            }
+        };
+        Ok(WDesc {
+            codes: base,
+            scales: base + cb as u64,
+            biases: base + (cb + sb) as u64,
+            rows: rows as i32,
+            cols: cols as i32,
+            qt: qt as i32,
+            group: group as i32,
+            scale_bf16: sbf as i32,
+            pad: 0,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows as usize
+    }
+
+    /// For affine 4-bit weights: the words each lane loads per step in the
+    /// multi-row kernels (4, 2 or 1: 16-byte loads where the group and the
+    /// row length allow). `None` for other kinds.
+    pub fn a4_words(&self) -> Option<i32> {
+        if self.qt != QKind::Affine4 as i32 {
+            return None;
+        }
+        let (g, c) = (self.group, self.cols);
+        Some(if g % 32 == 0 && c / 32 >= 32 {
+            4
+        } else if g % 16 == 0 && c / 16 >= 32 {
+            2
+        } else {
+            1
+        })
+    }
+    pub fn cols(&self) -> usize {
+        self.cols as usize
+    }
+}
+
+/// A device allocation of `bytes` bytes at address `ptr`.
+pub struct DBuf {
+    _mem: CudaSlice<u8>,
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+impl DBuf {
+    /// Address of f32 element `i`.
+    pub fn f32_at(&self, i: usize) -> u64 {
+        self.ptr + 4 * i as u64
+    }
+    /// Number of f32 values it holds.
+    pub fn len_f32(&self) -> usize {
+        self.bytes / 4
+    }
+}
+
+/// A weight uploaded to the device.
+pub struct DWeight {
+    pub buf: DBuf,
+    pub desc: WDesc,
+}
+
+/// The compiled kernels.
+struct Funcs {
+    matvec: CudaFunction,
+    matvec_a4: CudaFunction,
+    moe_gate_up_a4: CudaFunction,
+    moe_down_a4: CudaFunction,
+    moe_gate_up: CudaFunction,
+    moe_down: CudaFunction,
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    qk_prep: CudaFunction,
+    attn_partial: CudaFunction,
+    attn_combine: CudaFunction,
+    gdn_conv: CudaFunction,
+    gdn_step: CudaFunction,
+    router_topk: CudaFunction,
+    argmax: CudaFunction,
+    embed_rows: CudaFunction,
+    add_inplace: CudaFunction,
+    bw_copy: CudaFunction,
+    bw_read: CudaFunction,
+    spin: CudaFunction,
+}
+
+/// Keys per attention split (`ATT_CHUNK` in decode.cu).
+pub const ATT_CHUNK: usize = 128;
+/// Most query heads per KV head (`ATT_MAXG`).
+pub const ATT_MAXG: usize = 16;
+
+/// One CUDA device with its compute stream, a copy stream and the kernels.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// Host-to-device expert copies run here, overlapped with compute.
+    pub copy_stream: Arc<CudaStream>,
+    f: Funcs,
+    /// Device name and compute capability, for logs.
+    pub name: String,
+    pub sms: usize,
+}
+
+/// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
+/// pointer array `cuLaunchKernel` takes.
+macro_rules! args {
+    ($($a:expr),* $(,)?) => {
+        [$(($a) as *const _ as *mut c_void),*]
+    };
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and compiles the kernels for it.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        probe()?;
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: we never rely on cudarc's per-slice event tracking: every
+        // buffer is used on `stream` (or on `copy_stream` ordered by events
+        // recorded explicitly), and buffers outlive the streams' work
+        // because `Gpu::drop` order and explicit syncs guarantee it.
+        unsafe { ctx.disable_event_tracking() };
+        let (maj, min) = ctx.compute_capability()?;
+        let arch: &'static str = match (maj, min) {
+            (9, 0) => "compute_90",
+            (8, 9) => "compute_89",
+            (8, 6) => "compute_86",
+            (8, 0) => "compute_80",
+            (7, 5) => "compute_75",
+            (10, 0) => "compute_100",
+            (12, 0) => "compute_120",
+            _ => "compute_75",
+        };
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            options: vec!["--std=c++17".into()],
+            ..Default::default()
+        };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
+            .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+        let module = ctx.load_module(ptx)?;
+        let lf = |n: &str| module.load_function(n);
+        let f = Funcs {
+            matvec: lf("matvec")?,
+            matvec_a4: lf("matvec_a4")?,
+            moe_gate_up_a4: lf("moe_gate_up_a4")?,
+            moe_down_a4: lf("moe_down_a4")?,
+            moe_gate_up: lf("moe_gate_up")?,
+            moe_down: lf("moe_down")?,
+            rms_norm: lf("rms_norm")?,
+            rope: lf("rope")?,
+            qk_prep: lf("qk_prep")?,
+            attn_partial: lf("attn_partial")?,
+            attn_combine: lf("attn_combine")?,
+            gdn_conv: lf("gdn_conv")?,
+            gdn_step: lf("gdn_step")?,
+            router_topk: lf("router_topk")?,
+            argmax: lf("argmax")?,
+            embed_rows: lf("embed_rows")?,
+            add_inplace: lf("add_inplace")?,
+            bw_copy: lf("bw_copy")?,
+            bw_read: lf("bw_read")?,
+            spin: lf("spin")?,
+        };
+        let stream = ctx.new_stream()?;
+        let copy_stream = ctx.new_stream()?;
+        let name = format!("{} (sm_{maj}{min})", ctx.name()?);
+        let sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as usize;
+        Ok(Gpu {
+            ctx,
+            stream,
+            copy_stream,
+            f,
+            name,
+            sms,
+        })
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// A zeroed device buffer of `bytes` bytes (at least 16).
+    pub fn alloc(&self, bytes: usize) -> Result<DBuf> {
+        let n = bytes.max(16).div_ceil(256) * 256;
+        let mem = self.stream.alloc_zeros::<u8>(n)?;
+        let ptr = {
+            let (p, _guard) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
+            p
+        };
+        Ok(DBuf {
+            _mem: mem,
+            ptr,
+            bytes,
+        })
+    }
+
+    /// A device buffer holding `data`.
+    pub fn upload(&self, data: &[u8]) -> Result<DBuf> {
+        let b = self.alloc(data.len())?;
+        self.write(&b, 0, data)?;
+        Ok(b)
+    }
+
+    /// A device buffer holding `data` (f32).
+    pub fn upload_f32(&self, data: &[f32]) -> Result<DBuf> {
+        self.upload(bytemuck_f32(data))
+    }
+
+    /// Copies `data` to `b` at byte `offset` (ordered on the compute stream;
+    /// returns when the copy is done, since `data` is pageable).
+    pub fn write(&self, b: &DBuf, offset: usize, data: &[u8]) -> Result<()> {
+        if offset + data.len() > b.bytes {
+            return Err(CudaError::Invalid(
+                "write past the end of a device buffer".into(),
+            ));
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the destination range lies inside `b` (checked above);
+        // the stream is synchronised before `data` can go away.
+        unsafe {
+            result::memcpy_htod_async(b.ptr + offset as u64, data, self.stream.cu_stream())?;
+        }
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Copies `src` (f32) into `b` from element 0.
+    pub fn write_f32(&self, b: &DBuf, src: &[f32]) -> Result<()> {
+        self.write(b, 0, bytemuck_f32(src))
+    }
+
+    /// Reads `n` f32 values of `b` from element `at` (synchronises).
+    pub fn read_f32(&self, b: &DBuf, at: usize, n: usize) -> Result<Vec<f32>> {
+        if (at + n) * 4 > b.bytes {
+            return Err(CudaError::Invalid(
+                "read past the end of a device buffer".into(),
+            ));
+        }
+        let mut out = vec![0.0f32; n];
+        self.ctx.bind_to_thread()?;
+        // SAFETY: the source range lies inside `b`; `out` lives until the
+        // stream is synchronised below.
+        unsafe {
+            result::memcpy_dtoh_async(&mut out[..], b.f32_at(at), self.stream.cu_stream())?;
+        }
+        self.stream.synchronize()?;
+        Ok(out)
+    }
+
+    /// Reads `n` i32 values of `b` (synchronises).
+    pub fn read_i32(&self, b: &DBuf, n: usize) -> Result<Vec<i32>> {
+        Ok(self
+            .read_f32(b, 0, n)?
+            .into_iter()
+            .map(|v| v.to_bits() as i32)
+            .collect())
+    }
+
+    /// Uploads a weight tensor in its stored layout.
+    pub fn upload_weight(&self, w: &TensorView) -> Result<DWeight> {
+        let buf = self.upload(w.data)?;
+        let desc = WDesc::new(w.qtype, w.rows, w.cols, buf.ptr)?;
+        Ok(DWeight { buf, desc })
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// An event recorded on the compute stream now (timing enabled).
+    pub fn mark(&self) -> Result<CudaEvent> {
+        Ok(self
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
+    }
+
+    fn go(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.go_on(&self.stream, f, grid, block, args)
+    }
+
+    fn go_on(
+        &self,
+        s: &CudaStream,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: `cu_function` is a function of the module we loaded; the
+        // callers checked every buffer size the kernel reads or writes.
+        unsafe {
+            let cf: CUfunction = f.cu_function();
+            result::launch_kernel(cf, grid, (block, 1, 1), 0, s.cu_stream(), args)?;
+        }
+        Ok(())
+    }
+
+    /// `y[t, :] = W x[t, :]` for `n` tokens; `x` holds `n * cols` f32 at
+    /// address `x`, `y` `n * rows`.
+    pub fn matvec(&self, w: &WDesc, x: u64, y: u64, n: usize) -> Result<()> {
+        if let Some(nw) = w.a4_words() {
+            let grid = (w.rows().div_ceil(16) as u32, n as u32, 1);
+            return self.go(&self.f.matvec_a4, grid, 128, &mut args!(w, &x, &y, &nw));
+        }
+        let grid = (w.rows().div_ceil(8) as u32, n as u32, 1);
+        self.go(&self.f.matvec, grid, 256, &mut args!(w, &x, &y))
+    }
+
+    /// Routed experts' gate/up for `pairs` pairs; `gbase`/`ubase` hold
+    /// `pairs` u64 part addresses, `xrow` `pairs` i32 token rows of `x`;
+    /// `h` receives `[pairs, I]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up(
+        &self,
+        gt: &WDesc,
+        ut: &WDesc,
+        gbase: u64,
+        ubase: u64,
+        xrow: u64,
+        x: u64,
+        h: u64,
+        pairs: usize,
+    ) -> Result<()> {
+        if let (Some(nw), Some(_)) = (gt.a4_words(), ut.a4_words()) {
+            let grid = (gt.rows().div_ceil(16) as u32, pairs as u32, 1);
+            return self.go(
+                &self.f.moe_gate_up_a4,
+                grid,
+                128,
+                &mut args!(gt, ut, &gbase, &ubase, &xrow, &x, &h, &nw),
+            );
+        }
+        let grid = (gt.rows().div_ceil(8) as u32, pairs as u32, 1);
+        self.go(
+            &self.f.moe_gate_up,
+            grid,
+            256,
+            &mut args!(gt, ut, &gbase, &ubase, &xrow, &x, &h),
+        )
+    }
+
+    /// `x[t] += sum_k wts[t,k] down_{t,k} h[t*K+k] + sigmoid(sg[t]) shared[t]`
+    /// for `tokens` tokens (`shared == 0`: no shared expert).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down(
+        &self,
+        dt: &WDesc,
+        dbase: u64,
+        h: u64,
+        wts: u64,
+        k: usize,
+        shared: u64,
+        sg: u64,
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let k = k as i32;
+        if let Some(nw) = dt.a4_words() {
+            let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
+            return self.go(
+                &self.f.moe_down_a4,
+                grid,
+                128,
+                &mut args!(dt, &dbase, &h, &wts, &k, &shared, &sg, &x, &nw),
+            );
+        }
+        let grid = (dt.rows().div_ceil(8) as u32, tokens as u32, 1);
+        self.go(
+            &self.f.moe_down,
+            grid,
+            256,
+            &mut args!(dt, &dbase, &h, &wts, &k, &shared, &sg, &x),
+        )
+    }
+
+    /// RMS norm of `rows` rows of `dim` values.
+    pub fn rms_norm(
+        &self,
+        x: u64,
+        w: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let dim = dim as i32;
+        self.go(
+            &self.f.rms_norm,
+            (rows as u32, 1, 1),
+            256,
+            &mut args!(&x, &w, &out, &dim, &eps),
+        )
+    }
+
+    /// RoPE in place on `heads` rows of `hd` values at `pos`.
+    pub fn rope(
+        &self,
+        v: u64,
+        inv_freq: u64,
+        half: usize,
+        hd: usize,
+        heads: usize,
+        pos: usize,
+    ) -> Result<()> {
+        let (half, hd, pos) = (half as i32, hd as i32, pos as i32);
+        self.go(
+            &self.f.rope,
+            (heads as u32, 1, 1),
+            128,
+            &mut args!(&v, &inv_freq, &half, &hd, &pos),
+        )
+    }
+
+    /// q/k norm + RoPE + gate split + KV append for `n` tokens at `pos0`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_prep(
+        &self,
+        q_all: u64,
+        k_all: u64,
+        v_all: u64,
+        qn: u64,
+        kn: u64,
+        inv_freq: u64,
+        half: usize,
+        dims: (usize, usize, usize),
+        gated: bool,
+        eps: f32,
+        pos0: usize,
+        n: usize,
+        q_out: u64,
+        gate_out: u64,
+        kcache: u64,
+        vcache: u64,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = dims;
+        let q_stride = if gated { 2 * hd } else { hd } as i32;
+        let (half, nh_i, nkv_i, hd_i, pos0) =
+            (half as i32, nh as i32, nkv as i32, hd as i32, pos0 as i32);
+        let gate_out = if gated { gate_out } else { 0 };
+        self.go(
+            &self.f.qk_prep,
+            ((nh + nkv) as u32, n as u32, 1),
+            256,
+            &mut args!(
+                &q_all, &k_all, &v_all, &qn, &kn, &inv_freq, &half, &nh_i, &nkv_i, &hd_i,
+                &q_stride, &eps, &pos0, &q_out, &gate_out, &kcache, &vcache
+            ),
+        )
+    }
+
+    /// Decode attention of one token over `keys` cached positions:
+    /// `q` `[nh, hd]`, caches `[keys, nkv*hd]`, `out` `[nh, hd]`;
+    /// `scratch` holds at least [`Gpu::attn_scratch_f32`] floats; `gate`
+    /// 0 for none.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        keys: usize,
+        dims: (usize, usize, usize),
+        gate: u64,
+        scratch: &DBuf,
+        out: u64,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = dims;
+        if nh / nkv > ATT_MAXG || hd > 256 || !nh.is_multiple_of(nkv) {
+            return Err(CudaError::Invalid(format!(
+                "attention with {nh} heads over {nkv} KV heads of {hd} is outside the kernel's limits"
+            )));
+        }
+        let nsplit = keys.div_ceil(ATT_CHUNK);
+        if scratch.len_f32() < Self::attn_scratch_f32(nh, hd, keys) {
+            return Err(CudaError::Invalid("attention scratch too small".into()));
+        }
+        let pm = scratch.ptr;
+        let pl = scratch.f32_at(nh * nsplit);
+        let pacc = scratch.f32_at(2 * nh * nsplit);
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let (keys_i, nh_i, nkv_i, hd_i, ns_i) =
+            (keys as i32, nh as i32, nkv as i32, hd as i32, nsplit as i32);
+        self.go(
+            &self.f.attn_partial,
+            (nkv as u32, nsplit as u32, 1),
+            256,
+            &mut args!(&q, &kc, &vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl, &pacc),
+        )?;
+        self.go(
+            &self.f.attn_combine,
+            (nh as u32, 1, 1),
+            256,
+            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out),
+        )
+    }
+
+    /// Scratch floats [`Gpu::attention`] needs for `keys` keys.
+    pub fn attn_scratch_f32(nh: usize, hd: usize, keys: usize) -> usize {
+        let ns = keys.div_ceil(ATT_CHUNK).max(1);
+        nh * ns * (2 + hd)
+    }
+
+    /// Causal conv + SiLU over `n` tokens of `c` channels (kernel `k` <= 8).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_conv(
+        &self,
+        x: u64,
+        n: usize,
+        cw: u64,
+        c: usize,
+        k: usize,
+        state: u64,
+        out: u64,
+    ) -> Result<()> {
+        if !(1..=8).contains(&k) {
+            return Err(CudaError::Invalid(format!(
+                "conv kernel {k} is outside 1..=8"
+            )));
+        }
+        let (n, ci, ki) = (n as i32, c as i32, k as i32);
+        self.go(
+            &self.f.gdn_conv,
+            (c.div_ceil(256) as u32, 1, 1),
+            256,
+            &mut args!(&x, &n, &cw, &ci, &ki, &state, &out),
+        )
+    }
+
+    /// The Gated DeltaNet recurrence over `n` tokens, all value heads.
+    /// `dims` = (nk, dk, nv, dv); dk, dv <= 256.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_step(
+        &self,
+        conv_out: u64,
+        z: u64,
+        b: u64,
+        a: u64,
+        a_log: u64,
+        dt_bias: u64,
+        norm: u64,
+        state: u64,
+        n: usize,
+        dims: (usize, usize, usize, usize),
+        eps: f32,
+        core: u64,
+    ) -> Result<()> {
+        let (nk, dk, nv, dv) = dims;
+        if dk > 256 || dv > 256 || nk == 0 || !nv.is_multiple_of(nk) {
+            return Err(CudaError::Invalid(format!(
+                "gated delta rule with heads {nk}x{dk} / {nv}x{dv} is outside the kernel's limits"
+            )));
+        }
+        let (n, nk, dk, nv, dv) = (n as i32, nk as i32, dk as i32, nv as i32, dv as i32);
+        self.go(
+            &self.f.gdn_step,
+            (nv as u32, 1, 1),
+            128,
+            &mut args!(
+                &conv_out, &z, &b, &a, &a_log, &dt_bias, &norm, &state, &n, &nk, &dk, &nv, &dv,
+                &eps, &core
+            ),
+        )
+    }
+
+    /// Router softmax + top-k for `tokens` rows of `e` logits (e <= 1024,
+    /// k <= 64): `ids`/`wts` receive `[tokens, k]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_topk(
+        &self,
+        logits: u64,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        ids: u64,
+        wts: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        if e > 1024 || k > 64 || k > e {
+            return Err(CudaError::Invalid(format!(
+                "router with {e} experts, top {k} is outside the kernel's limits"
+            )));
+        }
+        let (e, k, r) = (e as i32, k as i32, renorm as i32);
+        self.go(
+            &self.f.router_topk,
+            (tokens as u32, 1, 1),
+            256,
+            &mut args!(&logits, &e, &k, &r, &ids, &wts),
+        )
+    }
+
+    /// Index of the largest of `n` values into the i32 at `out`.
+    pub fn argmax(&self, x: u64, n: usize, out: u64) -> Result<()> {
+        let n = n as i32;
+        self.go(&self.f.argmax, (1, 1, 1), 1024, &mut args!(&x, &n, &out))
+    }
+
+    /// Rows `ids[t]` (i32 at `ids`) of `w` into `out[t]`, `tokens` rows.
+    pub fn embed_rows(&self, w: &WDesc, ids: u64, out: u64, tokens: usize) -> Result<()> {
+        self.go(
+            &self.f.embed_rows,
+            (w.cols().div_ceil(256) as u32, tokens as u32, 1),
+            256,
+            &mut args!(w, &ids, &out),
+        )
+    }
+
+    /// `x += y` over `n` f32.
+    pub fn add(&self, x: u64, y: u64, n: usize) -> Result<()> {
+        let ni = n as i32;
+        self.go(
+            &self.f.add_inplace,
+            (n.div_ceil(256) as u32, 1, 1),
+            256,
+            &mut args!(&x, &y, &ni),
+        )
+    }
+
+    /// Copies `bytes` (a multiple of 16) from `src` to `dst` with a kernel.
+    pub fn bw_copy(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        let n = (bytes / 16) as u64;
+        self.go(
+            &self.f.bw_copy,
+            (self.sms as u32 * 8, 1, 1),
+            512,
+            &mut args!(&src, &dst, &n),
+        )
+    }
+
+    /// Reads `bytes` (a multiple of 16) at `src` with a kernel.
+    pub fn bw_read(&self, src: u64, bytes: usize, sink: u64) -> Result<()> {
+        let n = (bytes / 16) as u64;
+        self.go(
+            &self.f.bw_read,
+            (self.sms as u32 * 8, 1, 1),
+            512,
+            &mut args!(&src, &n, &sink),
+        )
+    }
+
+    /// A one-thread kernel spinning `cycles` clocks on `s`.
+    pub fn spin_on(&self, s: &CudaStream, cycles: i64) -> Result<()> {
+        self.go_on(s, &self.f.spin, (1, 1, 1), 32, &mut args!(&cycles))
+    }
+}
+
+/// The bytes of an f32 slice (little-endian host).
+pub fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding or invalid bit patterns; u8 alignment is 1.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}

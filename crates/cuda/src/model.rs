@@ -1,0 +1,1041 @@
+//! [`CudaModel`]: the CUDA [`Backend`] of the decoder stack.
+//!
+//! Dense weights are uploaded to VRAM once; activations, the KV cache and
+//! the Gated DeltaNet states live in device memory. Routed experts sit in a
+//! per-layer VRAM cache whose hits and misses are decided by the store's
+//! own [`LayerCache`] (same policies as the host store); misses are fetched
+//! through the host [`ExpertSource`] (RAM tier or SSD), staged in pinned
+//! memory and copied on a second stream while the shared expert runs. The
+//! only host round trip per layer is the routing decision (expert ids).
+//!
+//! The device runs one token per pass ([`Backend::max_pass_tokens`] = 1);
+//! [`Transformer::run`] splits prompts into such passes.
+
+use std::time::Instant;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+use slipstream_core::{ExpertRequest, ExpertSource, QuantType};
+use slipstream_models::blocks::{Linear, MoeTimes, Route};
+use slipstream_models::state::LayerState;
+use slipstream_models::transformer::Mixer;
+use slipstream_models::{Backend, ModelError, NormKind, Transformer};
+use slipstream_store::policy::{LayerCache, Outcome};
+use slipstream_store::PolicyKind;
+
+use crate::{CudaError, DBuf, DWeight, Gpu, Result, WDesc};
+
+/// Settings of the CUDA backend.
+#[derive(Debug, Clone, Default)]
+pub struct CudaOptions {
+    /// Device ordinal.
+    pub device: usize,
+    /// VRAM expert slots per layer; `None` = every expert (fully resident).
+    pub vram_slots: Option<usize>,
+    /// Pinned host-RAM expert slots per layer between VRAM and the host
+    /// store (`None`: no pinned tier; misses stage through a small buffer).
+    pub ram_slots: Option<usize>,
+    /// Eviction policy of the VRAM and RAM slots.
+    pub policy: PolicyKind,
+}
+
+/// Counters of the CUDA backend, per run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaStats {
+    /// Routed-expert requests found in VRAM.
+    pub vram_hits: u64,
+    /// Requests copied from the host tier.
+    pub vram_misses: u64,
+    /// Bytes copied host to device for experts.
+    pub h2d_bytes: u64,
+    /// Host time spent waiting for routing decisions (the per-layer round trip).
+    pub route_wait_ns: u64,
+    /// Host time inside the host store (reads, staging copies).
+    pub fetch_ns: u64,
+    /// VRAM misses served by the pinned RAM tier.
+    pub ram_hits: u64,
+    /// VRAM misses that went to the host store (RAM tier present or not).
+    pub store_reads: u64,
+    /// Tokens run.
+    pub tokens: u64,
+}
+
+/// Which preallocated activation buffer an activation lives in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DAct {
+    X,
+    Xn,
+    T,
+    Tn,
+}
+
+struct DAttn {
+    q: DWeight,
+    k: DWeight,
+    v: DWeight,
+    o: DWeight,
+    q_norm: DBuf,
+    k_norm: DBuf,
+    inv_freq: DBuf,
+    half: usize,
+    dims: (usize, usize, usize),
+    gated: bool,
+    eps: f32,
+    kc: DBuf,
+    vc: DBuf,
+    /// Rows the caches hold.
+    cap: usize,
+}
+
+struct DGdn {
+    qkv: DWeight,
+    z: DWeight,
+    b: DWeight,
+    a: DWeight,
+    out: DWeight,
+    conv: DBuf,
+    a_log: DBuf,
+    dt_bias: DBuf,
+    norm: DBuf,
+    conv_state: DBuf,
+    rec_state: DBuf,
+    c: usize,
+    kernel: usize,
+    dims: (usize, usize, usize, usize),
+    eps: f32,
+}
+
+enum DMixer {
+    Attn(Box<DAttn>),
+    Gdn(Box<DGdn>),
+}
+
+struct DShared {
+    /// `[gate, up]` device addresses, the bases table of a one-expert launch.
+    bases: DBuf,
+    gate: DWeight,
+    up: DWeight,
+    down: DWeight,
+    sgate: DWeight,
+}
+
+struct DLayer {
+    input_norm: DBuf,
+    post_norm: DBuf,
+    mixer: DMixer,
+    router: DWeight,
+    shared: Option<DShared>,
+    cache: LayerCache,
+    slots: DBuf,
+    /// The pinned RAM tier: its slot bookkeeping and `slots * rec` bytes.
+    ram: Option<(LayerCache, PinnedHostSlice<u8>)>,
+}
+
+/// The CUDA backend of one model and one sequence.
+pub struct CudaModel {
+    pub gpu: Gpu,
+    layers: Vec<DLayer>,
+    embed: DWeight,
+    lm_head: DWeight,
+    final_norm: DBuf,
+    acts: [DBuf; 4],
+    // Scratch (f32 unless noted).
+    s_q_all: DBuf,
+    s_k_all: DBuf,
+    s_v_all: DBuf,
+    s_q: DBuf,
+    s_gate: DBuf,
+    s_attn: DBuf,
+    s_att_scratch: DBuf,
+    s_mixed: DBuf,
+    s_qkv: DBuf,
+    s_z: DBuf,
+    s_b: DBuf,
+    s_a: DBuf,
+    s_conv: DBuf,
+    s_core: DBuf,
+    s_logits: DBuf,
+    s_route: DBuf,
+    s_h: DBuf,
+    s_sh_h: DBuf,
+    s_sh_out: DBuf,
+    s_sg: DBuf,
+    s_bases: DBuf,
+    s_xrow: DBuf,
+    s_ids: DBuf,
+    s_vocab: DBuf,
+    /// Scratch expert records for misses that take no slot (top_k of them).
+    s_spill: DBuf,
+    /// Pinned host staging: expert records, then the bases table.
+    staging: PinnedHostSlice<u8>,
+    bases_host: PinnedHostSlice<u64>,
+    route_host: PinnedHostSlice<f32>,
+    copy_done: Option<CudaEvent>,
+    /// Expert part templates (base 0) and their offsets in a record.
+    parts: [(WDesc, u64, usize); 3],
+    rec_bytes: usize,
+    top_k: usize,
+    num_experts: usize,
+    hidden: usize,
+    vocab: usize,
+    eps: f32,
+    renorm: bool,
+    /// Tokens the device state holds.
+    pos: usize,
+    pub stats: CudaStats,
+}
+
+fn align(n: usize) -> usize {
+    n.div_ceil(256) * 256
+}
+
+fn err(e: CudaError) -> ModelError {
+    ModelError::Weight(format!("CUDA: {e}"))
+}
+
+impl CudaModel {
+    /// Uploads the dense weights of `m` and sizes the VRAM expert cache.
+    /// `parts` are the expert record parts (gate, up, down) as the `.slip`
+    /// manifest describes them: quant type and `[rows, cols]`.
+    pub fn new(
+        m: &Transformer,
+        parts: [(QuantType, [usize; 2]); 3],
+        opts: &CudaOptions,
+    ) -> Result<CudaModel> {
+        let gpu = Gpu::new(opts.device)?;
+        let c = &m.config;
+        let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
+        let up_w = |l: &Linear| gpu.upload_weight(&l.w.view());
+        let mut offs = 0usize;
+        let mut tmpl = [(WDesc::default(), 0u64, 0usize); 3];
+        for (i, (q, shape)) in parts.iter().enumerate() {
+            let nb = q.nbytes(shape[0], shape[1]);
+            tmpl[i] = (WDesc::new(*q, shape[0], shape[1], 0)?, offs as u64, nb);
+            offs += align(nb);
+        }
+        let rec_bytes = offs;
+        let inter = parts[0].1[0];
+        if parts[1].1 != [inter, h] || parts[2].1 != [h, inter] || parts[0].1 != [inter, h] {
+            return Err(CudaError::Invalid(
+                "expert parts do not match the config's shapes".into(),
+            ));
+        }
+        let slots = opts.vram_slots.unwrap_or(e).clamp(1, e);
+        let mut layers = Vec::with_capacity(m.layers.len());
+        let mut max_c = 0usize;
+        let mut max_core = 0usize;
+        let mut max_q = 0usize;
+        let mut max_kv = 0usize;
+        let mut max_nv = 0usize;
+        let mut shared_inter = 0usize;
+        for layer in &m.layers {
+            let mixer = match &layer.mixer {
+                Mixer::Attention(a) => {
+                    let (nh, nkv, hd) = (a.num_heads, a.num_kv_heads, a.head_dim);
+                    max_q = max_q.max(a.q_proj.out_dim()).max(nh * hd);
+                    max_kv = max_kv.max(nkv * hd);
+                    let cap = 256;
+                    DMixer::Attn(Box::new(DAttn {
+                        q: up_w(&a.q_proj)?,
+                        k: up_w(&a.k_proj)?,
+                        v: up_w(&a.v_proj)?,
+                        o: up_w(&a.o_proj)?,
+                        q_norm: gpu.upload_f32(&a.q_norm)?,
+                        k_norm: gpu.upload_f32(&a.k_norm)?,
+                        inv_freq: gpu.upload_f32(&a.rope.inv_freq)?,
+                        half: a.rope.inv_freq.len(),
+                        dims: (nh, nkv, hd),
+                        gated: a.output_gate,
+                        eps: a.eps,
+                        kc: gpu.alloc(cap * nkv * hd * 4)?,
+                        vc: gpu.alloc(cap * nkv * hd * 4)?,
+                        cap,
+                    }))
+                }
+                Mixer::Linear(g) => {
+                    let cd = g.conv_dim();
+                    max_c = max_c.max(cd);
+                    max_core = max_core.max(g.num_v_heads * g.v_dim);
+                    max_nv = max_nv.max(g.num_v_heads);
+                    DMixer::Gdn(Box::new(DGdn {
+                        qkv: up_w(&g.in_proj_qkv)?,
+                        z: up_w(&g.in_proj_z)?,
+                        b: up_w(&g.in_proj_b)?,
+                        a: up_w(&g.in_proj_a)?,
+                        out: up_w(&g.out_proj)?,
+                        conv: gpu.upload_f32(&g.conv)?,
+                        a_log: gpu.upload_f32(&g.a_log)?,
+                        dt_bias: gpu.upload_f32(&g.dt_bias)?,
+                        norm: gpu.upload_f32(&g.norm)?,
+                        conv_state: gpu.alloc((g.kernel - 1) * cd * 4)?,
+                        rec_state: gpu.alloc(g.num_v_heads * g.k_dim * g.v_dim * 4)?,
+                        c: cd,
+                        kernel: g.kernel,
+                        dims: (g.num_k_heads, g.k_dim, g.num_v_heads, g.v_dim),
+                        eps: g.eps,
+                    }))
+                }
+            };
+            let shared = match &layer.moe.shared {
+                Some((mlp, sg)) => {
+                    shared_inter = shared_inter.max(mlp.gate_proj.out_dim());
+                    let gate = up_w(&mlp.gate_proj)?;
+                    let up = up_w(&mlp.up_proj)?;
+                    let pair = [gate.desc.codes, up.desc.codes];
+                    let bytes: Vec<u8> = pair.iter().flat_map(|a| a.to_le_bytes()).collect();
+                    Some(DShared {
+                        bases: gpu.upload(&bytes)?,
+                        gate,
+                        up,
+                        down: up_w(&mlp.down_proj)?,
+                        sgate: up_w(sg)?,
+                    })
+                }
+                None => None,
+            };
+            layers.push(DLayer {
+                input_norm: gpu.upload_f32(&layer.input_norm)?,
+                post_norm: gpu.upload_f32(&layer.post_attn_norm)?,
+                mixer,
+                router: up_w(&layer.moe.router)?,
+                shared,
+                cache: LayerCache::new(opts.policy.build(e), e, slots),
+                slots: gpu.alloc(slots * rec_bytes)?,
+                ram: match opts.ram_slots {
+                    Some(r) => {
+                        let r = r.clamp(1, e);
+                        // SAFETY: pinned host memory, written only by the
+                        // host between copies (ordered by `copy_done`).
+                        let mem = unsafe { gpu.ctx.alloc_pinned::<u8>(r * rec_bytes)? };
+                        Some((LayerCache::new(opts.policy.build(e), e, r), mem))
+                    }
+                    None => None,
+                },
+            });
+        }
+        let f = |n: usize| gpu.alloc(n.max(1) * 4);
+        let nh_max = m
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                Mixer::Attention(a) => Some((a.num_heads, a.head_dim)),
+                _ => None,
+            })
+            .fold((1, 1), |a, b| (a.0.max(b.0), a.1.max(b.1)));
+        // SAFETY: pinned host allocations; only touched through the slices
+        // cudarc hands out, after the copies reading them completed.
+        let (staging, bases_host, route_host) = unsafe {
+            (
+                gpu.ctx.alloc_pinned::<u8>((k + 1) * rec_bytes)?,
+                gpu.ctx.alloc_pinned::<u64>(3 * k)?,
+                gpu.ctx.alloc_pinned::<f32>(2 * k)?,
+            )
+        };
+        Ok(CudaModel {
+            acts: [f(h)?, f(h)?, f(h)?, f(h)?],
+            s_q_all: f(max_q)?,
+            s_k_all: f(max_kv)?,
+            s_v_all: f(max_kv)?,
+            s_q: f(max_q)?,
+            s_gate: f(max_q)?,
+            s_attn: f(max_q)?,
+            s_att_scratch: f(Gpu::attn_scratch_f32(nh_max.0, nh_max.1, 256))?,
+            s_mixed: f(h)?,
+            s_qkv: f(max_c)?,
+            s_z: f(max_core)?,
+            s_b: f(max_nv)?,
+            s_a: f(max_nv)?,
+            s_conv: f(max_c)?,
+            s_core: f(max_core)?,
+            s_logits: f(e)?,
+            s_route: f(2 * k)?,
+            s_h: f(k * inter)?,
+            s_sh_h: f(shared_inter)?,
+            s_sh_out: f(h)?,
+            s_sg: f(1)?,
+            s_bases: gpu.alloc(3 * k * 8)?,
+            s_xrow: gpu.alloc(k.max(1) * 4)?,
+            s_ids: gpu.alloc(16)?,
+            s_vocab: f(c.vocab_size)?,
+            s_spill: gpu.alloc(k * rec_bytes)?,
+            embed: gpu.upload_weight(&m.embed.view())?,
+            lm_head: gpu.upload_weight(&m.lm_head.view())?,
+            final_norm: gpu.upload_f32(&m.final_norm)?,
+            staging,
+            bases_host,
+            route_host,
+            copy_done: None,
+            parts: tmpl,
+            rec_bytes,
+            top_k: k,
+            num_experts: e,
+            hidden: h,
+            vocab: c.vocab_size,
+            eps: c.rms_norm_eps,
+            renorm: c.norm_topk_prob,
+            pos: 0,
+            stats: CudaStats::default(),
+            layers,
+            gpu,
+        })
+    }
+
+    /// Bytes of one expert record in VRAM.
+    pub fn record_bytes(&self) -> usize {
+        self.rec_bytes
+    }
+
+    /// VRAM expert slots per layer.
+    pub fn slots(&self) -> usize {
+        self.layers.first().map_or(0, |l| l.cache.capacity())
+    }
+
+    /// One line for logs.
+    pub fn describe(&self) -> String {
+        let ram = self
+            .layers
+            .first()
+            .and_then(|l| l.ram.as_ref())
+            .map_or("no pinned RAM tier".to_string(), |r| {
+                format!("{} pinned RAM slots per layer", r.0.capacity())
+            });
+        format!(
+            "cuda on {}: {} VRAM expert slots per layer ({:.1} MB each), {ram}",
+            self.gpu.name,
+            self.slots(),
+            self.rec_bytes as f64 / 1e6
+        )
+    }
+
+    fn act(&self, a: DAct) -> &DBuf {
+        &self.acts[a as usize]
+    }
+
+    /// Clears the device state (a new sequence).
+    fn reset(&mut self) -> Result<()> {
+        for l in &self.layers {
+            if let DMixer::Gdn(g) = &l.mixer {
+                for b in [&g.conv_state, &g.rec_state] {
+                    self.gpu.ctx.bind_to_thread()?;
+                    // SAFETY: the range is the whole allocation.
+                    unsafe {
+                        result::memset_d8_async(b.ptr, 0, b.bytes, self.gpu.stream.cu_stream())?
+                    };
+                }
+            }
+        }
+        self.pos = 0;
+        Ok(())
+    }
+
+    /// Grows the KV caches of layer `l` to hold `need` rows (copying).
+    fn ensure_kv(&mut self, l: usize, need: usize) -> Result<()> {
+        let gpu = &self.gpu;
+        if let DMixer::Attn(a) = &mut self.layers[l].mixer {
+            if need > a.cap {
+                let cap = need.next_power_of_two().max(2 * a.cap);
+                let row = a.dims.1 * a.dims.2 * 4;
+                let kc = gpu.alloc(cap * row)?;
+                let vc = gpu.alloc(cap * row)?;
+                gpu.ctx.bind_to_thread()?;
+                // SAFETY: both copies stay inside the old (smaller) buffers
+                // and the new ones; ordered on the compute stream.
+                unsafe {
+                    result::memcpy_dtod_async(
+                        kc.ptr,
+                        a.kc.ptr,
+                        a.cap * row,
+                        gpu.stream.cu_stream(),
+                    )?;
+                    result::memcpy_dtod_async(
+                        vc.ptr,
+                        a.vc.ptr,
+                        a.cap * row,
+                        gpu.stream.cu_stream(),
+                    )?;
+                }
+                gpu.sync()?;
+                a.kc = kc;
+                a.vc = vc;
+                a.cap = cap;
+                let need_s = Gpu::attn_scratch_f32(a.dims.0, a.dims.2, cap);
+                if self.s_att_scratch.len_f32() < need_s {
+                    self.s_att_scratch = gpu.alloc(need_s * 4)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn attention(&mut self, l: usize, x: DAct, xn: DAct) -> Result<()> {
+        self.ensure_kv(l, self.pos + 1)?;
+        let g = &self.gpu;
+        let DMixer::Attn(a) = &self.layers[l].mixer else {
+            unreachable!()
+        };
+        let xn = self.act(xn).ptr;
+        g.matvec(&a.q.desc, xn, self.s_q_all.ptr, 1)?;
+        g.matvec(&a.k.desc, xn, self.s_k_all.ptr, 1)?;
+        g.matvec(&a.v.desc, xn, self.s_v_all.ptr, 1)?;
+        g.qk_prep(
+            self.s_q_all.ptr,
+            self.s_k_all.ptr,
+            self.s_v_all.ptr,
+            a.q_norm.ptr,
+            a.k_norm.ptr,
+            a.inv_freq.ptr,
+            a.half,
+            a.dims,
+            a.gated,
+            a.eps,
+            self.pos,
+            1,
+            self.s_q.ptr,
+            self.s_gate.ptr,
+            a.kc.ptr,
+            a.vc.ptr,
+        )?;
+        let gate = if a.gated { self.s_gate.ptr } else { 0 };
+        g.attention(
+            self.s_q.ptr,
+            a.kc.ptr,
+            a.vc.ptr,
+            self.pos + 1,
+            a.dims,
+            gate,
+            &self.s_att_scratch,
+            self.s_attn.ptr,
+        )?;
+        g.matvec(&a.o.desc, self.s_attn.ptr, self.s_mixed.ptr, 1)?;
+        g.add(self.act(x).ptr, self.s_mixed.ptr, self.hidden)
+    }
+
+    fn gdn(&mut self, l: usize, x: DAct, xn: DAct) -> Result<()> {
+        let g = &self.gpu;
+        let DMixer::Gdn(d) = &self.layers[l].mixer else {
+            unreachable!()
+        };
+        let xn = self.act(xn).ptr;
+        g.matvec(&d.qkv.desc, xn, self.s_qkv.ptr, 1)?;
+        g.matvec(&d.z.desc, xn, self.s_z.ptr, 1)?;
+        g.matvec(&d.b.desc, xn, self.s_b.ptr, 1)?;
+        g.matvec(&d.a.desc, xn, self.s_a.ptr, 1)?;
+        g.gdn_conv(
+            self.s_qkv.ptr,
+            1,
+            d.conv.ptr,
+            d.c,
+            d.kernel,
+            d.conv_state.ptr,
+            self.s_conv.ptr,
+        )?;
+        g.gdn_step(
+            self.s_conv.ptr,
+            self.s_z.ptr,
+            self.s_b.ptr,
+            self.s_a.ptr,
+            d.a_log.ptr,
+            d.dt_bias.ptr,
+            d.norm.ptr,
+            d.rec_state.ptr,
+            1,
+            d.dims,
+            d.eps,
+            self.s_core.ptr,
+        )?;
+        g.matvec(&d.out.desc, self.s_core.ptr, self.s_mixed.ptr, 1)?;
+        g.add(self.act(x).ptr, self.s_mixed.ptr, self.hidden)
+    }
+
+    /// The MoE of layer `l` for one token: router on the device, ids to
+    /// the host (the round trip), shared expert launched meanwhile, VRAM
+    /// cache settled, misses fetched and copied, then all routed experts in
+    /// two launches that also add the result into the residual `x`.
+    fn moe(
+        &mut self,
+        l: usize,
+        x: DAct,
+        xn: DAct,
+        experts: &mut dyn ExpertSource,
+        routes: &mut Vec<Route>,
+        times: &mut MoeTimes,
+    ) -> Result<std::result::Result<(), slipstream_core::BoxError>> {
+        let t0 = Instant::now();
+        let (k, e) = (self.top_k, self.num_experts);
+        let xn_p = self.act(xn).ptr;
+        let x_p = self.act(x).ptr;
+        {
+            let g = &self.gpu;
+            let layer = &self.layers[l];
+            g.matvec(&layer.router.desc, xn_p, self.s_logits.ptr, 1)?;
+            g.router_topk(
+                self.s_logits.ptr,
+                e,
+                k,
+                self.renorm,
+                self.s_route.ptr,
+                self.s_route.f32_at(k),
+                1,
+            )?;
+            g.ctx.bind_to_thread()?;
+            // SAFETY: `route_host` is pinned and holds 2k f32; it is read
+            // only after `routed` below has completed.
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(self.route_host.as_mut_ptr()?, 2 * k);
+                result::memcpy_dtoh_async(dst, self.s_route.ptr, g.stream.cu_stream())?;
+            }
+        }
+        let routed = self
+            .gpu
+            .stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        // The shared expert runs on the device while the host settles the cache.
+        if let Some(sh) = &self.layers[l].shared {
+            let g = &self.gpu;
+            let sb = sh.bases.ptr;
+            g.moe_gate_up(
+                &sh.gate.desc,
+                &sh.up.desc,
+                sb,
+                sb + 8,
+                self.s_xrow.ptr,
+                xn_p,
+                self.s_sh_h.ptr,
+                1,
+            )?;
+            g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, 1)?;
+            g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, 1)?;
+        }
+        let t_wait = Instant::now();
+        routed.synchronize()?;
+        self.stats.route_wait_ns += t_wait.elapsed().as_nanos() as u64;
+        // SAFETY: the event above covers the copy into `route_host`.
+        let host = unsafe { std::slice::from_raw_parts(self.route_host.as_ptr()?, 2 * k) };
+        let ids: Vec<u32> = host[..k].iter().map(|v| v.to_bits()).collect();
+        let wts: Vec<f32> = host[k..].to_vec();
+        if ids.iter().any(|&i| i as usize >= e) {
+            return Err(CudaError::Invalid(format!(
+                "router returned an expert id outside 0..{e}"
+            )));
+        }
+        routes.push(Route {
+            experts: ids.clone(),
+            weights: wts,
+        });
+        let router_ns = t0.elapsed().as_nanos() as u64;
+
+        // Settle hits and misses on the distinct experts in id order.
+        let mut distinct = ids.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let counts: Vec<u32> = distinct
+            .iter()
+            .map(|d| ids.iter().filter(|&&i| i == *d).count() as u32)
+            .collect();
+        let layer = &mut self.layers[l];
+        let outcomes = layer.cache.access(&distinct, &counts, 1);
+        let mut addr = vec![0u64; e];
+        let mut missing: Vec<(u32, u64)> = Vec::new();
+        let mut spill = 0usize;
+        for (&d, o) in distinct.iter().zip(&outcomes) {
+            let a = match *o {
+                Outcome::Hit { slot } => {
+                    self.stats.vram_hits += 1;
+                    layer.slots.ptr + (slot * self.rec_bytes) as u64
+                }
+                Outcome::Miss { slot, .. } => {
+                    self.stats.vram_misses += 1;
+                    let a = match slot {
+                        Some(s) => layer.slots.ptr + (s * self.rec_bytes) as u64,
+                        None => {
+                            spill += 1;
+                            self.s_spill.ptr + ((spill - 1) * self.rec_bytes) as u64
+                        }
+                    };
+                    missing.push((d, a));
+                    a
+                }
+            };
+            addr[d as usize] = a;
+        }
+        let mut fetch_ns = 0u64;
+        if !missing.is_empty() {
+            let ncounts: Vec<u32> = missing
+                .iter()
+                .map(|m| counts[distinct.iter().position(|x| *x == m.0).unwrap_or(0)])
+                .collect();
+            match self.fetch(l, &missing, &ncounts, experts)? {
+                Ok(ns) => fetch_ns = ns,
+                Err(er) => return Ok(Err(er)),
+            }
+        }
+        // Bases in rank order: gate, up, down addresses.
+        {
+            // SAFETY: `bases_host` is pinned (3k u64); the previous copy out
+            // of it completed before `routed` (same stream, earlier).
+            let b = unsafe { std::slice::from_raw_parts_mut(self.bases_host.as_mut_ptr()?, 3 * k) };
+            for (r, &id) in ids.iter().enumerate() {
+                let a = addr[id as usize];
+                b[r] = a + self.parts[0].1;
+                b[k + r] = a + self.parts[1].1;
+                b[2 * k + r] = a + self.parts[2].1;
+            }
+            let g = &self.gpu;
+            g.ctx.bind_to_thread()?;
+            // SAFETY: 3k u64 into `s_bases` (3k + 3 u64).
+            unsafe { result::memcpy_htod_async(self.s_bases.ptr, &b[..], g.stream.cu_stream())? };
+        }
+        let g = &self.gpu;
+        let bp = self.s_bases.ptr;
+        g.moe_gate_up(
+            &self.parts[0].0,
+            &self.parts[1].0,
+            bp,
+            bp + 8 * k as u64,
+            self.s_xrow.ptr,
+            xn_p,
+            self.s_h.ptr,
+            k,
+        )?;
+        let (shared, sg) = if self.layers[l].shared.is_some() {
+            (self.s_sh_out.ptr, self.s_sg.ptr)
+        } else {
+            (0, 0)
+        };
+        g.moe_down(
+            &self.parts[2].0,
+            bp + 16 * k as u64,
+            self.s_h.ptr,
+            self.s_route.f32_at(k),
+            k,
+            shared,
+            sg,
+            x_p,
+            1,
+        )?;
+        times.router_ns += router_ns;
+        times.wait_ns += fetch_ns;
+        times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns - fetch_ns;
+        Ok(Ok(()))
+    }
+
+    /// Brings `missing` experts of layer `l` (id, VRAM destination; 0 =
+    /// none, RAM tier only) to the device: RAM-tier hits are copied straight
+    /// from pinned memory; the rest are read through the host store into
+    /// their RAM-tier slot (or the staging buffer) and copied from there.
+    /// Copies run on the copy stream; the compute stream waits for them. At
+    /// most `top_k + 1` experts per call. Returns the host time spent.
+    fn fetch(
+        &mut self,
+        l: usize,
+        missing: &[(u32, u64)],
+        counts: &[u32],
+        experts: &mut dyn ExpertSource,
+    ) -> Result<std::result::Result<u64, slipstream_core::BoxError>> {
+        if missing.len() > self.top_k + 1 {
+            return Err(CudaError::Invalid(
+                "too many experts for the staging buffer".into(),
+            ));
+        }
+        let t_f = Instant::now();
+        if let Some(ev) = self.copy_done.take() {
+            ev.synchronize()?; // staging and RAM slots free to write again
+        }
+        let rec = self.rec_bytes;
+        let cs = self.gpu.copy_stream.cu_stream();
+        let stage_ptr = self.staging.as_mut_ptr()?;
+        self.gpu.ctx.bind_to_thread()?;
+        let mut bytes = 0u64;
+        // (id, VRAM destination, host bytes to fill) for the host store.
+        let mut from_store: Vec<(u32, u64, *mut u8)> = Vec::new();
+        let mut store_counts = Vec::new();
+        match self.layers[l].ram.as_mut() {
+            Some((cache, mem)) => {
+                let ids: Vec<u32> = missing.iter().map(|m| m.0).collect();
+                let base = mem.as_mut_ptr()?;
+                for (i, o) in cache.access(&ids, counts, 1).into_iter().enumerate() {
+                    let (id, dst) = missing[i];
+                    match o {
+                        Outcome::Hit { slot } => {
+                            self.stats.ram_hits += 1;
+                            if dst != 0 {
+                                // SAFETY: slot < capacity: `rec` bytes inside
+                                // the pinned tier; the device range is a
+                                // whole expert slot.
+                                unsafe {
+                                    let src = std::slice::from_raw_parts(base.add(slot * rec), rec);
+                                    result::memcpy_htod_async(dst, src, cs)?;
+                                }
+                                bytes += rec as u64;
+                            }
+                        }
+                        Outcome::Miss { slot, .. } => {
+                            // SAFETY: inside the tier (slot < capacity) or
+                            // the staging buffer (i < k + 1 records).
+                            let host = unsafe {
+                                match slot {
+                                    Some(sl) => base.add(sl * rec),
+                                    None => stage_ptr.add(i * rec),
+                                }
+                            };
+                            from_store.push((id, dst, host));
+                            store_counts.push(counts[i]);
+                        }
+                    }
+                }
+            }
+            None => {
+                for (i, &(id, dst)) in missing.iter().enumerate() {
+                    // SAFETY: i < k + 1 records of staging.
+                    from_store.push((id, dst, unsafe { stage_ptr.add(i * rec) }));
+                    store_counts.push(counts[i]);
+                }
+            }
+        }
+        if !from_store.is_empty() {
+            self.stats.store_reads += from_store.len() as u64;
+            let need: Vec<u32> = from_store.iter().map(|m| m.0).collect();
+            let req = ExpertRequest {
+                layer: l,
+                experts: &need,
+                counts: &store_counts,
+                tokens: 1,
+            };
+            if let Err(er) = experts.begin(&req) {
+                return Ok(Err(er));
+            }
+            let parts = self.parts;
+            let mut copy_err: Option<CudaError> = None;
+            let res = experts.with_experts(&req, &mut |id, w| {
+                let Some(&(_, dst, host)) = from_store.iter().find(|m| m.0 == id) else {
+                    return;
+                };
+                for (pi, view) in [w.gate, w.up, w.down].iter().enumerate() {
+                    let (_, off, nb) = parts[pi];
+                    if view.data.len() != nb {
+                        copy_err = Some(CudaError::Invalid(format!(
+                            "expert {id} of layer {l}: part {pi} has {} bytes, expected {nb}",
+                            view.data.len()
+                        )));
+                        return;
+                    }
+                    // SAFETY: `host` is a whole record (`rec` bytes) of
+                    // pinned memory, not read by any copy in flight (event
+                    // above); part `pi` lies at `off..off + nb` inside it.
+                    unsafe {
+                        let s = std::slice::from_raw_parts_mut(host.add(off as usize), nb);
+                        s.copy_from_slice(view.data);
+                        if dst != 0 {
+                            if let Err(e2) = result::memcpy_htod_async(dst + off, &s[..], cs) {
+                                copy_err = Some(e2.into());
+                            }
+                            bytes += nb as u64;
+                        }
+                    }
+                }
+            });
+            if let Err(er) = res {
+                return Ok(Err(er));
+            }
+            if let Some(ce) = copy_err {
+                return Err(ce);
+            }
+        }
+        self.stats.h2d_bytes += bytes;
+        let ev = self
+            .gpu
+            .copy_stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        self.gpu.stream.wait(&ev)?;
+        self.copy_done = Some(ev);
+        let ns = t_f.elapsed().as_nanos() as u64;
+        self.stats.fetch_ns += ns;
+        Ok(Ok(ns))
+    }
+
+    /// Fills a full RAM tier, and every VRAM slot when VRAM holds every
+    /// expert, in id order through the ordinary miss path, so decode figures
+    /// carry no first-use copies. Returns the experts loaded into VRAM; the
+    /// counters are reset afterwards.
+    pub fn preload(
+        &mut self,
+        experts: &mut dyn ExpertSource,
+    ) -> Result<std::result::Result<usize, slipstream_core::BoxError>> {
+        let mut n = 0;
+        let k = self.top_k;
+        for l in 0..self.layers.len() {
+            // A full RAM tier is filled first (from the host store).
+            let ram_cap = self.layers[l].ram.as_ref().map_or(0, |r| r.0.capacity());
+            if ram_cap >= self.num_experts && self.layers[l].cache.capacity() < self.num_experts {
+                let ids: Vec<u32> = (0..self.num_experts as u32).collect();
+                for chunk in ids.chunks(k) {
+                    let miss: Vec<(u32, u64)> = chunk.iter().map(|&e| (e, 0)).collect();
+                    let ones = vec![1u32; chunk.len()];
+                    if let Err(e) = self.fetch(l, &miss, &ones, experts)? {
+                        return Ok(Err(e));
+                    }
+                }
+            }
+            let cap = self.layers[l].cache.capacity().min(self.num_experts);
+            if cap < self.num_experts {
+                continue;
+            }
+            let ids: Vec<u32> = (0..cap as u32).collect();
+            for chunk in ids.chunks(k) {
+                let ones = vec![1u32; chunk.len()];
+                let layer = &mut self.layers[l];
+                let outcomes = layer.cache.access(chunk, &ones, 1);
+                let mut missing = Vec::new();
+                for (&e, o) in chunk.iter().zip(&outcomes) {
+                    if let Outcome::Miss { slot: Some(s), .. } = *o {
+                        missing.push((e, layer.slots.ptr + (s * self.rec_bytes) as u64));
+                    }
+                }
+                if missing.is_empty() {
+                    continue;
+                }
+                n += missing.len();
+                let counts = vec![1u32; missing.len()];
+                if let Err(e) = self.fetch(l, &missing, &counts, experts)? {
+                    return Ok(Err(e));
+                }
+            }
+        }
+        self.gpu.copy_stream.synchronize()?;
+        self.stats = CudaStats::default();
+        Ok(Ok(n))
+    }
+
+    /// Greedy token of the last logits computed on the device (`head`).
+    pub fn argmax_last(&self) -> Result<u32> {
+        self.gpu
+            .argmax(self.s_vocab.ptr, self.vocab, self.s_ids.ptr)?;
+        let v = self.gpu.read_i32(&self.s_ids, 1)?;
+        Ok(v[0] as u32)
+    }
+}
+
+impl Backend for CudaModel {
+    type Act = DAct;
+
+    fn max_pass_tokens(&self) -> usize {
+        1
+    }
+
+    fn begin_pass(&mut self, position: usize, n: usize) -> std::result::Result<(), ModelError> {
+        if position == 0 {
+            self.reset().map_err(err)?;
+        } else if position != self.pos {
+            return Err(ModelError::State(format!(
+                "the CUDA backend holds {} tokens of state, the pass starts at {position} \
+                 (restoring snapshots needs --backend cpu)",
+                self.pos
+            )));
+        }
+        debug_assert_eq!(n, 1);
+        Ok(())
+    }
+
+    fn embed(&mut self, _m: &Transformer, tokens: &[u32]) -> std::result::Result<DAct, ModelError> {
+        let ids: Vec<f32> = tokens.iter().map(|&t| f32::from_bits(t)).collect();
+        self.gpu.write_f32(&self.s_ids, &ids).map_err(err)?;
+        self.gpu
+            .embed_rows(&self.embed.desc, self.s_ids.ptr, self.act(DAct::X).ptr, 1)
+            .map_err(err)?;
+        Ok(DAct::X)
+    }
+
+    fn norm(
+        &mut self,
+        _m: &Transformer,
+        x: &DAct,
+        which: NormKind,
+        _n: usize,
+    ) -> std::result::Result<DAct, ModelError> {
+        let w = match which {
+            NormKind::Input(l) => self.layers[l].input_norm.ptr,
+            NormKind::PostAttn(l) => self.layers[l].post_norm.ptr,
+            NormKind::Final => self.final_norm.ptr,
+        };
+        let out = match x {
+            DAct::X | DAct::Xn => DAct::Xn,
+            DAct::T | DAct::Tn => DAct::Tn,
+        };
+        self.gpu
+            .rms_norm(
+                self.act(*x).ptr,
+                w,
+                self.act(out).ptr,
+                1,
+                self.hidden,
+                self.eps,
+            )
+            .map_err(err)?;
+        Ok(out)
+    }
+
+    fn mixer(
+        &mut self,
+        _m: &Transformer,
+        l: usize,
+        x: &mut DAct,
+        xn: &DAct,
+        _n: usize,
+        _state: &mut LayerState,
+    ) -> std::result::Result<(), ModelError> {
+        match self.layers[l].mixer {
+            DMixer::Attn(_) => self.attention(l, *x, *xn),
+            DMixer::Gdn(_) => self.gdn(l, *x, *xn),
+        }
+        .map_err(err)
+    }
+
+    fn moe(
+        &mut self,
+        _m: &Transformer,
+        l: usize,
+        x: &mut DAct,
+        xn: &DAct,
+        _n: usize,
+        experts: &mut dyn ExpertSource,
+        routes: &mut Vec<Route>,
+        times: &mut MoeTimes,
+    ) -> std::result::Result<(), ModelError> {
+        let r = self.moe(l, *x, *xn, experts, routes, times).map_err(err)?;
+        r.map_err(ModelError::Store)?;
+        if l + 1 == self.layers.len() {
+            self.pos += 1;
+            self.stats.tokens += 1;
+        }
+        Ok(())
+    }
+
+    fn head(
+        &mut self,
+        _m: &Transformer,
+        xn: &DAct,
+        _n: usize,
+        _rows: usize,
+    ) -> std::result::Result<Vec<f32>, ModelError> {
+        self.gpu
+            .matvec(&self.lm_head.desc, self.act(*xn).ptr, self.s_vocab.ptr, 1)
+            .map_err(err)?;
+        self.gpu.read_f32(&self.s_vocab, 0, self.vocab).map_err(err)
+    }
+
+    fn tail(
+        &mut self,
+        _m: &Transformer,
+        x: &DAct,
+        _n: usize,
+        _rows: usize,
+    ) -> std::result::Result<DAct, ModelError> {
+        let g = &self.gpu;
+        let (src, dst) = (self.act(*x).ptr, self.act(DAct::T).ptr);
+        g.ctx.bind_to_thread().map_err(|e| err(e.into()))?;
+        // SAFETY: both buffers hold `hidden` f32.
+        unsafe { result::memcpy_dtod_async(dst, src, self.hidden * 4, g.stream.cu_stream()) }
+            .map_err(|e| err(e.into()))?;
+        Ok(DAct::T)
+    }
+}

@@ -1,0 +1,516 @@
+//! Every CUDA kernel against the CPU scalar reference (crates/kernels,
+//! crates/models ops) on random ragged shapes. Each test returns early
+//! (prints "skipped") when no CUDA driver, NVRTC or device is present.
+
+use rand::{Rng, SeedableRng};
+use slipstream_core::{QuantType, ScaleType, TensorView};
+use slipstream_cuda::{Gpu, WDesc};
+use slipstream_kernels::quantize::from_f32;
+use slipstream_kernels::scalar;
+use slipstream_models::ops;
+
+fn gpu() -> Option<Gpu> {
+    match slipstream_cuda::probe() {
+        Ok(_) => Some(Gpu::new(0).expect("CUDA is present but the device could not be opened")),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+type Rng64 = rand::rngs::StdRng;
+
+fn rvec(rng: &mut Rng64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
+}
+
+/// max |a - b| / max |b| (0 when both are all zero); NaN fails.
+fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    let m = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    if m == 0.0 {
+        d
+    } else {
+        d / m
+    }
+}
+
+fn qtypes() -> Vec<QuantType> {
+    let mut v = vec![QuantType::F32, QuantType::F16, QuantType::Bf16];
+    for bits in [4u8, 8] {
+        for scale in [ScaleType::F16, ScaleType::Bf16] {
+            for group in [32u32, 64, 128] {
+                v.push(QuantType::Affine { bits, group, scale });
+            }
+        }
+    }
+    // 4-bit groups that force the narrower load widths of the multi-row kernels.
+    for group in [8u32, 16, 24] {
+        v.push(QuantType::Affine {
+            bits: 4,
+            group,
+            scale: ScaleType::F16,
+        });
+    }
+    v
+}
+
+fn rand_weight(rng: &mut Rng64, q: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let vals: Vec<f32> = (0..rows * cols)
+        .map(|i| rng.random_range(-1.0f32..1.0) * (1.0 + (i / 32 % 5) as f32))
+        .collect();
+    from_f32(&vals, rows, cols, q)
+}
+
+fn cols_for(rng: &mut Rng64, q: QuantType) -> usize {
+    match q {
+        QuantType::Affine { group, .. } => {
+            group as usize * rng.random_range(1..(4096 / group as usize).min(40))
+        }
+        _ => rng.random_range(1..700),
+    }
+}
+
+#[test]
+fn matvec_matches_scalar_on_every_type() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(1);
+    for q in qtypes() {
+        for _ in 0..6 {
+            let rows = rng.random_range(1..300);
+            let cols = cols_for(&mut rng, q);
+            let n = rng.random_range(1..4);
+            let bytes = rand_weight(&mut rng, q, rows, cols);
+            let view = TensorView::new(q, rows, cols, &bytes).unwrap();
+            let x = rvec(&mut rng, n * cols, 1.0);
+            let mut want = vec![0.0f32; n * rows];
+            scalar::matmul(&view, &x, n, &mut want);
+            let w = g.upload_weight(&view).unwrap();
+            let dx = g.upload_f32(&x).unwrap();
+            let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
+            g.matvec(&w.desc, dx.ptr, dy.ptr, n).unwrap();
+            let got = g.read_f32(&dy, 0, n * rows).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+        }
+    }
+}
+
+/// CPU reference of one (token, rank) routed expert: silu(G x) * (U x), then D h.
+fn expert_ref(gv: &TensorView, uv: &TensorView, dv: &TensorView, x: &[f32]) -> Vec<f32> {
+    let inter = gv.rows;
+    let mut gg = vec![0.0; inter];
+    let mut uu = vec![0.0; inter];
+    scalar::matvec(gv, x, &mut gg);
+    scalar::matvec(uv, x, &mut uu);
+    let hh: Vec<f32> = gg.iter().zip(&uu).map(|(a, b)| ops::silu(*a) * b).collect();
+    let mut d = vec![0.0; dv.rows];
+    scalar::matvec(dv, &hh, &mut d);
+    d
+}
+
+#[test]
+fn routed_experts_in_one_launch_match_scalar() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(2);
+    for (q, h, inter, k, shared) in [
+        (QuantType::Q4, 256usize, 128usize, 8usize, true),
+        (QuantType::Q4, 640, 192, 3, false),
+        (
+            QuantType::Affine {
+                bits: 4,
+                group: 32,
+                scale: ScaleType::Bf16,
+            },
+            96,
+            64,
+            1,
+            true,
+        ),
+        (QuantType::Q8, 128, 320, 5, true),
+    ] {
+        // k experts, records laid out as [gate | up | down] each in its own buffer.
+        let mut parts = Vec::new();
+        for _ in 0..k {
+            parts.push((
+                rand_weight(&mut rng, q, inter, h),
+                rand_weight(&mut rng, q, inter, h),
+                rand_weight(&mut rng, q, h, inter),
+            ));
+        }
+        let x = rvec(&mut rng, h, 1.0);
+        let x0 = rvec(&mut rng, h, 1.0);
+        let wts = rvec(&mut rng, k, 1.0);
+        let sh_out = rvec(&mut rng, h, 1.0);
+        let sg = rvec(&mut rng, 1, 2.0);
+        let mut want = x0.clone();
+        for (r, (gb, ub, db)) in parts.iter().enumerate() {
+            let gv = TensorView::new(q, inter, h, gb).unwrap();
+            let uv = TensorView::new(q, inter, h, ub).unwrap();
+            let dv = TensorView::new(q, h, inter, db).unwrap();
+            let d = expert_ref(&gv, &uv, &dv, &x);
+            for (o, v) in want.iter_mut().zip(&d) {
+                *o += v * wts[r];
+            }
+        }
+        if shared {
+            for (o, v) in want.iter_mut().zip(&sh_out) {
+                *o += ops::sigmoid(sg[0]) * v;
+            }
+        }
+        let bufs: Vec<_> = parts
+            .iter()
+            .map(|(a, b, c)| {
+                (
+                    g.upload(a).unwrap(),
+                    g.upload(b).unwrap(),
+                    g.upload(c).unwrap(),
+                )
+            })
+            .collect();
+        let mut table: Vec<u64> = bufs.iter().map(|b| b.0.ptr).collect();
+        table.extend(bufs.iter().map(|b| b.1.ptr));
+        table.extend(bufs.iter().map(|b| b.2.ptr));
+        let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let dt = g.upload(&tb).unwrap();
+        let gt = WDesc::new(q, inter, h, 0).unwrap();
+        let dtl = WDesc::new(q, h, inter, 0).unwrap();
+        let dx = g.upload_f32(&x).unwrap();
+        let dres = g.upload_f32(&x0).unwrap();
+        let dh = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
+        let dw = g.upload_f32(&wts).unwrap();
+        let dsh = g.upload_f32(&sh_out).unwrap();
+        let dsg = g.upload_f32(&sg).unwrap();
+        let xrow = g.alloc(4 * k).unwrap();
+        g.moe_gate_up(
+            &gt,
+            &gt,
+            dt.ptr,
+            dt.ptr + 8 * k as u64,
+            xrow.ptr,
+            dx.ptr,
+            dh.ptr,
+            k,
+        )
+        .unwrap();
+        let (s, sgp) = if shared { (dsh.ptr, dsg.ptr) } else { (0, 0) };
+        g.moe_down(
+            &dtl,
+            dt.ptr + 16 * k as u64,
+            dh.ptr,
+            dw.ptr,
+            k,
+            s,
+            sgp,
+            dres.ptr,
+            1,
+        )
+        .unwrap();
+        let got = g.read_f32(&dres, 0, h).unwrap();
+        let e = rel_err(&got, &want);
+        assert!(e < 5e-5, "{} h={h} i={inter} k={k}: rel err {e}", q.name());
+    }
+}
+
+#[test]
+fn rms_norm_and_rope_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(3);
+    for dim in [1usize, 7, 64, 255, 2048, 5000] {
+        let rows = rng.random_range(1..5);
+        let x = rvec(&mut rng, rows * dim, 3.0);
+        let w = rvec(&mut rng, dim, 1.0);
+        let mut want = vec![0.0; rows * dim];
+        for (o, xi) in want.chunks_mut(dim).zip(x.chunks(dim)) {
+            ops::rms_norm(xi, &w, 1e-6, o);
+        }
+        let (dx, dw) = (g.upload_f32(&x).unwrap(), g.upload_f32(&w).unwrap());
+        let out = g.upload_f32(&vec![f32::NAN; rows * dim]).unwrap();
+        g.rms_norm(dx.ptr, dw.ptr, out.ptr, rows, dim, 1e-6)
+            .unwrap();
+        let e = rel_err(&g.read_f32(&out, 0, rows * dim).unwrap(), &want);
+        assert!(e < 1e-5, "rms_norm dim {dim}: {e}");
+    }
+    for (hd, rot, pos) in [
+        (64usize, 64usize, 0usize),
+        (256, 64, 17),
+        (128, 128, 4095),
+        (32, 8, 100_000),
+    ] {
+        let heads = 3;
+        let rope = slipstream_models::blocks::Rope::new(rot, 1e7);
+        let mut v = rvec(&mut rng, heads * hd, 1.0);
+        let dv = g.upload_f32(&v).unwrap();
+        let fr = g.upload_f32(&rope.inv_freq).unwrap();
+        for hrow in v.chunks_mut(hd) {
+            rope.apply(hrow, pos);
+        }
+        g.rope(dv.ptr, fr.ptr, rot / 2, hd, heads, pos).unwrap();
+        let e = rel_err(&g.read_f32(&dv, 0, heads * hd).unwrap(), &v);
+        assert!(e < 2e-4, "rope hd {hd} rot {rot} pos {pos}: {e}");
+    }
+}
+
+/// The CPU decode attention of `blocks.rs` for one token.
+#[allow(clippy::too_many_arguments)]
+fn attention_ref(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keys: usize,
+    nh: usize,
+    nkv: usize,
+    hd: usize,
+    gate: Option<&[f32]>,
+) -> Vec<f32> {
+    let group = nh / nkv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0.0; nh * hd];
+    for h in 0..nh {
+        let kvh = h / group;
+        let qh = &q[h * hd..][..hd];
+        let mut sc: Vec<f32> = (0..keys)
+            .map(|j| ops::dot(qh, &k[(j * nkv + kvh) * hd..][..hd]) * scale)
+            .collect();
+        ops::softmax_inplace(&mut sc);
+        let o = &mut out[h * hd..][..hd];
+        for (j, &p) in sc.iter().enumerate() {
+            ops::axpy(p, &v[(j * nkv + kvh) * hd..][..hd], o);
+        }
+        if let Some(gt) = gate {
+            for (oi, &gv) in o.iter_mut().zip(&gt[h * hd..][..hd]) {
+                *oi *= ops::sigmoid(gv);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn decode_attention_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(4);
+    for (nh, nkv, hd, keys, gated) in [
+        (16usize, 2usize, 256usize, 1usize, true),
+        (16, 2, 256, 129, true),
+        (32, 4, 128, 300, false),
+        (8, 8, 64, 1000, false),
+        (6, 2, 96, 128, true),
+        (4, 1, 32, 2049, true),
+    ] {
+        let q = rvec(&mut rng, nh * hd, 1.0);
+        let k = rvec(&mut rng, keys * nkv * hd, 1.0);
+        let v = rvec(&mut rng, keys * nkv * hd, 1.0);
+        let gate = rvec(&mut rng, nh * hd, 2.0);
+        let want = attention_ref(&q, &k, &v, keys, nh, nkv, hd, gated.then_some(&gate[..]));
+        let (dq, dk, dv, dg) = (
+            g.upload_f32(&q).unwrap(),
+            g.upload_f32(&k).unwrap(),
+            g.upload_f32(&v).unwrap(),
+            g.upload_f32(&gate).unwrap(),
+        );
+        let scratch = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, keys)).unwrap();
+        let out = g.upload_f32(&vec![f32::NAN; nh * hd]).unwrap();
+        let gp = if gated { dg.ptr } else { 0 };
+        g.attention(
+            dq.ptr,
+            dk.ptr,
+            dv.ptr,
+            keys,
+            (nh, nkv, hd),
+            gp,
+            &scratch,
+            out.ptr,
+        )
+        .unwrap();
+        let e = rel_err(&g.read_f32(&out, 0, nh * hd).unwrap(), &want);
+        assert!(
+            e < 1e-4,
+            "attention nh {nh} nkv {nkv} hd {hd} keys {keys}: {e}"
+        );
+    }
+}
+
+#[test]
+fn gated_delta_rule_matches_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(5);
+    for (nk, dk, nv, dv, kern, n) in [
+        (16usize, 128usize, 32usize, 128usize, 4usize, 1usize),
+        (2, 64, 4, 32, 4, 3),
+        (1, 16, 3, 24, 2, 5),
+        (4, 128, 8, 256, 4, 2),
+    ] {
+        let c = 2 * nk * dk + nv * dv;
+        let x = rvec(&mut rng, n * c, 1.0);
+        let cw = rvec(&mut rng, c * kern, 0.5);
+        let st0 = rvec(&mut rng, (kern - 1) * c, 1.0);
+        let z = rvec(&mut rng, n * nv * dv, 1.0);
+        let b = rvec(&mut rng, n * nv, 2.0);
+        let a = rvec(&mut rng, n * nv, 2.0);
+        let a_log = rvec(&mut rng, nv, 1.0);
+        let dt_bias = rvec(&mut rng, nv, 1.0);
+        let nw = rvec(&mut rng, dv, 1.0);
+        let s0 = rvec(&mut rng, nv * dk * dv, 0.3);
+        let eps = 1e-6f32;
+        // CPU: conv + silu, then per head the delta rule as GatedDeltaNet::forward.
+        let mut window = st0.clone();
+        window.extend_from_slice(&x);
+        let mut conv_out = vec![0.0f32; n * c];
+        for t in 0..n {
+            for ch in 0..c {
+                let mut acc = 0.0f32;
+                for j in 0..kern {
+                    acc += cw[ch * kern + j] * window[(t + j) * c + ch];
+                }
+                conv_out[t * c + ch] = ops::silu(acc);
+            }
+        }
+        let want_state = window[n * c..].to_vec();
+        let mut s = s0.clone();
+        let mut want = vec![0.0f32; n * nv * dv];
+        let ratio = nv / nk;
+        for j in 0..nv {
+            let kh = j / ratio;
+            let sj = &mut s[j * dk * dv..][..dk * dv];
+            let (mut delta, mut o) = (vec![0.0; dv], vec![0.0; dv]);
+            for t in 0..n {
+                let row = &conv_out[t * c..][..c];
+                let mut q = row[kh * dk..][..dk].to_vec();
+                let mut key = row[nk * dk + kh * dk..][..dk].to_vec();
+                let v = &row[2 * nk * dk + j * dv..][..dv];
+                ops::l2_normalize(&mut q, 1e-6);
+                ops::l2_normalize(&mut key, 1e-6);
+                let qs = 1.0 / (dk as f32).sqrt();
+                q.iter_mut().for_each(|x| *x *= qs);
+                let beta = ops::sigmoid(b[t * nv + j]);
+                let gg = -a_log[j].exp() * ops::softplus(a[t * nv + j] + dt_bias[j]);
+                ops::delta_rule_step(sj, &key, &q, v, gg.exp(), beta, &mut delta, &mut o);
+                let inv = ops::inv_rms(&o, eps);
+                for d in 0..dv {
+                    want[t * nv * dv + j * dv + d] =
+                        (o[d] * inv) * nw[d] * ops::silu(z[t * nv * dv + j * dv + d]);
+                }
+            }
+        }
+        let up = |v: &[f32]| g.upload_f32(v).unwrap();
+        let (dx, dcw, dst, dz, db, da) = (up(&x), up(&cw), up(&st0), up(&z), up(&b), up(&a));
+        let (dal, ddt, dnw, ds) = (up(&a_log), up(&dt_bias), up(&nw), up(&s0));
+        let dco = up(&vec![f32::NAN; n * c]);
+        let core = up(&vec![f32::NAN; n * nv * dv]);
+        g.gdn_conv(dx.ptr, n, dcw.ptr, c, kern, dst.ptr, dco.ptr)
+            .unwrap();
+        g.gdn_step(
+            dco.ptr,
+            dz.ptr,
+            db.ptr,
+            da.ptr,
+            dal.ptr,
+            ddt.ptr,
+            dnw.ptr,
+            ds.ptr,
+            n,
+            (nk, dk, nv, dv),
+            eps,
+            core.ptr,
+        )
+        .unwrap();
+        let e1 = rel_err(&g.read_f32(&dco, 0, n * c).unwrap(), &conv_out);
+        let e2 = rel_err(&g.read_f32(&dst, 0, (kern - 1) * c).unwrap(), &want_state);
+        let e3 = rel_err(&g.read_f32(&core, 0, n * nv * dv).unwrap(), &want);
+        let e4 = rel_err(&g.read_f32(&ds, 0, nv * dk * dv).unwrap(), &s);
+        assert!(
+            e1 < 1e-5 && e2 == 0.0,
+            "conv {nk}x{dk}/{nv}x{dv}: {e1} {e2}"
+        );
+        assert!(
+            e3 < 1e-4 && e4 < 1e-4,
+            "delta rule {nk}x{dk}/{nv}x{dv} n={n}: out {e3} state {e4}"
+        );
+    }
+}
+
+#[test]
+fn router_topk_and_argmax_match_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(6);
+    for (e, k, renorm) in [
+        (256usize, 8usize, true),
+        (128, 8, false),
+        (60, 4, true),
+        (1000, 10, true),
+        (8, 8, false),
+    ] {
+        let tokens = 3;
+        let mut logits = rvec(&mut rng, tokens * e, 4.0);
+        // A tie: the lower id must win.
+        logits[5] = logits[3];
+        let dl = g.upload_f32(&logits).unwrap();
+        let ids = g.alloc(tokens * k * 4).unwrap();
+        let wts = g.alloc(tokens * k * 4).unwrap();
+        g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, tokens)
+            .unwrap();
+        let gi = g.read_i32(&ids, tokens * k).unwrap();
+        let gw = g.read_f32(&wts, 0, tokens * k).unwrap();
+        for t in 0..tokens {
+            let mut p = logits[t * e..][..e].to_vec();
+            ops::softmax_inplace(&mut p);
+            let mut idx: Vec<usize> = (0..e).collect();
+            idx.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap().then(a.cmp(&b)));
+            idx.truncate(k);
+            let mut w: Vec<f32> = idx.iter().map(|&i| p[i]).collect();
+            if renorm {
+                let s: f32 = w.iter().sum();
+                w.iter_mut().for_each(|x| *x /= s);
+            }
+            let got: Vec<usize> = gi[t * k..][..k].iter().map(|&v| v as usize).collect();
+            assert_eq!(got, idx, "router e={e} k={k} token {t}");
+            let er = rel_err(&gw[t * k..][..k], &w);
+            assert!(er < 1e-5, "router weights e={e}: {er}");
+        }
+    }
+    for n in [1usize, 5, 1024, 1025, 248_320] {
+        let mut x = rvec(&mut rng, n, 1.0);
+        let m = rng.random_range(0..n);
+        x[m] = 2.0;
+        if m + 1 < n {
+            x[n - 1] = 2.0; // tie with a higher index
+        }
+        let dx = g.upload_f32(&x).unwrap();
+        let out = g.alloc(4).unwrap();
+        g.argmax(dx.ptr, n, out.ptr).unwrap();
+        assert_eq!(g.read_i32(&out, 1).unwrap()[0] as usize, m, "argmax n={n}");
+    }
+}
+
+#[test]
+fn embedding_rows_match_dequantize() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(7);
+    for q in qtypes() {
+        let rows = rng.random_range(2..50);
+        let cols = cols_for(&mut rng, q);
+        let bytes = rand_weight(&mut rng, q, rows, cols);
+        let view = TensorView::new(q, rows, cols, &bytes).unwrap();
+        let ids: Vec<u32> = (0..3).map(|_| rng.random_range(0..rows as u32)).collect();
+        let mut want = vec![0.0f32; 3 * cols];
+        for (t, &i) in ids.iter().enumerate() {
+            scalar::dequantize_row(&view, i as usize, &mut want[t * cols..][..cols]);
+        }
+        let w = g.upload_weight(&view).unwrap();
+        let idf: Vec<f32> = ids.iter().map(|&i| f32::from_bits(i)).collect();
+        let di = g.upload_f32(&idf).unwrap();
+        let out = g.upload_f32(&vec![f32::NAN; 3 * cols]).unwrap();
+        g.embed_rows(&w.desc, di.ptr, out.ptr, 3).unwrap();
+        let got = g.read_f32(&out, 0, 3 * cols).unwrap();
+        assert_eq!(rel_err(&got, &want), 0.0, "embed {}", q.name());
+    }
+}
