@@ -113,6 +113,11 @@ struct RunArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
+    /// How inputs enter 4-bit products on the CPU: f32 (exact, the default)
+    /// or int16 (quantized per weight group: faster, off by a small rounding
+    /// error; see docs/BENCHMARKS.md).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "int16"])]
+    activations: String,
     /// Print generated token ids instead of text.
     #[arg(long)]
     print_ids: bool,
@@ -390,6 +395,11 @@ fn run(args: RunArgs) -> Result<()> {
     .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
+    if args.activations == "int16" {
+        engine
+            .model
+            .set_activations(slipstream_kernels::Activations::Int16);
+    }
     if args.backend != "cpu" {
         let c = engine.model_config();
         let vram_slots = match (args.vram_slots, args.vram_budget) {

@@ -174,7 +174,14 @@ impl Backend for CpuBackend {
         rows: usize,
     ) -> Result<Vec<f32>, ModelError> {
         let mut logits = vec![0.0f32; rows * m.config.vocab_size];
-        slipstream_kernels::matmul(&m.lm_head.view(), xn, rows, &mut logits);
+        slipstream_kernels::matmul_act(
+            slipstream_kernels::Isa::detect(),
+            m.head_act,
+            &m.lm_head.view(),
+            xn,
+            rows,
+            &mut logits,
+        );
         Ok(logits)
     }
 

@@ -17,12 +17,15 @@ use crate::ModelError;
 #[derive(Debug, Clone)]
 pub struct Linear {
     pub w: Tensor,
+    /// How inputs enter 4-bit products (see [`k::Activations`]).
+    pub act: k::Activations,
 }
 
 impl Linear {
     pub fn load(src: &dyn TensorSource, name: &str, shape: [usize; 2]) -> Result<Self, ModelError> {
         Ok(Linear {
             w: load_tensor(src, name, shape)?,
+            act: k::Activations::default(),
         })
     }
 
@@ -33,7 +36,7 @@ impl Linear {
     /// x: [n, in] -> returns [n, out]
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
         let mut y = vec![0.0f32; n * self.w.rows];
-        k::matmul(&self.w.view(), x, n, &mut y);
+        k::matmul_act(k::Isa::detect(), self.act, &self.w.view(), x, n, &mut y);
         y
     }
 }
@@ -356,6 +359,8 @@ pub struct Moe {
     pub norm_topk_prob: bool,
     pub shared: Option<(Mlp, Linear)>,
     pub hidden: usize,
+    /// How inputs enter the routed experts' 4-bit products.
+    pub act: k::Activations,
 }
 
 /// Where [`Moe::forward_timed`] spent its time (nanoseconds, accumulated).
@@ -477,13 +482,14 @@ impl Moe {
             let inter = w.gate.rows;
             let mut g = vec![0.0f32; m * inter];
             let mut u = vec![0.0f32; m * inter];
-            k::matmul(&w.gate, &gathered, m, &mut g);
-            k::matmul(&w.up, &gathered, m, &mut u);
+            let (isa, act) = (k::Isa::detect(), self.act);
+            k::matmul_act(isa, act, &w.gate, &gathered, m, &mut g);
+            k::matmul_act(isa, act, &w.up, &gathered, m, &mut u);
             for (gi, ui) in g.iter_mut().zip(&u) {
                 *gi = ops::silu(*gi) * ui;
             }
             let mut d = vec![0.0f32; m * h];
-            k::matmul(&w.down, &g, m, &mut d);
+            k::matmul_act(isa, act, &w.down, &g, m, &mut d);
             d
         };
         let t_par = Instant::now();

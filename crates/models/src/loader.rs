@@ -94,6 +94,7 @@ pub fn moe(src: &dyn TensorSource, cfg: &ModelConfig, layer: usize) -> Result<Mo
         norm_topk_prob: cfg.norm_topk_prob,
         shared,
         hidden: h,
+        act: slipstream_kernels::Activations::default(),
     })
 }
 
@@ -138,5 +139,6 @@ pub fn assemble(
         layers,
         final_norm,
         lm_head,
+        head_act: slipstream_kernels::Activations::default(),
     })
 }

@@ -50,9 +50,53 @@ pub struct Transformer {
     pub final_norm: Vec<f32>,
     /// `[vocab, hidden]`; the embedding when tied.
     pub lm_head: Tensor,
+    /// How inputs enter the head's 4-bit product.
+    pub head_act: slipstream_kernels::Activations,
 }
 
 impl Transformer {
+    /// Sets how inputs enter every 4-bit product of the CPU backend
+    /// (projections, experts, head). [`slipstream_kernels::Activations::Exact`]
+    /// (the default) keeps parity with the reference; `Int16` is faster at a
+    /// small input-rounding error. Results stay independent of cache sizes,
+    /// batching and threads either way.
+    pub fn set_activations(&mut self, act: slipstream_kernels::Activations) {
+        self.head_act = act;
+        for layer in &mut self.layers {
+            match &mut layer.mixer {
+                Mixer::Attention(a) => {
+                    for l in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+                        l.act = act;
+                    }
+                }
+                Mixer::Linear(g) => {
+                    for l in [
+                        &mut g.in_proj_qkv,
+                        &mut g.in_proj_z,
+                        &mut g.in_proj_b,
+                        &mut g.in_proj_a,
+                        &mut g.out_proj,
+                    ] {
+                        l.act = act;
+                    }
+                }
+            }
+            let moe = &mut layer.moe;
+            moe.act = act;
+            moe.router.act = act;
+            if let Some((mlp, gate)) = &mut moe.shared {
+                for l in [
+                    &mut mlp.gate_proj,
+                    &mut mlp.up_proj,
+                    &mut mlp.down_proj,
+                    gate,
+                ] {
+                    l.act = act;
+                }
+            }
+        }
+    }
+
     /// A fresh state for one sequence.
     pub fn new_state(&self) -> ModelState {
         let c = &self.config;
