@@ -175,6 +175,37 @@ impl WDesc {
     pub fn cols(&self) -> usize {
         self.cols as usize
     }
+
+    /// For affine 4-bit weights that the wide ("a4v") kernels take: the
+    /// 16-byte chunks (32 codes, one scale) each lane owns per row, 1, 2 or
+    /// 4. They need `group % 32 == 0` and `cols = 32 * S` with S a power of
+    /// two up to 32 (one chunk per lane, 32 / S rows per warp step) or
+    /// `S = 32 * C`; codes 16-byte aligned (checked for dense weights;
+    /// expert parts sit at 256-byte offsets). `None`: the older kernels.
+    pub fn a4v_chunks(&self) -> Option<usize> {
+        if self.qt != QKind::Affine4 as i32 || self.group % 32 != 0 || self.cols % 32 != 0 {
+            return None;
+        }
+        let s = (self.cols / 32) as usize;
+        match s {
+            1..=31 if 32usize.is_multiple_of(s) => Some(1),
+            32 | 64 | 128 => Some(s / 32),
+            _ => None,
+        }
+    }
+
+    /// Rows a 256-thread block of the wide kernels covers: 8 warps x
+    /// (32 / lanes per row) x rows per lane (`r_lane`).
+    fn a4v_block_rows(&self, r_lane: usize) -> usize {
+        let s = self.cols() / 32;
+        8 * (32 / s.min(32)) * r_lane
+    }
+
+    /// Dynamic shared memory of the wide kernels for `rows_x` x rows of
+    /// `cols` floats, padded 4 floats per 32.
+    fn a4v_smem(&self, rows_x: usize) -> u32 {
+        (rows_x * self.cols() / 32 * 36 * 4) as u32
+    }
 }
 
 /// A device allocation of `bytes` bytes at address `ptr`.
@@ -205,6 +236,10 @@ pub struct DWeight {
 struct Funcs {
     matvec: CudaFunction,
     matvec_a4: CudaFunction,
+    /// Wide 4-bit kernels for 1, 2 and 4 chunks per lane.
+    matvec_a4v: [CudaFunction; 3],
+    moe_gate_up_a4v: [CudaFunction; 3],
+    moe_down_a4v: CudaFunction,
     moe_gate_up_a4: CudaFunction,
     moe_down_a4: CudaFunction,
     moe_gate_up: CudaFunction,
@@ -283,6 +318,17 @@ impl Gpu {
         let f = Funcs {
             matvec: lf("matvec")?,
             matvec_a4: lf("matvec_a4")?,
+            matvec_a4v: [
+                lf("matvec_a4v_c1")?,
+                lf("matvec_a4v_c2")?,
+                lf("matvec_a4v_c4")?,
+            ],
+            moe_gate_up_a4v: [
+                lf("moe_gate_up_a4v_c1")?,
+                lf("moe_gate_up_a4v_c2")?,
+                lf("moe_gate_up_a4v_c4")?,
+            ],
+            moe_down_a4v: lf("moe_down_a4v")?,
             moe_gate_up_a4: lf("moe_gate_up_a4")?,
             moe_down_a4: lf("moe_down_a4")?,
             moe_gate_up: lf("moe_gate_up")?,
@@ -429,6 +475,24 @@ impl Gpu {
         self.go_on(&self.stream, f, grid, block, args)
     }
 
+    /// [`Gpu::go`] with `smem` bytes of dynamic shared memory (< 48 KiB).
+    fn go_smem(
+        &self,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: as in `go_on`; `smem` is within the default 48 KiB limit
+        // (the callers size it from shapes the a4v kernels accept).
+        unsafe {
+            let cf: CUfunction = f.cu_function();
+            result::launch_kernel(cf, grid, (block, 1, 1), smem, self.stream.cu_stream(), args)?;
+        }
+        Ok(())
+    }
+
     fn go_on(
         &self,
         s: &CudaStream,
@@ -449,6 +513,16 @@ impl Gpu {
     /// `y[t, :] = W x[t, :]` for `n` tokens; `x` holds `n * cols` f32 at
     /// address `x`, `y` `n * rows`.
     pub fn matvec(&self, w: &WDesc, x: u64, y: u64, n: usize) -> Result<()> {
+        if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_multiple_of(16)) {
+            // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
+            let grid = (
+                w.rows().div_ceil(w.a4v_block_rows(8 / c)) as u32,
+                n as u32,
+                1,
+            );
+            let f = &self.f.matvec_a4v[c.trailing_zeros() as usize];
+            return self.go_smem(f, grid, 256, w.a4v_smem(1), &mut args!(w, &x, &y));
+        }
         if let Some(nw) = w.a4_words() {
             let grid = (w.rows().div_ceil(16) as u32, n as u32, 1);
             return self.go(&self.f.matvec_a4, grid, 128, &mut args!(w, &x, &y, &nw));
@@ -472,6 +546,22 @@ impl Gpu {
         h: u64,
         pairs: usize,
     ) -> Result<()> {
+        if let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) {
+            // Rows per lane: 4 / c (gate and up: 8 loads in flight per lane).
+            let grid = (
+                gt.rows().div_ceil(gt.a4v_block_rows(4 / c)) as u32,
+                pairs as u32,
+                1,
+            );
+            let f = &self.f.moe_gate_up_a4v[c.trailing_zeros() as usize];
+            return self.go_smem(
+                f,
+                grid,
+                256,
+                gt.a4v_smem(1),
+                &mut args!(gt, ut, &gbase, &ubase, &xrow, &x, &h),
+            );
+        }
         if let (Some(nw), Some(_)) = (gt.a4_words(), ut.a4_words()) {
             let grid = (gt.rows().div_ceil(16) as u32, pairs as u32, 1);
             return self.go(
@@ -506,6 +596,21 @@ impl Gpu {
         tokens: usize,
     ) -> Result<()> {
         let k = k as i32;
+        if dt.a4v_chunks() == Some(1) {
+            // One chunk per lane, experts loaded 8 at a time (`DOWN_KB`).
+            let grid = (
+                dt.rows().div_ceil(dt.a4v_block_rows(1)) as u32,
+                tokens as u32,
+                1,
+            );
+            return self.go_smem(
+                &self.f.moe_down_a4v,
+                grid,
+                256,
+                dt.a4v_smem(8),
+                &mut args!(dt, &dbase, &h, &wts, &k, &shared, &sg, &x),
+            );
+        }
         if let Some(nw) = dt.a4_words() {
             let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
             return self.go(
@@ -796,6 +901,12 @@ impl Gpu {
 }
 
 /// The bytes of an f32 slice (little-endian host).
+/// Whether two weight templates have the same shape and quantisation (the
+/// wide gate/up kernel reads both with one layout).
+fn same_layout(a: &WDesc, b: &WDesc) -> bool {
+    (a.rows, a.cols, a.qt, a.group, a.scale_bf16) == (b.rows, b.cols, b.qt, b.group, b.scale_bf16)
+}
+
 pub fn bytemuck_f32(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding or invalid bit patterns; u8 alignment is 1.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }

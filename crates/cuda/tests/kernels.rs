@@ -104,6 +104,51 @@ fn matvec_matches_scalar_on_every_type() {
     }
 }
 
+#[test]
+fn wide_a4_matvec_matches_scalar() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(9);
+    // Columns 32 * S for S = 1..32 (powers of two) and 32, 64, 128 chunks
+    // per row of 32 lanes; ragged row counts; 1 to 3 tokens.
+    for (rows, cols) in [
+        (300usize, 2048usize),
+        (77, 512),
+        (1000, 4096),
+        (5, 256),
+        (33, 1024),
+        (70, 32),
+        (129, 128),
+    ] {
+        for (group, scale) in [(64u32, ScaleType::F16), (32, ScaleType::Bf16)] {
+            if cols % group as usize != 0 {
+                continue;
+            }
+            let q = QuantType::Affine {
+                bits: 4,
+                group,
+                scale,
+            };
+            let n = rng.random_range(1..4);
+            let bytes = rand_weight(&mut rng, q, rows, cols);
+            let view = TensorView::new(q, rows, cols, &bytes).unwrap();
+            let x = rvec(&mut rng, n * cols, 1.0);
+            let mut want = vec![0.0f32; n * rows];
+            scalar::matmul(&view, &x, n, &mut want);
+            let w = g.upload_weight(&view).unwrap();
+            assert!(
+                w.desc.a4v_chunks().is_some(),
+                "[{rows}, {cols}] g{group}: not a4v"
+            );
+            let dx = g.upload_f32(&x).unwrap();
+            let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
+            g.matvec(&w.desc, dx.ptr, dy.ptr, n).unwrap();
+            let got = g.read_f32(&dy, 0, n * rows).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+        }
+    }
+}
+
 /// CPU reference of one (token, rank) routed expert: silu(G x) * (U x), then D h.
 fn expert_ref(gv: &TensorView, uv: &TensorView, dv: &TensorView, x: &[f32]) -> Vec<f32> {
     let inter = gv.rows;
@@ -136,6 +181,33 @@ fn routed_experts_in_one_launch_match_scalar() {
             true,
         ),
         (QuantType::Q8, 128, 320, 5, true),
+        // Shapes the wide (a4v) kernels take: the 35B layer (gate/up 2
+        // chunks per lane, down 16 lanes per row), 4 chunks per lane with
+        // more experts than one down batch, 32 lanes per row, 1 lane per row.
+        (QuantType::Q4, 2048, 512, 8, true),
+        (
+            QuantType::Affine {
+                bits: 4,
+                group: 128,
+                scale: ScaleType::Bf16,
+            },
+            4096,
+            256,
+            9,
+            true,
+        ),
+        (QuantType::Q4, 1024, 1024, 2, false),
+        (
+            QuantType::Affine {
+                bits: 4,
+                group: 32,
+                scale: ScaleType::F16,
+            },
+            256,
+            32,
+            3,
+            true,
+        ),
     ] {
         // k experts, records laid out as [gate | up | down] each in its own buffer.
         let mut parts = Vec::new();

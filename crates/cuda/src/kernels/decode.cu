@@ -283,6 +283,255 @@ extern "C" __global__ void moe_down_a4(W dt, const u64* __restrict__ dbase, cons
     }
 }
 
+// ---- Wide affine 4-bit kernels ("a4v"): group % 32 == 0 and cols = 32 * S
+// with S a power of two <= 32, or S = 32 * C with C in {1, 2, 4}.
+// A chunk is 16 bytes of codes: 32 values under one scale and bias. A row's
+// S chunks are spread over L = min(32, S) lanes (C chunks per lane), so a
+// warp step covers RW = 32 / L rows and every lane issues all its 16-byte
+// loads (R rows x C chunks, for each matrix) before it waits on any; x is
+// staged meanwhile in shared memory, padded by 4 floats per 32 so the lanes'
+// 128-byte-strided reads fall on distinct banks. Partial sums are reduced
+// over the L lanes of a row with shuffles (a fixed tree: deterministic).
+
+#define XPAD(i) ((i) + ((i) >> 5) * 4)
+
+// Dynamic shared memory of the a4v kernels (16-byte aligned).
+extern __shared__ float4 a4v_dyn[];
+
+// Copies n floats (n % 4 == 0, 16-byte aligned) of src into padded shared
+// memory xs, all threads of the block.
+__device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ src, int n) {
+    for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) {
+        float4 v = *(const float4*)(src + i);
+        *(float4*)(xs + XPAD(i)) = v;
+    }
+}
+
+// The 32 staged x values of chunk j and their sum.
+__device__ __forceinline__ float load_chunk_x(const float* xs, int j, float* xv) {
+    const float* p = xs + 36 * j;
+    float s = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; c++) {
+        float4 t = *(const float4*)(p + 4 * c);
+        xv[4 * c] = t.x;
+        xv[4 * c + 1] = t.y;
+        xv[4 * c + 2] = t.z;
+        xv[4 * c + 3] = t.w;
+        s += (t.x + t.y) + (t.z + t.w);
+    }
+    return s;
+}
+
+// sum_i code_i * xv[i] over the 32 codes of q (low nibble = even element).
+__device__ __forceinline__ float chunk_qx(uint4 q, const float* xv) {
+    u32 w[4] = {q.x, q.y, q.z, q.w};
+    float qx = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < 4; wi++) {
+        u32 lo = w[wi] & 0x0F0F0F0Fu;
+        u32 hi = (w[wi] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+            qx += nib(lo, m) * xv[wi * 8 + 2 * m];
+            qx += nib(hi, m) * xv[wi * 8 + 2 * m + 1];
+        }
+    }
+    return qx;
+}
+
+// Sum over the L lanes of a row segment (L a power of two, <= 32).
+__device__ __forceinline__ float seg_sum(float v, int L) {
+    for (int o = L >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Rows of M matrices sharing x (gate and up: M = 2) for one x row: loads
+// first (raw), then stages x, then the dot products. Block: 256 threads; a
+// warp owns rows base + rr * RW + sub (rr < R). out[m][rr] is valid in the
+// lanes with li == 0. Every thread of the block must call it (barrier).
+template <int C, int R, int M>
+__device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x, float* xs, int base, int sub,
+                                         int li, int L, int RW, float (*out)[R]) {
+    const int cols = w[0].cols;
+    const int rows = w[0].rows;
+    const int ng = cols / w[0].group;
+    uint4 q[M][R][C];
+    u16 sr[M][R][C], br[M][R][C];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            const int r = min(base + rr * RW + sub, rows - 1);
+            const uint4* cp = (const uint4*)(w[m].codes + (size_t)r * cols / 2);
+#pragma unroll
+            for (int c = 0; c < C; c++) {
+                const int j = li + L * c;
+                q[m][rr][c] = __ldg(cp + j);
+                const size_t gi = (size_t)r * ng + (j * 32) / w[0].group;
+                sr[m][rr][c] = __ldg(w[m].scales + gi);
+                br[m][rr][c] = __ldg(w[m].biases + gi);
+            }
+        }
+    stage_x(xs, x, cols);
+    __syncthreads();
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) acc[m][rr] = 0.0f;
+    const int bf = w[0].scale_bf16;
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        float xv[32];
+        const float xsum = load_chunk_x(xs, li + L * c, xv);
+#pragma unroll
+        for (int m = 0; m < M; m++)
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                acc[m][rr] += half_val(sr[m][rr][c], bf) * chunk_qx(q[m][rr][c], xv) +
+                              half_val(br[m][rr][c], bf) * xsum;
+    }
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) out[m][rr] = seg_sum(acc[m][rr], L);
+}
+
+// Affine 4-bit matvec, wide form: grid (ceil(rows / (8 * RW * R)), n),
+// 256 threads, dynamic shared memory 36 * cols / 32 floats.
+template <int C, int R>
+__device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restrict__ x, float* __restrict__ y) {
+    float* xs = (float*)a4v_dyn;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int S = w.cols >> 5;
+    const int L = S < 32 ? S : 32;
+    const int RW = 32 / L;
+    const int sub = lane / L, li = lane % L;
+    const int base = (blockIdx.x * (blockDim.x >> 5) + warp) * RW * R;
+    const int t = blockIdx.y;
+    float o[1][R];
+    tile_a4v<C, R, 1>(&w, x + (size_t)t * w.cols, xs, base, sub, li, L, RW, o);
+    if (li == 0) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            const int r = base + rr * RW + sub;
+            if (r < w.rows) y[(size_t)t * w.rows + r] = o[0][rr];
+        }
+    }
+}
+extern "C" __global__ void matvec_a4v_c1(W w, const float* __restrict__ x, float* __restrict__ y) {
+    matvec_a4v_body<1, 8>(w, x, y);
+}
+extern "C" __global__ void matvec_a4v_c2(W w, const float* __restrict__ x, float* __restrict__ y) {
+    matvec_a4v_body<2, 4>(w, x, y);
+}
+extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float* __restrict__ y) {
+    matvec_a4v_body<4, 2>(w, x, y);
+}
+
+// Routed experts' gate and up, wide form (same result as moe_gate_up):
+// grid (ceil(I / (8 * RW * R)), pairs), 256 threads, dynamic shared memory
+// 36 * H / 32 floats. Gate and up rows are loaded together and share x.
+template <int C, int R>
+__device__ __forceinline__ void gate_up_a4v_body(W gt, W ut, const u64* __restrict__ gbase,
+                                                 const u64* __restrict__ ubase, const int* __restrict__ xrow,
+                                                 const float* __restrict__ x, float* __restrict__ h) {
+    float* xs = (float*)a4v_dyn;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int S = gt.cols >> 5;
+    const int L = S < 32 ? S : 32;
+    const int RW = 32 / L;
+    const int sub = lane / L, li = lane % L;
+    const int base = (blockIdx.x * (blockDim.x >> 5) + warp) * RW * R;
+    const int p = blockIdx.y;
+    W w[2];
+    w[0] = at_base(gt, (const u8*)gbase[p]);
+    w[1] = at_base(ut, (const u8*)ubase[p]);
+    float o[2][R];
+    tile_a4v<C, R, 2>(w, x + (size_t)xrow[p] * gt.cols, xs, base, sub, li, L, RW, o);
+    if (li == 0) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            const int r = base + rr * RW + sub;
+            if (r < gt.rows) h[(size_t)p * gt.rows + r] = siluf_(o[0][rr]) * o[1][rr];
+        }
+    }
+}
+#define GU_ARGS                                                                                                \
+    W gt, W ut, const u64 *__restrict__ gbase, const u64 *__restrict__ ubase, const int *__restrict__ xrow, \
+        const float *__restrict__ x, float *__restrict__ h
+extern "C" __global__ void moe_gate_up_a4v_c1(GU_ARGS) { gate_up_a4v_body<1, 4>(gt, ut, gbase, ubase, xrow, x, h); }
+extern "C" __global__ void moe_gate_up_a4v_c2(GU_ARGS) { gate_up_a4v_body<2, 2>(gt, ut, gbase, ubase, xrow, x, h); }
+extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_body<4, 1>(gt, ut, gbase, ubase, xrow, x, h); }
+
+#define DOWN_KB 8
+// Routed experts' down projections, wide form (same result as moe_down;
+// requires cols = I <= 1024, so one chunk per lane): each lane owns one
+// chunk of one output row and loads it for DOWN_KB experts at once; the
+// experts' h rows are staged DOWN_KB at a time. The weighted sum runs in
+// rank order in each lane, then over the row's lanes. Grid
+// (ceil(H / (8 * RW)), tokens), 256 threads, dynamic shared memory
+// DOWN_KB * 36 * I / 32 floats.
+extern "C" __global__ void moe_down_a4v(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
+                                        const float* __restrict__ wts, int K, const float* __restrict__ shared,
+                                        const float* __restrict__ sg, float* __restrict__ x) {
+    float* xs = (float*)a4v_dyn;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int cols = dt.cols;
+    const int S = cols >> 5;
+    const int L = S < 32 ? S : 32;
+    const int RW = 32 / L;
+    const int sub = lane / L, li = lane % L;
+    const int ro = (blockIdx.x * (blockDim.x >> 5) + warp) * RW + sub;
+    const int r = min(ro, dt.rows - 1);
+    const int t = blockIdx.y;
+    const int ng = cols / dt.group;
+    const size_t gi = (size_t)r * ng + (li * 32) / dt.group;
+    const size_t roff = (size_t)r * cols / 2;
+    const size_t cb = (size_t)dt.rows * cols / 2;
+    const size_t sb = (size_t)dt.rows * ng * 2;
+    const int bf = dt.scale_bf16;
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += DOWN_KB) {
+        uint4 q[DOWN_KB];
+        u16 sr[DOWN_KB], br[DOWN_KB];
+#pragma unroll
+        for (int kk = 0; kk < DOWN_KB; kk++) {
+            if (k0 + kk < K) {
+                const u8* b = (const u8*)dbase[(size_t)t * K + k0 + kk];
+                q[kk] = __ldg((const uint4*)(b + roff) + li);
+                sr[kk] = __ldg((const u16*)(b + cb) + gi);
+                br[kk] = __ldg((const u16*)(b + cb + sb) + gi);
+            }
+        }
+        const int nb = min(DOWN_KB, K - k0);
+        if (k0 > 0) __syncthreads();
+        const float* src = h + ((size_t)t * K + k0) * cols;
+        for (int i = threadIdx.x * 4; i < nb * cols; i += blockDim.x * 4) {
+            float4 v = *(const float4*)(src + i);
+            *(float4*)(xs + XPAD(i)) = v;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < DOWN_KB; kk++) {
+            if (k0 + kk < K) {
+                float xv[32];
+                // Row kk of the batch starts at chunk kk * S of the padded copy.
+                const float xsum = load_chunk_x(xs, kk * S + li, xv);
+                const float part = half_val(sr[kk], bf) * chunk_qx(q[kk], xv) + half_val(br[kk], bf) * xsum;
+                acc += wts[(size_t)t * K + k0 + kk] * part;
+            }
+        }
+    }
+    acc = seg_sum(acc, L);
+    if (li == 0 && ro < dt.rows) {
+        float s = 0.0f;
+        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + ro];
+        x[(size_t)t * dt.rows + ro] += acc + s;
+    }
+}
+
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
 // per row; grid (ceil(rows / 8), n).
 extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __restrict__ y) {
