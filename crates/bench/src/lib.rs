@@ -213,7 +213,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
             cgroup_parent: cgroup_parent.as_deref(),
         };
         let rec = run_one(&ctx, spec, index, repeat_of, &ids)?;
-        bar.println(format!(
+        let line = format!(
             "[bench] {:>2} {} | prompt {} | {} | ttft {} s | prefill {} tok/s | decode {} tok/s | peak {:.2} GB",
             index,
             rec.label,
@@ -223,7 +223,15 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
             rec.prefill_tok_s.map_or("-".into(), |v| format!("{v:.2}")),
             rec.decode_tok_s.map_or("-".into(), |v| format!("{v:.2}")),
             rec.peak_memory_bytes as f64 / 1e9
-        ));
+        );
+        // A bar drawing nowhere (stderr not a terminal) would swallow the line.
+        if bar.is_hidden() {
+            if opts.progress {
+                eprintln!("{line}");
+            }
+        } else {
+            bar.println(line);
+        }
         report.records.push(rec);
         bar.inc(1);
         write_outputs(&opts.out_dir, &report)?;
