@@ -20,7 +20,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub gguf: Option<PathBuf>,
     /// Expert slots per layer, comma separated: numbers, `all` (as many
-    /// slots as experts, streaming) or `resident` (every expert read at start).
+    /// slots as experts, streaming) or `resident` (every expert read at
+    /// start); `none` runs only the peer rows.
     #[arg(long, default_value = "16,64,all")]
     pub slots: String,
     /// Cache policies, comma separated: aging, lfu, lru.

@@ -187,8 +187,11 @@ pub fn parse_list<T>(flag: &str, s: &str, item: impl Fn(&str) -> Result<T>) -> R
     Ok(out)
 }
 
-/// `--slots 16,64,all,resident`.
+/// `--slots 16,64,all,resident`, or `none` (no slipstream rows: peers only).
 pub fn parse_slots(s: &str) -> Result<Vec<Slots>> {
+    if s.trim() == "none" {
+        return Ok(Vec::new());
+    }
     parse_list("--slots", s, |p| match p {
         "all" => Ok(Slots::All),
         "resident" => Ok(Slots::Resident),
@@ -342,6 +345,7 @@ mod tests {
 
     #[test]
     fn slots_parse_and_reject() {
+        assert!(parse_slots("none").unwrap().is_empty());
         assert_eq!(
             parse_slots("16, 64,all,resident").unwrap(),
             vec![
