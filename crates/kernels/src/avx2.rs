@@ -117,7 +117,7 @@ macro_rules! block_loop {
 /// Fixed-order horizontal sum of 8 lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn hsum(v: __m256) -> f32 {
+pub(crate) fn hsum(v: __m256) -> f32 {
     let lo = _mm256_castps256_ps128(v);
     let hi = _mm256_extractf128_ps::<1>(v);
     let s = _mm_add_ps(lo, hi);
@@ -287,7 +287,7 @@ fn affine_rows<const BITS: u32>(
 /// Scales (or biases) of groups `g..g + 8` as f32, zero past `ng` groups.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn params8(p: &[u8], g: usize, ng: usize, bf16: bool) -> __m256 {
+pub(crate) fn params8(p: &[u8], g: usize, ng: usize, bf16: bool) -> __m256 {
     let mut buf = [0u8; 16];
     let src = if g + 8 <= ng {
         &p[g * 2..g * 2 + 16]

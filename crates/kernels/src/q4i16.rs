@@ -154,6 +154,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{AffineRow, QuantizedInput, MAX_GROUP};
+    use crate::avx2::{hsum, params8};
     use crate::Token;
     use slipstream_core::{QuantType, ScaleType, TensorView};
 
@@ -242,40 +243,6 @@ mod avx2 {
                 }
             }
         }
-    }
-
-    /// 8 consecutive 2-byte params (f16 or bf16) from `p[g*2..]` as f32,
-    /// zero past `ng`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn params8(p: &[u8], g: usize, ng: usize, bf16: bool) -> __m256 {
-        let h = if g + 8 <= ng {
-            let src = &p[g * 2..g * 2 + 16];
-            // SAFETY: `src` is 16 readable bytes.
-            unsafe { _mm_loadu_si128(src.as_ptr().cast()) }
-        } else {
-            let mut buf = [0u8; 16];
-            buf[..(ng - g) * 2].copy_from_slice(&p[g * 2..ng * 2]);
-            // SAFETY: `buf` is 16 readable bytes.
-            unsafe { _mm_loadu_si128(buf.as_ptr().cast()) }
-        };
-        if bf16 {
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-        } else {
-            _mm256_cvtph_ps(h)
-        }
-    }
-
-    /// Fixed-order horizontal sum of 8 lanes.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn hsum(v: __m256) -> f32 {
-        let lo = _mm256_castps256_ps128(v);
-        let hi = _mm256_extractf128_ps(v, 1);
-        let s = _mm_add_ps(lo, hi);
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
     }
 
     /// Dot products of `R` rows with `T` quantized tokens.
