@@ -284,6 +284,24 @@ fn affine_rows<const BITS: u32>(
     }
 }
 
+/// The bias term of an affine row, `sum_g bias[g] * gsum[g]`: an 8-lane FMA
+/// chain over blocks of 8 groups, then a fixed horizontal sum. `gsum` holds
+/// at least `ng` rounded up to 8 entries (zero-padded).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn bias_term(biases: &[u8], gsum: &[f32], ng: usize, bf16: bool) -> f32 {
+    let mut bv = _mm256_setzero_ps();
+    let mut g = 0;
+    while g < ng {
+        let b = params8(biases, g, ng, bf16);
+        let gs = &gsum[g..g + 8];
+        // SAFETY: `gs` is 8 valid f32.
+        bv = _mm256_fmadd_ps(b, unsafe { ld_f32(gs.as_ptr()) }, bv);
+        g += 8;
+    }
+    hsum(bv)
+}
+
 /// Scales (or biases) of groups `g..g + 8` as f32, zero past `ng` groups.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -417,16 +435,7 @@ fn affine_block<const BITS: u32, const SPLIT: bool, const R: usize, const T: usi
     let mut out = [[0f32; T]; R];
     for r in 0..R {
         for t in 0..T {
-            let mut bv = _mm256_setzero_ps();
-            let mut g = 0;
-            while g < ng {
-                let b = params8(rows[r].biases, g, ng, bf16);
-                let gs = &xs[t].1[g..g + 8];
-                // SAFETY: `gs` is 8 valid f32.
-                bv = _mm256_fmadd_ps(b, unsafe { ld_f32(gs.as_ptr()) }, bv);
-                g += 8;
-            }
-            out[r][t] = hsum(acc[r][t]) + hsum(bv);
+            out[r][t] = hsum(acc[r][t]) + bias_term(rows[r].biases, xs[t].1, ng, bf16);
         }
     }
     out
@@ -523,16 +532,7 @@ fn q4_block<const R: usize, const T: usize>(
     let mut out = [[0f32; T]; R];
     for r in 0..R {
         for t in 0..T {
-            let mut bv = _mm256_setzero_ps();
-            let mut g = 0;
-            while g < ng {
-                let b = params8(rows[r].biases, g, ng, bf16);
-                let gs = &xs[t].1[g..g + 8];
-                // SAFETY: `gs` is 8 valid f32.
-                bv = _mm256_fmadd_ps(b, unsafe { ld_f32(gs.as_ptr()) }, bv);
-                g += 8;
-            }
-            out[r][t] = hsum(acc[r][t]) + hsum(bv);
+            out[r][t] = hsum(acc[r][t]) + bias_term(rows[r].biases, xs[t].1, ng, bf16);
         }
     }
     out

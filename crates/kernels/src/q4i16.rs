@@ -154,7 +154,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{AffineRow, QuantizedInput, MAX_GROUP};
-    use crate::avx2::{hsum, params8};
+    use crate::avx2::{bias_term, hsum, params8};
     use crate::Token;
     use slipstream_core::{QuantType, ScaleType, TensorView};
 
@@ -203,9 +203,8 @@ mod avx2 {
     ) {
         let (c, s, b) = w.affine_parts();
         let row = |r: usize| AffineRow::from_parts(c, s, b, w.cols, 4, group, r);
-        fn inp<'t>(t: &'t Token<'_>) -> (&'t QuantizedInput, *const f32) {
-            let q = t.qx.as_ref().expect("checked");
-            (q, q.gsum.as_ptr())
+        fn inp<'t>(t: &'t Token<'_>) -> &'t QuantizedInput {
+            t.qx.as_ref().expect("checked")
         }
         let ntok = toks.len();
         let cols = w.cols;
@@ -259,7 +258,7 @@ mod avx2 {
     #[allow(clippy::needless_range_loop)]
     fn block<const R: usize, const T: usize>(
         rows: [AffineRow; R],
-        xs: [(&QuantizedInput, *const f32); T],
+        xs: [&QuantizedInput; T],
         bf16: bool,
         group: usize,
         cols: usize,
@@ -280,7 +279,7 @@ mod avx2 {
                 let sv = params8(rows[r].scales, gb, ng, bf16);
                 for t in 0..T {
                     // SAFETY: `step` holds a multiple of 8 entries >= ng.
-                    let dv = unsafe { _mm256_loadu_ps(xs[t].0.step.as_ptr().add(gb)) };
+                    let dv = unsafe { _mm256_loadu_ps(xs[t].step.as_ptr().add(gb)) };
                     // SAFETY: `comb[r][t]` is 8 writable f32.
                     unsafe { _mm256_storeu_ps(comb[r][t].as_mut_ptr(), _mm256_mul_ps(sv, dv)) };
                 }
@@ -295,7 +294,7 @@ mod avx2 {
                 }
                 let mut xp = [std::ptr::null::<i16>(); T];
                 for t in 0..T {
-                    xp[t] = xs[t].0.xi[g * group..].as_ptr();
+                    xp[t] = xs[t].xi[g * group..].as_ptr();
                 }
                 for p in cp {
                     // Next row block's same group; prefetches never fault.
@@ -335,16 +334,7 @@ mod avx2 {
         let mut out = [[0f32; T]; R];
         for r in 0..R {
             for t in 0..T {
-                let mut bv = _mm256_setzero_ps();
-                let mut g = 0;
-                while g < ng {
-                    let b = params8(rows[r].biases, g, ng, bf16);
-                    // SAFETY: gsum holds a multiple of 8 entries >= ng.
-                    let gs = unsafe { _mm256_loadu_ps(xs[t].1.add(g)) };
-                    bv = _mm256_fmadd_ps(b, gs, bv);
-                    g += 8;
-                }
-                out[r][t] = hsum(acc[r][t]) + hsum(bv);
+                out[r][t] = hsum(acc[r][t]) + bias_term(rows[r].biases, &xs[t].gsum, ng, bf16);
             }
         }
         out
