@@ -260,10 +260,12 @@ fn affine_rows<const BITS: u32>(
     let group = group as usize;
     let (c, s, b) = w.affine_parts();
     let row = |r: usize| AffineRow::from_parts(c, s, b, w.cols, BITS as u8, group, r);
-    if BITS == 4 && group.is_multiple_of(16) {
+    if BITS == 4 && group.is_multiple_of(16) && toks.len() >= GEMM_MIN_TOKENS {
+        q4_gemm_rows(w, r0, r1, toks, out, bf16, group);
+    } else if BITS == 4 && group.is_multiple_of(16) {
         block_loop!(4, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
             rs.map(row),
-            tk.map(|t| (t.xp.as_slice(), t.gsum.as_slice())),
+            tk.map(|t| (&t.xp[..], t.gsum.as_slice())),
             bf16,
             group,
             w.cols
@@ -439,6 +441,222 @@ fn affine_block<const BITS: u32, const SPLIT: bool, const R: usize, const T: usi
         }
     }
     out
+}
+
+/// Tokens from which 4-bit products take the GEMM path ([`q4_gemm_rows`]).
+const GEMM_MIN_TOKENS: usize = 8;
+
+/// Rows decoded at a time by the GEMM path: 32 rows of 2048 columns are a
+/// 256 KiB f32 panel (L2), decoded once for all tokens.
+const GEMM_ROWS: usize = 32;
+
+/// Tokens per block of the GEMM path: with [`GEMM_COLS`] columns their inputs
+/// (8 x 512 f32 = 16 KiB) stay in L1 while every row pair passes over them.
+const GEMM_TOKENS: usize = 8;
+
+/// Columns per block of the GEMM path (rounded to whole groups).
+const GEMM_COLS: usize = 512;
+
+/// 4-bit affine rows `r0..r1` (group a multiple of 16) for many tokens, as a
+/// small GEMM: rows are decoded [`GEMM_ROWS`] at a time into an f32 panel
+/// (the `lo`/`hi` vectors of [`q4_block`], in [`Token::xp`]'s order) with
+/// their scales, then 2x2 (row, token) tiles run over blocks of
+/// [`GEMM_TOKENS`] tokens and [`GEMM_COLS`] columns (so both operands come
+/// from L1), carrying each (row, token) accumulator from one column block to
+/// the next. Per (row, token) the arithmetic is exactly [`q4_block`]'s,
+/// group by group in order, so results are bit-identical to the matvec path.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_gemm_rows(
+    w: &TensorView,
+    r0: usize,
+    r1: usize,
+    toks: &[Token],
+    out: &mut [f32],
+    bf16: bool,
+    group: usize,
+) {
+    let cols = w.cols;
+    let ng = cols / group;
+    let ntok = toks.len();
+    let (c, s, b) = w.affine_parts();
+    let row = |r: usize| AffineRow::from_parts(c, s, b, cols, 4, group, r);
+    for t in toks {
+        assert!(t.xp.len() >= cols && t.gsum.len() >= ng.next_multiple_of(8));
+    }
+    let kg = (GEMM_COLS / group).max(1);
+    // 32-byte aligned so no panel load splits a cache line.
+    let mut panel_buf = vec![_mm256_setzero_ps(); GEMM_ROWS * cols / 8];
+    // SAFETY: `panel_buf` holds GEMM_ROWS * cols / 8 vectors of 8 f32
+    // (`cols` is a multiple of 16), all initialized; the slice borrows it
+    // exclusively for this function.
+    let panel: &mut [f32] = unsafe {
+        std::slice::from_raw_parts_mut(panel_buf.as_mut_ptr().cast::<f32>(), GEMM_ROWS * cols)
+    };
+    let mut scales = vec![0f32; GEMM_ROWS * ng];
+    let mut acc = vec![_mm256_setzero_ps(); GEMM_ROWS * GEMM_TOKENS];
+    for rc in (r0..r1).step_by(GEMM_ROWS) {
+        let nr = (r1 - rc).min(GEMM_ROWS);
+        for i in 0..nr {
+            decode_q4_panel(
+                &row(rc + i),
+                bf16,
+                ng,
+                &mut panel[i * cols..(i + 1) * cols],
+                &mut scales[i * ng..(i + 1) * ng],
+            );
+        }
+        for tb in (0..ntok).step_by(GEMM_TOKENS) {
+            let nt = (ntok - tb).min(GEMM_TOKENS);
+            acc.fill(_mm256_setzero_ps());
+            for g0 in (0..ng).step_by(kg) {
+                let gs = g0..(g0 + kg).min(ng);
+                let mut i = 0;
+                while i < nr {
+                    let ri = (nr - i).min(2);
+                    let mut t = 0;
+                    while t < nt {
+                        let ti = (nt - t).min(2);
+                        let x = |k: usize| &toks[tb + t + k].xp[..];
+                        let p = |k: usize| &panel[(i + k) * cols..(i + k + 1) * cols];
+                        let sc = |k: usize| &scales[(i + k) * ng..(i + k + 1) * ng];
+                        let a = |k: usize, j: usize| (i + k) * GEMM_TOKENS + t + j;
+                        let g = gs.clone();
+                        match (ri, ti) {
+                            (2, 2) => {
+                                let mut v =
+                                    [[acc[a(0, 0)], acc[a(0, 1)]], [acc[a(1, 0)], acc[a(1, 1)]]];
+                                q4_tile::<2, 2>(
+                                    [p(0), p(1)],
+                                    [sc(0), sc(1)],
+                                    [x(0), x(1)],
+                                    group,
+                                    g,
+                                    &mut v,
+                                );
+                                [acc[a(0, 0)], acc[a(0, 1)]] = v[0];
+                                [acc[a(1, 0)], acc[a(1, 1)]] = v[1];
+                            }
+                            (2, _) => {
+                                let mut v = [[acc[a(0, 0)]], [acc[a(1, 0)]]];
+                                q4_tile::<2, 1>(
+                                    [p(0), p(1)],
+                                    [sc(0), sc(1)],
+                                    [x(0)],
+                                    group,
+                                    g,
+                                    &mut v,
+                                );
+                                [[acc[a(0, 0)]], [acc[a(1, 0)]]] = v;
+                            }
+                            (_, 2) => {
+                                let mut v = [[acc[a(0, 0)], acc[a(0, 1)]]];
+                                q4_tile::<1, 2>([p(0)], [sc(0)], [x(0), x(1)], group, g, &mut v);
+                                [[acc[a(0, 0)], acc[a(0, 1)]]] = v;
+                            }
+                            _ => {
+                                let mut v = [[acc[a(0, 0)]]];
+                                q4_tile::<1, 1>([p(0)], [sc(0)], [x(0)], group, g, &mut v);
+                                [[acc[a(0, 0)]]] = v;
+                            }
+                        }
+                        t += ti;
+                    }
+                    i += ri;
+                }
+            }
+            for i in 0..nr {
+                let biases = row(rc + i).biases;
+                for t in 0..nt {
+                    let bias = bias_term(biases, &toks[tb + t].gsum, ng, bf16);
+                    out[(rc + i - r0) * ntok + tb + t] = hsum(acc[i * GEMM_TOKENS + t]) + bias;
+                }
+            }
+        }
+    }
+}
+
+/// Decodes one 4-bit row into `panel` (`[cols]` f32: per 16 elements the 8
+/// low nibbles then the 8 high nibbles times 16, as [`q4_block`] widens
+/// them) and its scales into `scales` (`[ng]`).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn decode_q4_panel(row: &AffineRow, bf16: bool, ng: usize, panel: &mut [f32], scales: &mut [f32]) {
+    let m_lo = _mm256_set1_epi32(0x0F);
+    let m_hi = _mm256_set1_epi32(0xF0);
+    assert!(row.codes.len() >= panel.len() / 2 && scales.len() == ng);
+    for (k, dst) in panel.chunks_exact_mut(16).enumerate() {
+        // SAFETY: chunk k reads code bytes k*8..k*8+8 < panel.len()/2 <=
+        // codes.len() (asserted), and writes 16 f32 into `dst`.
+        unsafe {
+            let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(row.codes.as_ptr().add(k * 8).cast()));
+            _mm256_storeu_ps(
+                dst.as_mut_ptr(),
+                _mm256_cvtepi32_ps(_mm256_and_si256(v, m_lo)),
+            );
+            let hi = _mm256_cvtepi32_ps(_mm256_and_si256(v, m_hi));
+            _mm256_storeu_ps(dst.as_mut_ptr().add(8), hi);
+        }
+    }
+    for gb in (0..ng).step_by(8) {
+        let sc = scales8(row.scales, gb, ng, bf16);
+        let n = (ng - gb).min(8);
+        scales[gb..gb + n].copy_from_slice(&sc[..n]);
+    }
+}
+
+/// One `R x T` tile of the GEMM path over groups `gs`: per (row, token)
+/// continues the accumulator `acc` of [`q4_block`] (before the horizontal
+/// sum and the bias term), from decoded panels (`[cols]` each), scales
+/// (`[ng]` each) and split inputs.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::needless_range_loop)]
+fn q4_tile<const R: usize, const T: usize>(
+    panels: [&[f32]; R],
+    scales: [&[f32]; R],
+    xs: [&[f32]; T],
+    group: usize,
+    gs: std::ops::Range<usize>,
+    acc: &mut [[__m256; T]; R],
+) {
+    let end = gs.end * group;
+    for r in 0..R {
+        assert!(panels[r].len() >= end && scales[r].len() >= gs.end);
+    }
+    for x in xs {
+        assert!(x.len() >= end);
+    }
+    let steps = group / 16;
+    for g in gs {
+        let mut a0 = [[_mm256_setzero_ps(); T]; R];
+        let mut a1 = [[_mm256_setzero_ps(); T]; R];
+        for k in 0..steps {
+            let off = (g * steps + k) * 16;
+            // SAFETY: off + 16 <= end <= every panel's and input's length
+            // (asserted above).
+            unsafe {
+                let mut lo = [_mm256_setzero_ps(); R];
+                let mut hi = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    lo[r] = ld_f32(panels[r].as_ptr().add(off));
+                    hi[r] = ld_f32(panels[r].as_ptr().add(off + 8));
+                }
+                for t in 0..T {
+                    let xl = ld_f32(xs[t].as_ptr().add(off));
+                    let xh = ld_f32(xs[t].as_ptr().add(off + 8));
+                    for r in 0..R {
+                        a0[r][t] = _mm256_fmadd_ps(lo[r], xl, a0[r][t]);
+                        a1[r][t] = _mm256_fmadd_ps(hi[r], xh, a1[r][t]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            let s = _mm256_set1_ps(scales[r][g]);
+            for t in 0..T {
+                acc[r][t] = _mm256_fmadd_ps(s, _mm256_add_ps(a0[r][t], a1[r][t]), acc[r][t]);
+            }
+        }
+    }
 }
 
 /// Scales of groups `g..g + 8` of one row as f32 (zero past `ng`).

@@ -228,7 +228,7 @@ pub(crate) struct Token<'a> {
     /// 16 of `x` as its 8 even elements (the low nibbles of 8 code bytes)
     /// then its 8 odd ones divided by 16 (see `avx2::q4_block`). Otherwise
     /// empty.
-    pub xp: Vec<f32>,
+    pub xp: AlignedF32,
     /// 4-bit affine weights with [`Activations::Int16`]: the quantized input.
     pub(crate) qx: Option<q4i16::QuantizedInput>,
 }
@@ -243,7 +243,7 @@ impl<'a> Token<'a> {
             return Token {
                 x,
                 gsum: Vec::new(),
-                xp: Vec::new(),
+                xp: AlignedF32::zeroed(0),
                 qx: Some(q4i16::quantize_input(x, group)),
             };
         }
@@ -253,11 +253,11 @@ impl<'a> Token<'a> {
                 let xp = if bits == 4 && group.is_multiple_of(16) {
                     split_pairs(x)
                 } else {
-                    Vec::new()
+                    AlignedF32::zeroed(0)
                 };
                 (group_sums(x, group), xp)
             }
-            _ => (Vec::new(), Vec::new()),
+            _ => (Vec::new(), AlignedF32::zeroed(0)),
         };
         Token {
             x,
@@ -268,10 +268,47 @@ impl<'a> Token<'a> {
     }
 }
 
+/// f32 values in 32-byte aligned storage, so whole 8-lane loads at multiples
+/// of 8 never split a cache line.
+pub(crate) struct AlignedF32 {
+    buf: Vec<Lanes8>,
+    len: usize,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(32))]
+struct Lanes8([f32; 8]);
+
+impl AlignedF32 {
+    /// `len` zeros.
+    pub(crate) fn zeroed(len: usize) -> AlignedF32 {
+        AlignedF32 {
+            buf: vec![Lanes8([0.0; 8]); len.div_ceil(8)],
+            len,
+        }
+    }
+}
+
+impl std::ops::Deref for AlignedF32 {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `buf` holds len.div_ceil(8) * 8 >= len initialized f32
+        // (`Lanes8` is `repr(C)` over `[f32; 8]`), borrowed with `self`.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<f32>(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedF32 {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as in `deref`, borrowed mutably with `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<f32>(), self.len) }
+    }
+}
+
 /// Reorders each block of 16 as its even elements then its odd elements
 /// (`x.len()` must be a multiple of 16).
-fn split_pairs(x: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; x.len()];
+fn split_pairs(x: &[f32]) -> AlignedF32 {
+    let mut out = AlignedF32::zeroed(x.len());
     for (o, b) in out.chunks_exact_mut(16).zip(x.chunks_exact(16)) {
         for i in 0..8 {
             o[i] = b[2 * i];

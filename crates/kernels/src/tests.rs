@@ -60,7 +60,7 @@ proptest! {
     #[test]
     fn simd_matches_scalar_and_matmul_is_matvec(
         (q, rows, cols, off, seed) in case(),
-        n in 1usize..9,
+        n in prop_oneof![1usize..9, 9usize..140],
     ) {
         let buf = weight_bytes(q, rows, cols, off, seed);
         let w = TensorView::new(q, rows, cols, &buf[off..]).unwrap();
@@ -219,25 +219,26 @@ fn threaded_equals_inline() {
         let buf = weight_bytes(q, rows, cols, 1, 7);
         let w = TensorView::new(q, rows, cols, &buf[1..]).unwrap();
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
-        let n = 5;
-        let x = rand_vals(&mut rng, n * cols);
-        for isa in Isa::available() {
-            let mut a = vec![0f32; n * rows];
-            let mut b = vec![0f32; n * rows];
-            matmul_with(isa, &w, &x, n, &mut a);
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .build()
-                .unwrap();
-            pool.install(|| matmul_with(isa, &w, &x, n, &mut b));
-            assert_eq!(a, b, "{isa:?} {q:?}");
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(3)
-                .build()
-                .unwrap();
-            let mut y = vec![0f32; rows];
-            pool.install(|| matvec_with(isa, &w, &x[cols..2 * cols], &mut y));
-            assert_eq!(&a[rows..2 * rows], &y[..], "{isa:?} {q:?}");
+        for n in [5, 37] {
+            let x = rand_vals(&mut rng, n * cols);
+            for isa in Isa::available() {
+                let mut a = vec![0f32; n * rows];
+                let mut b = vec![0f32; n * rows];
+                matmul_with(isa, &w, &x, n, &mut a);
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                pool.install(|| matmul_with(isa, &w, &x, n, &mut b));
+                assert_eq!(a, b, "{isa:?} {q:?}");
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(3)
+                    .build()
+                    .unwrap();
+                let mut y = vec![0f32; rows];
+                pool.install(|| matvec_with(isa, &w, &x[cols..2 * cols], &mut y));
+                assert_eq!(&a[rows..2 * rows], &y[..], "{isa:?} {q:?}");
+            }
         }
     }
 }
@@ -256,6 +257,34 @@ fn bench_matvec() {
     let Ok(mode) = std::env::var("SLIPSTREAM_KERNEL_BENCH") else {
         return;
     };
+    // `SLIPSTREAM_KERNEL_BENCH=gemm`: the prefill product on one thread
+    // (for profiling the GEMM path).
+    if mode == "gemm" {
+        let (rows, cols, n) = (512, 2048, 256);
+        let q = QuantType::Q4;
+        let buf = weight_bytes(q, rows, cols, 0, 1);
+        let w = TensorView::new(q, rows, cols, &buf).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let x = rand_vals(&mut rng, n * cols);
+        let mut y = vec![0f32; n * rows];
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .unwrap();
+        // Best of 40 (a shared machine's noise only ever slows a run down).
+        let mut best = f64::MAX;
+        for _ in 0..40 {
+            let t0 = std::time::Instant::now();
+            pool.install(|| matmul_with(Isa::Avx2, &w, &x, n, &mut y));
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        let gflops = 2.0 * (rows * cols * n) as f64 / best * 1e-9;
+        println!(
+            "gemm [{rows}x{cols}] x {n}: best {:.2} ms, {gflops:.1} GFLOP/s (1 thread)",
+            best * 1e3
+        );
+        return;
+    }
     // `SLIPSTREAM_KERNEL_BENCH=quick`: one small shape (for profiling).
     let shapes: &[(usize, usize)] = if mode == "quick" {
         &[(512, 2048)]
