@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// Direct I/O for expert reads: on, off or on,off.
     #[arg(long, default_value = "off")]
     pub direct_io: String,
+    /// Activations of slipstream's 4-bit products, comma separated: f32
+    /// (exact) or int16 (`slipstream run --activations int16`).
+    #[arg(long, default_value = "f32")]
+    pub activations: String,
     /// Prompt lengths in tokens, comma separated (cut from the bundled KJV text).
     #[arg(long, default_value = "1024,3072,12288,24576")]
     pub prompt_lens: String,
@@ -107,6 +111,7 @@ pub fn options(args: &BenchArgs, runner: PathBuf, progress: bool) -> Result<Benc
         slots: matrix::parse_slots(&args.slots)?,
         policies: matrix::parse_policies(&args.policy)?,
         direct_io: matrix::parse_on_off("--direct-io", &args.direct_io)?,
+        activations: matrix::parse_activations(&args.activations)?,
         prompt_lens: matrix::parse_lens(&args.prompt_lens)?,
         gen: args.gen,
         peer_modes: matrix::parse_list("--peer-modes", &args.peer_modes, PeerMode::parse)?,

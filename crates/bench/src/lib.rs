@@ -327,6 +327,7 @@ fn run_one(
             slots,
             policy,
             direct_io,
+            activations,
         } => {
             let mut c = Command::new(&opts.runner);
             c.arg("run").arg("--model").arg(&opts.model);
@@ -336,6 +337,7 @@ fn run_one(
             }
             c.args(["--max-new", &spec.gen.to_string(), "--print-ids"]);
             c.args(["--threads", &opts.threads.to_string()]);
+            c.args(["--activations", activations]);
             c.arg("--stats-json").arg(&stats_path);
             match slots {
                 Slots::Count(n) => {

@@ -112,6 +112,8 @@ pub enum Setting {
         slots: Slots,
         policy: String,
         direct_io: bool,
+        /// `--activations`: `f32` (exact, the default) or `int16`.
+        activations: String,
     },
     #[serde(rename = "llama.cpp")]
     LlamaCpp { mode: PeerMode },
@@ -132,6 +134,7 @@ impl Setting {
                 slots,
                 policy,
                 direct_io,
+                activations,
             } => {
                 let s = match slots {
                     Slots::Count(n) => format!("{n} slots"),
@@ -139,7 +142,12 @@ impl Setting {
                     Slots::Resident => "resident".to_string(),
                 };
                 let dio = if *direct_io { ", direct I/O" } else { "" };
-                format!("slipstream, {s}, {policy}{dio}")
+                let act = if activations == "f32" {
+                    String::new()
+                } else {
+                    format!(", {activations} activations")
+                };
+                format!("slipstream, {s}, {policy}{dio}{act}")
             }
             Self::LlamaCpp { mode } => format!("llama.cpp, {}", mode.label()),
         }
@@ -220,6 +228,14 @@ pub fn parse_policies(s: &str) -> Result<Vec<String>> {
     })
 }
 
+/// `--activations f32,int16`.
+pub fn parse_activations(s: &str) -> Result<Vec<String>> {
+    parse_list("--activations", s, |p| match p {
+        "f32" | "int16" => Ok(p.to_string()),
+        other => bail!("unknown activations {other:?}: expected f32 or int16"),
+    })
+}
+
 /// `--prompt-lens 1024,3072`: positive token counts.
 pub fn parse_lens(s: &str) -> Result<Vec<usize>> {
     parse_list("--prompt-lens", s, |p| match p.parse::<usize>() {
@@ -281,6 +297,8 @@ pub struct MatrixSpec {
     pub slots: Vec<Slots>,
     pub policies: Vec<String>,
     pub direct_io: Vec<bool>,
+    /// Activation modes of the slipstream rows (`f32`, `int16`).
+    pub activations: Vec<String>,
     pub prompt_lens: Vec<usize>,
     pub gen: usize,
     /// Peer modes, empty when no peer runs.
@@ -313,16 +331,19 @@ pub fn expand(m: &MatrixSpec) -> Vec<RunSpec> {
                 }
                 for policy in &m.policies {
                     for &direct_io in &m.direct_io {
-                        out.push(RunSpec {
-                            setting: Setting::Slipstream {
-                                slots,
-                                policy: policy.clone(),
-                                direct_io,
-                            },
-                            prompt_len,
-                            gen: m.gen,
-                            memory_cap: cap,
-                        });
+                        for activations in &m.activations {
+                            out.push(RunSpec {
+                                setting: Setting::Slipstream {
+                                    slots,
+                                    policy: policy.clone(),
+                                    direct_io,
+                                    activations: activations.clone(),
+                                },
+                                prompt_len,
+                                gen: m.gen,
+                                memory_cap: cap,
+                            });
+                        }
                     }
                 }
             }
@@ -359,6 +380,14 @@ mod tests {
             let e = format!("{:#}", parse_slots(bad).unwrap_err());
             assert!(e.contains("--slots"), "{bad:?}: {e}");
         }
+        assert_eq!(
+            parse_activations("f32,int16").unwrap(),
+            vec!["f32", "int16"]
+        );
+        for bad in ["", "int8", "f32,"] {
+            let e = format!("{:#}", parse_activations(bad).unwrap_err());
+            assert!(e.contains("--activations"), "{bad:?}: {e}");
+        }
     }
 
     #[test]
@@ -377,6 +406,7 @@ mod tests {
             slots: vec![Slots::Count(16), Slots::All],
             policies: vec!["aging".into()],
             direct_io: vec![false],
+            activations: vec!["f32".into(), "int16".into()],
             prompt_lens: vec![8, 16],
             gen: 4,
             peer_modes: vec![PeerMode::Mmap],
@@ -394,13 +424,16 @@ mod tests {
             labels,
             vec![
                 "slipstream, 16 slots, aging",
+                "slipstream, 16 slots, aging, int16 activations",
                 "slipstream, all slots, aging",
+                "slipstream, all slots, aging, int16 activations",
                 "llama.cpp, mmap, --repack 0",
                 "slipstream, 16 slots, aging, cap 1.0 GiB",
+                "slipstream, 16 slots, aging, int16 activations, cap 1.0 GiB",
                 "llama.cpp, mmap, --repack 0, cap 1.0 GiB",
             ]
         );
-        assert_eq!(runs.len(), 10);
+        assert_eq!(runs.len(), 16);
     }
 
     #[test]
