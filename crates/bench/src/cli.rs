@@ -66,7 +66,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub peer: Option<String>,
     /// Peer settings, comma separated: mmap (mmap on, --repack 0),
-    /// mmap-repack (mmap on, default repack), no-mmap (-lm none).
+    /// mmap-repack (mmap on, default repack), no-mmap (-lm none --repack 0),
+    /// no-mmap-repack (-lm none, default repack).
     #[arg(long, default_value = "mmap,no-mmap")]
     pub peer_modes: String,
     /// Compute threads for every runtime (default: all cores).

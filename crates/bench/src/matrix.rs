@@ -56,8 +56,11 @@ pub enum PeerMode {
     /// mmap on with llama.cpp's default CPU repack, which copies the weights
     /// it repacks into anonymous memory.
     MmapRepack,
-    /// `--mmap 0`: every weight read into anonymous memory at load.
+    /// `--mmap 0` with repacking off: every weight read into anonymous
+    /// memory at load, in its stored layout.
     NoMmap,
+    /// `--mmap 0` with llama.cpp's default CPU repack.
+    NoMmapRepack,
 }
 
 impl PeerMode {
@@ -66,7 +69,10 @@ impl PeerMode {
             "mmap" => Ok(Self::Mmap),
             "mmap-repack" => Ok(Self::MmapRepack),
             "no-mmap" => Ok(Self::NoMmap),
-            other => bail!("bad peer mode {other:?}: expected mmap, mmap-repack or no-mmap"),
+            "no-mmap-repack" => Ok(Self::NoMmapRepack),
+            other => bail!(
+                "bad peer mode {other:?}: expected mmap, mmap-repack, no-mmap or no-mmap-repack"
+            ),
         }
     }
 
@@ -74,7 +80,8 @@ impl PeerMode {
         match self {
             Self::Mmap => "mmap, --repack 0",
             Self::MmapRepack => "mmap, default repack",
-            Self::NoMmap => "--mmap 0",
+            Self::NoMmap => "--mmap 0, --repack 0",
+            Self::NoMmapRepack => "--mmap 0, default repack",
         }
     }
 }

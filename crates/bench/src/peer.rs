@@ -58,7 +58,8 @@ pub fn command(
     let (load, repack) = match mode {
         PeerMode::Mmap => ("mmap", Some("0")),
         PeerMode::MmapRepack => ("mmap", None),
-        PeerMode::NoMmap => ("none", None),
+        PeerMode::NoMmap => ("none", Some("0")),
+        PeerMode::NoMmapRepack => ("none", None),
     };
     c.args(["-lm", load]);
     if let Some(r) = repack {
@@ -233,6 +234,16 @@ mod tests {
             "{s}"
         );
         let c = command(Path::new("b"), Path::new("m"), PeerMode::NoMmap, 8, 4, 1);
+        let s: Vec<String> = c.get_args().map(|a| a.to_string_lossy().into()).collect();
+        assert!(s.join(" ").ends_with("-lm none --repack 0"));
+        let c = command(
+            Path::new("b"),
+            Path::new("m"),
+            PeerMode::NoMmapRepack,
+            8,
+            4,
+            1,
+        );
         let s: Vec<String> = c.get_args().map(|a| a.to_string_lossy().into()).collect();
         assert!(s.join(" ").ends_with("-lm none"));
     }

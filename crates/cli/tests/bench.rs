@@ -206,7 +206,10 @@ echo "{\"build_commit\": \"0c1e570\", \"load_mode\": \"$lm\", \"n_prompt\": 0, \
         .arg(&out)
         .output()
         .unwrap());
-    assert!(stdout.contains("llama.cpp, --mmap 0"), "{stdout}");
+    assert!(
+        stdout.contains("llama.cpp, --mmap 0, --repack 0"),
+        "{stdout}"
+    );
     let j = results(&out);
     let recs = j["records"].as_array().unwrap();
     let peer_rows: Vec<&serde_json::Value> = recs
