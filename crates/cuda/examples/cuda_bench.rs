@@ -84,11 +84,17 @@ fn main() {
         .iter()
         .position(|a| a == "--json")
         .and_then(|i| args.get(i + 1).cloned());
+    // `--experts-only`: the HBM probes and the routed-experts rows (for a
+    // profiler run).
+    let experts_only = args.iter().any(|a| a == "--experts-only");
     if let Err(e) = slipstream_cuda::probe() {
         eprintln!("no CUDA: {e}");
         std::process::exit(2);
     }
-    let g = Gpu::new(0).expect("opening the GPU");
+    let mut g = Gpu::new(0).expect("opening the GPU");
+    // The "fused" rows measure the one-launch kernel (off in the model by default).
+    g.fused = true;
+    let g = g;
     println!("device: {} ({} SMs)", g.name, g.sms);
     let reps = 20;
     let mut rows: Vec<Row> = Vec::new();
@@ -166,6 +172,113 @@ fn main() {
                 .unwrap();
         }
     }) / 40.0;
+    // The same layer as one launch of the fused kernel.
+    let fused = |s: usize| {
+        g.moe_experts(
+            [&gt, &gt, &dt],
+            [tab(s, 0), tab(s, 1), tab(s, 2)],
+            xrow.ptr,
+            x.ptr,
+            hbuf.ptr,
+            wts.ptr,
+            k,
+            (0, 0),
+            res.ptr,
+            1,
+        )
+        .unwrap()
+    };
+    let ms_fused = time_ms(&g, reps * 4, |i| fused(i % sets));
+    let ms_fused40 = time_ms(&g, 3, |_| {
+        for s in 0..40 {
+            fused(s)
+        }
+    }) / 40.0;
+    let ms_graph40 = {
+        g.stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        for s in 0..40 {
+            fused(s)
+        }
+        let graph = g
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .unwrap();
+        time_ms(&g, reps, |_| graph.launch().unwrap()) / 40.0
+    };
+    // Launch cost: host submission vs GPU timeline, and graph replay.
+    {
+        let n = 2000;
+        g.sync().unwrap();
+        let a = g.mark().unwrap();
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            g.nop().unwrap();
+        }
+        let host_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+        let b = g.mark().unwrap();
+        b.synchronize().unwrap();
+        let gpu_us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / n as f64;
+        println!("probe: empty kernel: host submit {host_us:.2} us/launch, GPU timeline {gpu_us:.2} us/launch");
+        let layers = 400;
+        g.sync().unwrap();
+        let a = g.mark().unwrap();
+        let t = std::time::Instant::now();
+        for i in 0..layers {
+            let s = i % sets;
+            g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
+                .unwrap();
+            g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
+                .unwrap();
+        }
+        let host_us = t.elapsed().as_secs_f64() * 1e6 / layers as f64;
+        let b = g.mark().unwrap();
+        b.synchronize().unwrap();
+        let gpu_us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / layers as f64;
+        println!("probe: layer pair: host submit {host_us:.2} us/layer, GPU timeline {gpu_us:.2} us/layer");
+        for (nl, what) in [(1usize, "1 layer"), (40, "40 layers")] {
+            g.stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+                )
+                .unwrap();
+            for s in 0..nl {
+                g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
+                    .unwrap();
+                g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
+                    .unwrap();
+            }
+            let graph = g
+                .stream
+                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                .unwrap()
+                .unwrap();
+            let ms = time_ms(&g, reps, |_| graph.launch().unwrap());
+            println!(
+                "probe: graph of {what} (2 launches each), replayed: {:.2} us/layer",
+                ms * 1e3 / nl as f64
+            );
+            let ms = time_ms(&g, reps, |_| {
+                for _ in 0..4 {
+                    graph.launch().unwrap()
+                }
+            });
+            println!(
+                "probe: graph of {what}, 4 replays queued: {:.2} us/layer",
+                ms * 1e3 / (4 * nl) as f64
+            );
+        }
+        let ms = time_ms(&g, reps, |_| g.nop().unwrap());
+        println!(
+            "probe: empty kernel, event-timed like the rows: {:.2} us",
+            ms * 1e3
+        );
+        for (n, regs, occ) in g.kernel_report() {
+            println!("probe: {n}: {regs} registers, {occ} blocks of 256 per SM");
+        }
+    }
     rows.push(Row {
         name: format!("experts gate+up ({k} x 2 x [{inter},{h}] q4)"),
         ms: ms_gu,
@@ -184,6 +297,21 @@ fn main() {
     rows.push(Row {
         name: "layer's routed experts, 40 layers queued".into(),
         ms: ms_40,
+        bytes: (3 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: "layer's routed experts, fused (1 launch)".into(),
+        ms: ms_fused,
+        bytes: (3 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: "fused, 40 layers queued".into(),
+        ms: ms_fused40,
+        bytes: (3 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: "fused, 40 layers in one CUDA graph".into(),
+        ms: ms_graph40,
         bytes: (3 * k * part) as f64,
     });
     // Larger batch: all 256 experts of a layer at once (prefill-like).
@@ -225,6 +353,26 @@ fn main() {
             )
             .unwrap();
         });
+        let msf = time_ms(&g, reps, |_| {
+            g.moe_experts(
+                [&gt, &gt, &dt],
+                [td2.ptr, td2.ptr + 8 * kk as u64, td2.ptr + 16 * kk as u64],
+                xr2.ptr,
+                x.ptr,
+                h2.ptr,
+                w2.ptr,
+                kk,
+                (0, 0),
+                res.ptr,
+                1,
+            )
+            .unwrap()
+        });
+        rows.push(Row {
+            name: format!("{kk} experts, fused (1 launch)"),
+            ms: msf,
+            bytes: (3 * kk * part) as f64,
+        });
         rows.push(Row {
             name: format!("{kk} experts in one launch pair"),
             ms,
@@ -233,112 +381,115 @@ fn main() {
     }
     drop(pool);
 
-    // 3. Dense matvecs (rotating over 8 copies).
-    for (name, q, r, c) in [
-        (
-            "dense q4 [8192, 2048] (attn q)",
-            QuantType::Q4,
-            8192usize,
-            2048usize,
-        ),
-        (
-            "dense q4 [12288, 2048] (gdn qkv)",
-            QuantType::Q4,
-            12288,
-            2048,
-        ),
-        ("dense bf16 [4096, 2048]", QuantType::Bf16, 4096, 2048),
-        ("dense f16 [4096, 2048]", QuantType::F16, 4096, 2048),
-        ("dense f32 [2048, 2048]", QuantType::F32, 2048, 2048),
-        ("lm head q4 [248320, 2048]", QuantType::Q4, 248320, 2048),
-    ] {
-        let nb = q.nbytes(r, c);
-        let copies = if nb > 64 << 20 { 1 } else { 8 };
-        let buf = g.alloc(copies * nb.div_ceil(256) * 256).unwrap();
-        let ds: Vec<WDesc> = (0..copies)
-            .map(|i| WDesc::new(q, r, c, buf.ptr + (i * nb.div_ceil(256) * 256) as u64).unwrap())
-            .collect();
-        if matches!(q, QuantType::Affine { .. }) {
-            fill_affine(&g, &buf, &ds, 3);
-        } else {
-            // Small finite values: 0x3c00 = 1.0 in f16, 0x3f80 = 1.0 in bf16.
-            fill_random(&g, &buf, 5);
+    if !experts_only {
+        // 3. Dense matvecs (rotating over 8 copies).
+        for (name, q, r, c) in [
+            (
+                "dense q4 [8192, 2048] (attn q)",
+                QuantType::Q4,
+                8192usize,
+                2048usize,
+            ),
+            (
+                "dense q4 [12288, 2048] (gdn qkv)",
+                QuantType::Q4,
+                12288,
+                2048,
+            ),
+            ("dense bf16 [4096, 2048]", QuantType::Bf16, 4096, 2048),
+            ("dense f16 [4096, 2048]", QuantType::F16, 4096, 2048),
+            ("dense f32 [2048, 2048]", QuantType::F32, 2048, 2048),
+            ("lm head q4 [248320, 2048]", QuantType::Q4, 248320, 2048),
+        ] {
+            let nb = q.nbytes(r, c);
+            let copies = if nb > 64 << 20 { 1 } else { 8 };
+            let buf = g.alloc(copies * nb.div_ceil(256) * 256).unwrap();
+            let ds: Vec<WDesc> = (0..copies)
+                .map(|i| {
+                    WDesc::new(q, r, c, buf.ptr + (i * nb.div_ceil(256) * 256) as u64).unwrap()
+                })
+                .collect();
+            if matches!(q, QuantType::Affine { .. }) {
+                fill_affine(&g, &buf, &ds, 3);
+            } else {
+                // Small finite values: 0x3c00 = 1.0 in f16, 0x3f80 = 1.0 in bf16.
+                fill_random(&g, &buf, 5);
+            }
+            let xb = g.upload_f32(&vec![0.01f32; c]).unwrap();
+            let yb = g.alloc(4 * r).unwrap();
+            let ms = time_ms(&g, reps, |i| {
+                g.matvec(&ds[i % copies], xb.ptr, yb.ptr, 1).unwrap()
+            });
+            rows.push(Row {
+                name: name.into(),
+                ms,
+                bytes: nb as f64,
+            });
         }
-        let xb = g.upload_f32(&vec![0.01f32; c]).unwrap();
-        let yb = g.alloc(4 * r).unwrap();
-        let ms = time_ms(&g, reps, |i| {
-            g.matvec(&ds[i % copies], xb.ptr, yb.ptr, 1).unwrap()
-        });
-        rows.push(Row {
-            name: name.into(),
-            ms,
-            bytes: nb as f64,
-        });
-    }
 
-    // 4. Decode attention over a 4096-token cache (35B: 16 heads, 2 KV heads, 256).
-    {
-        let (nh, nkv, hd, keys) = (16usize, 2usize, 256usize, 4096usize);
-        let kc = g.upload_f32(&vec![0.01f32; keys * nkv * hd]).unwrap();
-        let vc = g.upload_f32(&vec![0.02f32; keys * nkv * hd]).unwrap();
-        let qb = g.upload_f32(&vec![0.03f32; nh * hd]).unwrap();
-        let sc = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, keys)).unwrap();
-        let out = g.alloc(4 * nh * hd).unwrap();
-        let ms = time_ms(&g, reps, |_| {
-            g.attention(
-                qb.ptr,
-                kc.ptr,
-                vc.ptr,
-                keys,
-                (nh, nkv, hd),
-                qb.ptr,
-                &sc,
-                out.ptr,
-            )
-            .unwrap()
-        });
-        rows.push(Row {
-            name: format!("attention {keys} keys (K+V f32)"),
-            ms,
-            bytes: (2 * keys * nkv * hd * 4) as f64,
-        });
+        // 4. Decode attention over a 4096-token cache (35B: 16 heads, 2 KV heads, 256).
+        {
+            let (nh, nkv, hd, keys) = (16usize, 2usize, 256usize, 4096usize);
+            let kc = g.upload_f32(&vec![0.01f32; keys * nkv * hd]).unwrap();
+            let vc = g.upload_f32(&vec![0.02f32; keys * nkv * hd]).unwrap();
+            let qb = g.upload_f32(&vec![0.03f32; nh * hd]).unwrap();
+            let sc = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, keys)).unwrap();
+            let out = g.alloc(4 * nh * hd).unwrap();
+            let ms = time_ms(&g, reps, |_| {
+                g.attention(
+                    qb.ptr,
+                    kc.ptr,
+                    vc.ptr,
+                    keys,
+                    (nh, nkv, hd),
+                    qb.ptr,
+                    &sc,
+                    out.ptr,
+                )
+                .unwrap()
+            });
+            rows.push(Row {
+                name: format!("attention {keys} keys (K+V f32)"),
+                ms,
+                bytes: (2 * keys * nkv * hd * 4) as f64,
+            });
+        }
+        // 5. Gated DeltaNet step (35B: 16x128 / 32x128): state read + written.
+        {
+            let (nk, dk, nv, dv) = (16usize, 128usize, 32usize, 128usize);
+            let c = 2 * nk * dk + nv * dv;
+            let co = g.upload_f32(&vec![0.1f32; c]).unwrap();
+            let z = g.upload_f32(&vec![0.1f32; nv * dv]).unwrap();
+            let ab = g.upload_f32(&vec![0.1f32; nv]).unwrap();
+            let nw = g.upload_f32(&vec![1.0f32; dv]).unwrap();
+            let states: Vec<DBuf> = (0..16)
+                .map(|_| g.upload_f32(&vec![0.01f32; nv * dk * dv]).unwrap())
+                .collect();
+            let core = g.alloc(4 * nv * dv).unwrap();
+            let ms = time_ms(&g, reps * 4, |i| {
+                g.gdn_step(
+                    co.ptr,
+                    z.ptr,
+                    ab.ptr,
+                    ab.ptr,
+                    ab.ptr,
+                    ab.ptr,
+                    nw.ptr,
+                    states[i % 16].ptr,
+                    1,
+                    (nk, dk, nv, dv),
+                    1e-6,
+                    core.ptr,
+                )
+                .unwrap()
+            });
+            rows.push(Row {
+                name: "gated delta rule step (state r+w)".into(),
+                ms,
+                bytes: (2 * nv * dk * dv * 4) as f64,
+            });
+        }
     }
-    // 5. Gated DeltaNet step (35B: 16x128 / 32x128): state read + written.
-    {
-        let (nk, dk, nv, dv) = (16usize, 128usize, 32usize, 128usize);
-        let c = 2 * nk * dk + nv * dv;
-        let co = g.upload_f32(&vec![0.1f32; c]).unwrap();
-        let z = g.upload_f32(&vec![0.1f32; nv * dv]).unwrap();
-        let ab = g.upload_f32(&vec![0.1f32; nv]).unwrap();
-        let nw = g.upload_f32(&vec![1.0f32; dv]).unwrap();
-        let states: Vec<DBuf> = (0..16)
-            .map(|_| g.upload_f32(&vec![0.01f32; nv * dk * dv]).unwrap())
-            .collect();
-        let core = g.alloc(4 * nv * dv).unwrap();
-        let ms = time_ms(&g, reps * 4, |i| {
-            g.gdn_step(
-                co.ptr,
-                z.ptr,
-                ab.ptr,
-                ab.ptr,
-                ab.ptr,
-                ab.ptr,
-                nw.ptr,
-                states[i % 16].ptr,
-                1,
-                (nk, dk, nv, dv),
-                1e-6,
-                core.ptr,
-            )
-            .unwrap()
-        });
-        rows.push(Row {
-            name: "gated delta rule step (state r+w)".into(),
-            ms,
-            bytes: (2 * nv * dk * dv * 4) as f64,
-        });
-    }
-
     println!(
         "\n{:<48} {:>10} {:>10} {:>9} {:>8}",
         "kernel", "us", "MB", "GB/s", "% read"

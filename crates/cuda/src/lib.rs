@@ -178,12 +178,16 @@ impl WDesc {
 
     /// For affine 4-bit weights that the wide ("a4v") kernels take: the
     /// 16-byte chunks (32 codes, one scale) each lane owns per row, 1, 2 or
-    /// 4. They need `group % 32 == 0` and `cols = 32 * S` with S a power of
+    /// 4. They need `group` a power of two >= 32 and `cols = 32 * S` with S a power of
     /// two up to 32 (one chunk per lane, 32 / S rows per warp step) or
     /// `S = 32 * C`; codes 16-byte aligned (checked for dense weights;
     /// expert parts sit at 256-byte offsets). `None`: the older kernels.
     pub fn a4v_chunks(&self) -> Option<usize> {
-        if self.qt != QKind::Affine4 as i32 || self.group % 32 != 0 || self.cols % 32 != 0 {
+        if self.qt != QKind::Affine4 as i32
+            || self.group % 32 != 0
+            || !(self.group as u32).is_power_of_two()
+            || self.cols % 32 != 0
+        {
             return None;
         }
         let s = (self.cols / 32) as usize;
@@ -202,9 +206,9 @@ impl WDesc {
     }
 
     /// Dynamic shared memory of the wide kernels for `rows_x` x rows of
-    /// `cols` floats, padded 4 floats per 32.
+    /// `cols` floats, padded 4 floats per 32, then one sum per 32.
     fn a4v_smem(&self, rows_x: usize) -> u32 {
-        (rows_x * self.cols() / 32 * 36 * 4) as u32
+        (rows_x * self.cols() / 32 * 37 * 4) as u32
     }
 }
 
@@ -240,6 +244,8 @@ struct Funcs {
     matvec_a4v: [CudaFunction; 3],
     moe_gate_up_a4v: [CudaFunction; 3],
     moe_down_a4v: CudaFunction,
+    /// Gate/up and down of every routed expert in one launch.
+    moe_fused_a4v: [CudaFunction; 3],
     moe_gate_up_a4: CudaFunction,
     moe_down_a4: CudaFunction,
     moe_gate_up: CudaFunction,
@@ -251,6 +257,7 @@ struct Funcs {
     attn_combine: CudaFunction,
     gdn_conv: CudaFunction,
     gdn_step: CudaFunction,
+    gdn_step_r: CudaFunction,
     router_topk: CudaFunction,
     argmax: CudaFunction,
     embed_rows: CudaFunction,
@@ -258,7 +265,13 @@ struct Funcs {
     bw_copy: CudaFunction,
     bw_read: CudaFunction,
     spin: CudaFunction,
+    nop: CudaFunction,
 }
+
+/// Default register cap of the routed experts' wide kernels: blocks of 256
+/// threads per SM (`MOE_MINB` in decode.cu). With 3 a 35B layer's fused
+/// launch (384 blocks) is resident at once on 132 SMs.
+pub const MOE_MIN_BLOCKS: u32 = 3;
 
 /// Keys per attention split (`ATT_CHUNK` in decode.cu).
 pub const ATT_CHUNK: usize = 128;
@@ -275,6 +288,11 @@ pub struct Gpu {
     /// Device name and compute capability, for logs.
     pub name: String,
     pub sms: usize,
+    /// Block tickets and counters of the fused experts kernel (3 u32, zero
+    /// between launches; only launches on `stream` use them).
+    fused_sync: DBuf,
+    /// Whether [`Gpu::moe_experts`] may use the fused kernel.
+    pub fused: bool,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -286,8 +304,24 @@ macro_rules! args {
 }
 
 impl Gpu {
-    /// Opens device `ordinal` and compiles the kernels for it.
+    /// Opens device `ordinal` and compiles the kernels for it. The routed
+    /// experts' wide kernels are capped to fit [`MOE_MIN_BLOCKS`] blocks per
+    /// SM (`SLIPSTREAM_CUDA_MOE_MINB` overrides it); the fused experts
+    /// kernel is off unless `SLIPSTREAM_CUDA_FUSED=1` (it measured slower
+    /// than the two launches on the H200: see docs/BENCHMARKS.md).
     pub fn new(ordinal: usize) -> Result<Gpu> {
+        let minb = std::env::var("SLIPSTREAM_CUDA_MOE_MINB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(MOE_MIN_BLOCKS);
+        let mut g = Gpu::with_moe_min_blocks(ordinal, minb)?;
+        g.fused = std::env::var("SLIPSTREAM_CUDA_FUSED").is_ok_and(|v| v == "1");
+        Ok(g)
+    }
+
+    /// [`Gpu::new`] with the routed experts' kernels capped to fit
+    /// `min_blocks` (1..=8) blocks of 256 threads per SM; fused kernel on.
+    pub fn with_moe_min_blocks(ordinal: usize, min_blocks: u32) -> Result<Gpu> {
         probe()?;
         let ctx = CudaContext::new(ordinal)?;
         // SAFETY: we never rely on cudarc's per-slice event tracking: every
@@ -308,7 +342,10 @@ impl Gpu {
         };
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(arch),
-            options: vec!["--std=c++17".into()],
+            options: vec![
+                "--std=c++17".into(),
+                format!("-DMOE_MINB={}", min_blocks.clamp(1, 8)),
+            ],
             ..Default::default()
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
@@ -329,6 +366,11 @@ impl Gpu {
                 lf("moe_gate_up_a4v_c4")?,
             ],
             moe_down_a4v: lf("moe_down_a4v")?,
+            moe_fused_a4v: [
+                lf("moe_fused_a4v_c1")?,
+                lf("moe_fused_a4v_c2")?,
+                lf("moe_fused_a4v_c4")?,
+            ],
             moe_gate_up_a4: lf("moe_gate_up_a4")?,
             moe_down_a4: lf("moe_down_a4")?,
             moe_gate_up: lf("moe_gate_up")?,
@@ -340,6 +382,7 @@ impl Gpu {
             attn_combine: lf("attn_combine")?,
             gdn_conv: lf("gdn_conv")?,
             gdn_step: lf("gdn_step")?,
+            gdn_step_r: lf("gdn_step_r")?,
             router_topk: lf("router_topk")?,
             argmax: lf("argmax")?,
             embed_rows: lf("embed_rows")?,
@@ -347,6 +390,7 @@ impl Gpu {
             bw_copy: lf("bw_copy")?,
             bw_read: lf("bw_read")?,
             spin: lf("spin")?,
+            nop: lf("nop")?,
         };
         let stream = ctx.new_stream()?;
         let copy_stream = ctx.new_stream()?;
@@ -354,6 +398,7 @@ impl Gpu {
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
+        let fused_sync = alloc_on(&stream, 16)?;
         Ok(Gpu {
             ctx,
             stream,
@@ -361,6 +406,8 @@ impl Gpu {
             f,
             name,
             sms,
+            fused_sync,
+            fused: true,
         })
     }
 
@@ -371,17 +418,7 @@ impl Gpu {
 
     /// A zeroed device buffer of `bytes` bytes (at least 16).
     pub fn alloc(&self, bytes: usize) -> Result<DBuf> {
-        let n = bytes.max(16).div_ceil(256) * 256;
-        let mem = self.stream.alloc_zeros::<u8>(n)?;
-        let ptr = {
-            let (p, _guard) = cudarc::driver::DevicePtr::device_ptr(&mem, &self.stream);
-            p
-        };
-        Ok(DBuf {
-            _mem: mem,
-            ptr,
-            bytes,
-        })
+        alloc_on(&self.stream, bytes)
     }
 
     /// A device buffer holding `data`.
@@ -629,6 +666,55 @@ impl Gpu {
         )
     }
 
+    /// All routed experts of `tokens` tokens with `k` experts each:
+    /// [`Gpu::moe_gate_up`] for the `tokens * k` pairs, then
+    /// [`Gpu::moe_down`] into `x`. Where the wide 4-bit kernels take both
+    /// shapes (and [`Gpu::fused`] is set) this is one launch of the fused
+    /// kernel, whose numbers are bit-identical to the two launches; `h`
+    /// holds `[tokens * k, I]` either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_experts(
+        &self,
+        parts: [&WDesc; 3],
+        bases: [u64; 3],
+        xrow: u64,
+        xn: u64,
+        h: u64,
+        wts: u64,
+        k: usize,
+        shared: (u64, u64),
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let [gt, ut, dt] = parts;
+        let pairs = tokens * k;
+        if let (true, Some(c), Some(1)) = (
+            self.fused && same_layout(gt, ut),
+            gt.a4v_chunks(),
+            dt.a4v_chunks(),
+        ) {
+            let ga = gt.rows().div_ceil(gt.a4v_block_rows(4 / c)) as i32;
+            let gb = dt.rows().div_ceil(dt.a4v_block_rows(1)) as i32;
+            let smem = gt.a4v_smem(1).max(dt.a4v_smem(8));
+            let grid = (ga as u32 * pairs as u32 + gb as u32 * tokens as u32, 1, 1);
+            let (ki, pi, ti) = (k as i32, pairs as i32, tokens as i32);
+            let f = &self.f.moe_fused_a4v[c.trailing_zeros() as usize];
+            let sync = self.fused_sync.ptr;
+            return self.go_smem(
+                f,
+                grid,
+                256,
+                smem,
+                &mut args!(
+                    gt, ut, dt, &bases[0], &bases[1], &bases[2], &xrow, &xn, &h, &wts, &ki,
+                    &shared.0, &shared.1, &x, &ga, &pi, &gb, &ti, &sync
+                ),
+            );
+        }
+        self.moe_gate_up(gt, ut, bases[0], bases[1], xrow, xn, h, pairs)?;
+        self.moe_down(dt, bases[2], h, wts, k, shared.0, shared.1, x, tokens)
+    }
+
     /// RMS norm of `rows` rows of `dim` values.
     pub fn rms_norm(
         &self,
@@ -806,11 +892,17 @@ impl Gpu {
                 "gated delta rule with heads {nk}x{dk} / {nv}x{dv} is outside the kernel's limits"
             )));
         }
+        // Heads up to 128 x 128: the register-resident form (512 threads).
+        let (f, threads) = if dk <= 128 && dv <= 128 {
+            (&self.f.gdn_step_r, 512)
+        } else {
+            (&self.f.gdn_step, 128)
+        };
         let (n, nk, dk, nv, dv) = (n as i32, nk as i32, dk as i32, nv as i32, dv as i32);
         self.go(
-            &self.f.gdn_step,
+            f,
             (nv as u32, 1, 1),
-            128,
+            threads,
             &mut args!(
                 &conv_out, &z, &b, &a, &a_log, &dt_bias, &norm, &state, &n, &nk, &dk, &nv, &dv,
                 &eps, &core
@@ -894,19 +986,59 @@ impl Gpu {
         )
     }
 
+    /// An empty one-thread kernel (launch-cost probe).
+    pub fn nop(&self) -> Result<()> {
+        self.go(&self.f.nop, (1, 1, 1), 32, &mut [])
+    }
+
+    /// (registers per thread, blocks of 256 threads per SM) of the routed
+    /// experts' wide kernels, for the bench's report.
+    pub fn kernel_report(&self) -> Vec<(&'static str, i32, u32)> {
+        use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS;
+        let mut v = Vec::new();
+        for (n, f, smem) in [
+            ("moe_gate_up_a4v_c2", &self.f.moe_gate_up_a4v[1], 9472),
+            ("moe_down_a4v", &self.f.moe_down_a4v, 18944),
+            ("moe_fused_a4v_c2", &self.f.moe_fused_a4v[1], 18944),
+            ("matvec_a4v_c2", &self.f.matvec_a4v[1], 9472),
+        ] {
+            let regs = f.get_attribute(CU_FUNC_ATTRIBUTE_NUM_REGS).unwrap_or(-1);
+            let occ = f
+                .occupancy_max_active_blocks_per_multiprocessor(256, smem, None)
+                .unwrap_or(0);
+            v.push((n, regs, occ));
+        }
+        v
+    }
+
     /// A one-thread kernel spinning `cycles` clocks on `s`.
     pub fn spin_on(&self, s: &CudaStream, cycles: i64) -> Result<()> {
         self.go_on(s, &self.f.spin, (1, 1, 1), 32, &mut args!(&cycles))
     }
 }
 
-/// The bytes of an f32 slice (little-endian host).
+/// A zeroed device buffer of `bytes` bytes (at least 16) allocated on `stream`.
+fn alloc_on(stream: &Arc<CudaStream>, bytes: usize) -> Result<DBuf> {
+    let n = bytes.max(16).div_ceil(256) * 256;
+    let mem = stream.alloc_zeros::<u8>(n)?;
+    let ptr = {
+        let (p, _guard) = cudarc::driver::DevicePtr::device_ptr(&mem, stream);
+        p
+    };
+    Ok(DBuf {
+        _mem: mem,
+        ptr,
+        bytes,
+    })
+}
+
 /// Whether two weight templates have the same shape and quantisation (the
 /// wide gate/up kernel reads both with one layout).
 fn same_layout(a: &WDesc, b: &WDesc) -> bool {
     (a.rows, a.cols, a.qt, a.group, a.scale_bf16) == (b.rows, b.cols, b.qt, b.group, b.scale_bf16)
 }
 
+/// The bytes of an f32 slice (little-endian host).
 pub fn bytemuck_f32(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding or invalid bit patterns; u8 alignment is 1.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }

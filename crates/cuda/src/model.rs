@@ -687,29 +687,20 @@ impl CudaModel {
         }
         let g = &self.gpu;
         let bp = self.s_bases.ptr;
-        g.moe_gate_up(
-            &self.parts[0].0,
-            &self.parts[1].0,
-            bp,
-            bp + 8 * k as u64,
-            self.s_xrow.ptr,
-            xn_p,
-            self.s_h.ptr,
-            k,
-        )?;
-        let (shared, sg) = if self.layers[l].shared.is_some() {
+        let shared = if self.layers[l].shared.is_some() {
             (self.s_sh_out.ptr, self.s_sg.ptr)
         } else {
             (0, 0)
         };
-        g.moe_down(
-            &self.parts[2].0,
-            bp + 16 * k as u64,
+        g.moe_experts(
+            [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
+            [bp, bp + 8 * k as u64, bp + 16 * k as u64],
+            self.s_xrow.ptr,
+            xn_p,
             self.s_h.ptr,
             self.s_route.f32_at(k),
             k,
             shared,
-            sg,
             x_p,
             1,
         )?;

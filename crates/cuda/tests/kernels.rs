@@ -164,7 +164,9 @@ fn expert_ref(gv: &TensorView, uv: &TensorView, dv: &TensorView, x: &[f32]) -> V
 
 #[test]
 fn routed_experts_in_one_launch_match_scalar() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
+    // Gpu::moe_experts below takes the fused kernel wherever it applies.
+    g.fused = true;
     let mut rng = Rng64::seed_from_u64(2);
     for (q, h, inter, k, shared) in [
         (QuantType::Q4, 256usize, 128usize, 8usize, true),
@@ -289,6 +291,34 @@ fn routed_experts_in_one_launch_match_scalar() {
         let got = g.read_f32(&dres, 0, h).unwrap();
         let e = rel_err(&got, &want);
         assert!(e < 5e-5, "{} h={h} i={inter} k={k}: rel err {e}", q.name());
+        // The one-launch path (fused kernel where the shapes allow it) gives
+        // the same bits as the two launches, launch after launch (its block
+        // counters reset themselves).
+        for rep in 0..3 {
+            let dres2 = g.upload_f32(&x0).unwrap();
+            let dh2 = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
+            g.moe_experts(
+                [&gt, &gt, &dtl],
+                [dt.ptr, dt.ptr + 8 * k as u64, dt.ptr + 16 * k as u64],
+                xrow.ptr,
+                dx.ptr,
+                dh2.ptr,
+                dw.ptr,
+                k,
+                (s, sgp),
+                dres2.ptr,
+                1,
+            )
+            .unwrap();
+            let got2 = g.read_f32(&dres2, 0, h).unwrap();
+            assert!(
+                got2.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} h={h} i={inter} k={k}: one launch differs from two (rep {rep})",
+                q.name()
+            );
+        }
     }
 }
 

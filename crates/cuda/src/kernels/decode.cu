@@ -64,6 +64,17 @@ __device__ __forceinline__ W at_base(W t, const u8* p) {
     return w;
 }
 
+// at_base for affine 4-bit weights with a power-of-two group (no division).
+__device__ __forceinline__ W at_base_a4(W t, const u8* p) {
+    W w = t;
+    const size_t cb = (size_t)t.rows * t.cols / 2;
+    const size_t sb = ((size_t)t.rows * t.cols >> (__ffs(t.group) - 1)) * 2;
+    w.codes = p;
+    w.scales = (const u16*)(p + cb);
+    w.biases = (const u16*)(p + cb + sb);
+    return w;
+}
+
 // Dot of row `r` of `w` with `x` (`[cols]`, 16-byte aligned), one warp;
 // the result is valid in every lane.
 __device__ __forceinline__ float row_dot(const W& w, int r, const float* __restrict__ x, int lane) {
@@ -307,10 +318,9 @@ __device__ __forceinline__ void stage_x(float* xs, const float* __restrict__ src
     }
 }
 
-// The 32 staged x values of chunk j and their sum.
-__device__ __forceinline__ float load_chunk_x(const float* xs, int j, float* xv) {
+// The 32 staged x values of chunk j.
+__device__ __forceinline__ void load_chunk_x(const float* xs, int j, float* xv) {
     const float* p = xs + 36 * j;
-    float s = 0.0f;
 #pragma unroll
     for (int c = 0; c < 8; c++) {
         float4 t = *(const float4*)(p + 4 * c);
@@ -318,26 +328,58 @@ __device__ __forceinline__ float load_chunk_x(const float* xs, int j, float* xv)
         xv[4 * c + 1] = t.y;
         xv[4 * c + 2] = t.z;
         xv[4 * c + 3] = t.w;
-        s += (t.x + t.y) + (t.z + t.w);
     }
-    return s;
 }
 
-// sum_i code_i * xv[i] over the 32 codes of q (low nibble = even element).
-__device__ __forceinline__ float chunk_qx(uint4 q, const float* xv) {
+// After staging nch chunks: the sum of each chunk's 32 values into
+// sums[j] (once per block instead of once per lane and chunk). The block
+// must synchronise before and after.
+__device__ __forceinline__ void chunk_sums(const float* xs, int nch, float* sums) {
+    for (int j = threadIdx.x; j < nch; j += blockDim.x) {
+        const float* p = xs + 36 * j;
+        float s = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            float4 t = *(const float4*)(p + 4 * c);
+            s += (t.x + t.y) + (t.z + t.w);
+        }
+        sums[j] = s;
+    }
+}
+
+// sum_i (0.5 + code_i / 32) * xv[i] over the 32 codes of q (low nibble =
+// even element). Each code becomes an exact float in one PRMT: the words
+// are pre-shifted so a code sits at bits 3..6 of its byte, and PRMT moves
+// that byte under the exponent byte 0x3F (0x3F000000 | c << 19 = 0.5 + c/32).
+// With A this sum and xs the sum of xv, sum_i c_i xv[i] = 32 A - 16 xs, so
+// scale * qx + bias * xs = (32 scale) A + (bias - 16 scale) xs
+// ([`chunk_dot`]): no per-code subtraction. Two chains per row for ILP.
+__device__ __forceinline__ float chunk_a(uint4 q, const float* xv) {
     u32 w[4] = {q.x, q.y, q.z, q.w};
-    float qx = 0.0f;
+    float a0 = 0.0f, a1 = 0.0f;
 #pragma unroll
     for (int wi = 0; wi < 4; wi++) {
-        u32 lo = w[wi] & 0x0F0F0F0Fu;
-        u32 hi = (w[wi] >> 4) & 0x0F0F0F0Fu;
+        const u32 lo = (w[wi] << 3) & 0x78787878u;
+        const u32 hi = (w[wi] >> 1) & 0x78787878u;
 #pragma unroll
         for (int m = 0; m < 4; m++) {
-            qx += nib(lo, m) * xv[wi * 8 + 2 * m];
-            qx += nib(hi, m) * xv[wi * 8 + 2 * m + 1];
+            const float fl = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | (m << 8)));
+            const float fh = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | (m << 8)));
+            if (wi & 1) {
+                a1 = fmaf(fl, xv[wi * 8 + 2 * m], a1);
+                a1 = fmaf(fh, xv[wi * 8 + 2 * m + 1], a1);
+            } else {
+                a0 = fmaf(fl, xv[wi * 8 + 2 * m], a0);
+                a0 = fmaf(fh, xv[wi * 8 + 2 * m + 1], a0);
+            }
         }
     }
-    return qx;
+    return a0 + a1;
+}
+
+// scale * sum_i code_i xv[i] + bias * xs for one chunk (see chunk_a).
+__device__ __forceinline__ float chunk_dot(uint4 q, const float* xv, float xs, float scale, float bias) {
+    return fmaf(32.0f * scale, chunk_a(q, xv), fmaf(-16.0f, scale, bias) * xs);
 }
 
 // Sum over the L lanes of a row segment (L a power of two, <= 32).
@@ -346,18 +388,20 @@ __device__ __forceinline__ float seg_sum(float v, int L) {
     return v;
 }
 
-// Rows of M matrices sharing x (gate and up: M = 2) for one x row: loads
-// first (raw), then stages x, then the dot products. Block: 256 threads; a
-// warp owns rows base + rr * RW + sub (rr < R). out[m][rr] is valid in the
-// lanes with li == 0. Every thread of the block must call it (barrier).
+// Rows of M matrices sharing x (gate and up: M = 2) for one x row, in two
+// steps: tile_a4v_load issues the 16-byte code loads (and scales, biases)
+// into flat arrays of M * R * C entries, index (m * R + rr) * C + c;
+// tile_a4v_dot stages x, then computes the dot products. Block: 256
+// threads; a warp owns rows base + rr * RW + sub (rr < R). out[m][rr] is
+// valid in the lanes with li == 0. Every thread of the block must call
+// tile_a4v_dot (barrier).
 template <int C, int R, int M>
-__device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x, float* xs, int base, int sub,
-                                         int li, int L, int RW, float (*out)[R]) {
+__device__ __forceinline__ void tile_a4v_load(const W* w, int base, int sub, int li, int L, int RW, uint4* q,
+                                              u16* sr, u16* br) {
     const int cols = w[0].cols;
     const int rows = w[0].rows;
-    const int ng = cols / w[0].group;
-    uint4 q[M][R][C];
-    u16 sr[M][R][C], br[M][R][C];
+    const int gsh = __ffs(w[0].group) - 1;  // group = 2^gsh (a4v only takes those)
+    const int ng = cols >> gsh;
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
@@ -367,13 +411,23 @@ __device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x
 #pragma unroll
             for (int c = 0; c < C; c++) {
                 const int j = li + L * c;
-                q[m][rr][c] = __ldg(cp + j);
-                const size_t gi = (size_t)r * ng + (j * 32) / w[0].group;
-                sr[m][rr][c] = __ldg(w[m].scales + gi);
-                br[m][rr][c] = __ldg(w[m].biases + gi);
+                const int e = (m * R + rr) * C + c;
+                q[e] = __ldg(cp + j);
+                const size_t gi = (size_t)r * ng + ((j * 32) >> gsh);
+                sr[e] = __ldg(w[m].scales + gi);
+                br[e] = __ldg(w[m].biases + gi);
             }
         }
+}
+
+template <int C, int R, int M>
+__device__ __forceinline__ void tile_a4v_dot(const W* w, const float* __restrict__ x, float* xs, int li, int L,
+                                             const uint4* q, const u16* sr, const u16* br, float (*out)[R]) {
+    const int cols = w[0].cols;
     stage_x(xs, x, cols);
+    __syncthreads();
+    float* sums = xs + 36 * (cols >> 5);
+    chunk_sums(xs, cols >> 5, sums);
     __syncthreads();
     float acc[M][R];
 #pragma unroll
@@ -384,13 +438,15 @@ __device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x
 #pragma unroll
     for (int c = 0; c < C; c++) {
         float xv[32];
-        const float xsum = load_chunk_x(xs, li + L * c, xv);
+        load_chunk_x(xs, li + L * c, xv);
+        const float xsum = sums[li + L * c];
 #pragma unroll
         for (int m = 0; m < M; m++)
 #pragma unroll
-            for (int rr = 0; rr < R; rr++)
-                acc[m][rr] += half_val(sr[m][rr][c], bf) * chunk_qx(q[m][rr][c], xv) +
-                              half_val(br[m][rr][c], bf) * xsum;
+            for (int rr = 0; rr < R; rr++) {
+                const int e = (m * R + rr) * C + c;
+                acc[m][rr] += chunk_dot(q[e], xv, xsum, half_val(sr[e], bf), half_val(br[e], bf));
+            }
     }
 #pragma unroll
     for (int m = 0; m < M; m++)
@@ -398,8 +454,17 @@ __device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x
         for (int rr = 0; rr < R; rr++) out[m][rr] = seg_sum(acc[m][rr], L);
 }
 
+template <int C, int R, int M>
+__device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x, float* xs, int base, int sub,
+                                         int li, int L, int RW, float (*out)[R]) {
+    uint4 q[M * R * C];
+    u16 sr[M * R * C], br[M * R * C];
+    tile_a4v_load<C, R, M>(w, base, sub, li, L, RW, q, sr, br);
+    tile_a4v_dot<C, R, M>(w, x, xs, li, L, q, sr, br, out);
+}
+
 // Affine 4-bit matvec, wide form: grid (ceil(rows / (8 * RW * R)), n),
-// 256 threads, dynamic shared memory 36 * cols / 32 floats.
+// 256 threads, dynamic shared memory 37 * cols / 32 floats.
 template <int C, int R>
 __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restrict__ x, float* __restrict__ y) {
     float* xs = (float*)a4v_dyn;
@@ -432,38 +497,77 @@ extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float
 
 // Routed experts' gate and up, wide form (same result as moe_gate_up):
 // grid (ceil(I / (8 * RW * R)), pairs), 256 threads, dynamic shared memory
-// 36 * H / 32 floats. Gate and up rows are loaded together and share x.
-template <int C, int R>
-__device__ __forceinline__ void gate_up_a4v_body(W gt, W ut, const u64* __restrict__ gbase,
-                                                 const u64* __restrict__ ubase, const int* __restrict__ xrow,
-                                                 const float* __restrict__ x, float* __restrict__ h) {
-    float* xs = (float*)a4v_dyn;
+// 37 * H / 32 floats. Gate and up rows are loaded together and share x.
+// The geometry of one gate/up block: its two weights, first row and lane roles.
+struct GuGeom {
+    W w[2];
+    int base, sub, li, L, RW;
+};
+template <int R>
+__device__ __forceinline__ GuGeom gu_geom(const W& gt, const W& ut, const u64* __restrict__ gbase,
+                                          const u64* __restrict__ ubase, int bx, int p) {
+    GuGeom g;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = gt.cols >> 5;
-    const int L = S < 32 ? S : 32;
-    const int RW = 32 / L;
-    const int sub = lane / L, li = lane % L;
-    const int base = (blockIdx.x * (blockDim.x >> 5) + warp) * RW * R;
-    const int p = blockIdx.y;
-    W w[2];
-    w[0] = at_base(gt, (const u8*)gbase[p]);
-    w[1] = at_base(ut, (const u8*)ubase[p]);
+    g.L = S < 32 ? S : 32;
+    g.RW = 32 / g.L;
+    g.sub = lane / g.L;
+    g.li = lane % g.L;
+    g.base = (bx * (blockDim.x >> 5) + warp) * g.RW * R;
+    g.w[0] = at_base_a4(gt, (const u8*)gbase[p]);
+    g.w[1] = at_base_a4(ut, (const u8*)ubase[p]);
+    return g;
+}
+
+// Issues the loads of gate/up block (bx, p) into q/sr/br (2 * R * C entries).
+template <int C, int R>
+__device__ __forceinline__ void gate_up_a4v_load(const W& gt, const W& ut, const u64* __restrict__ gbase,
+                                                 const u64* __restrict__ ubase, int bx, int p, uint4* q, u16* sr,
+                                                 u16* br) {
+    const GuGeom g = gu_geom<R>(gt, ut, gbase, ubase, bx, p);
+    tile_a4v_load<C, R, 2>(g.w, g.base, g.sub, g.li, g.L, g.RW, q, sr, br);
+}
+
+// One gate/up block (bx, p): h[p, rows] = silu(gate . x) * (up . x). With
+// `loaded` the block's loads were issued already (gate_up_a4v_load).
+template <int C, int R>
+__device__ __forceinline__ void gate_up_a4v_unit(W gt, W ut, const u64* __restrict__ gbase,
+                                                 const u64* __restrict__ ubase, const int* __restrict__ xrow,
+                                                 const float* __restrict__ x, float* __restrict__ h, int bx, int p,
+                                                 bool loaded, uint4* q, u16* sr, u16* br) {
+    float* xs = (float*)a4v_dyn;
+    const GuGeom g = gu_geom<R>(gt, ut, gbase, ubase, bx, p);
+    if (!loaded) tile_a4v_load<C, R, 2>(g.w, g.base, g.sub, g.li, g.L, g.RW, q, sr, br);
     float o[2][R];
-    tile_a4v<C, R, 2>(w, x + (size_t)xrow[p] * gt.cols, xs, base, sub, li, L, RW, o);
-    if (li == 0) {
+    tile_a4v_dot<C, R, 2>(g.w, x + (size_t)xrow[p] * gt.cols, xs, g.li, g.L, q, sr, br, o);
+    if (g.li == 0) {
 #pragma unroll
         for (int rr = 0; rr < R; rr++) {
-            const int r = base + rr * RW + sub;
+            const int r = g.base + rr * g.RW + g.sub;
             if (r < gt.rows) h[(size_t)p * gt.rows + r] = siluf_(o[0][rr]) * o[1][rr];
         }
     }
 }
+template <int C, int R>
+__device__ __forceinline__ void gate_up_a4v_kernel(W gt, W ut, const u64* __restrict__ gbase,
+                                                   const u64* __restrict__ ubase, const int* __restrict__ xrow,
+                                                   const float* __restrict__ x, float* __restrict__ h) {
+    uint4 q[2 * R * C];
+    u16 sr[2 * R * C], br[2 * R * C];
+    gate_up_a4v_unit<C, R>(gt, ut, gbase, ubase, xrow, x, h, blockIdx.x, blockIdx.y, false, q, sr, br);
+}
 #define GU_ARGS                                                                                                \
     W gt, W ut, const u64 *__restrict__ gbase, const u64 *__restrict__ ubase, const int *__restrict__ xrow, \
         const float *__restrict__ x, float *__restrict__ h
-extern "C" __global__ void moe_gate_up_a4v_c1(GU_ARGS) { gate_up_a4v_body<1, 4>(gt, ut, gbase, ubase, xrow, x, h); }
-extern "C" __global__ void moe_gate_up_a4v_c2(GU_ARGS) { gate_up_a4v_body<2, 2>(gt, ut, gbase, ubase, xrow, x, h); }
-extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_body<4, 1>(gt, ut, gbase, ubase, xrow, x, h); }
+#define GU_CALL gt, ut, gbase, ubase, xrow, x, h
+// Blocks of 256 threads the routed experts' wide kernels must fit per SM
+// (register cap); the host passes it (-DMOE_MINB=n).
+#ifndef MOE_MINB
+#define MOE_MINB 3
+#endif
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_a4v_c1(GU_ARGS) { gate_up_a4v_kernel<1, 4>(GU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_a4v_c2(GU_ARGS) { gate_up_a4v_kernel<2, 2>(GU_CALL); }
+extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_kernel<4, 1>(GU_CALL); }
 
 #define DOWN_KB 8
 // Routed experts' down projections, wide form (same result as moe_down;
@@ -472,65 +576,172 @@ extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_body<4, 1>(
 // experts' h rows are staged DOWN_KB at a time. The weighted sum runs in
 // rank order in each lane, then over the row's lanes. Grid
 // (ceil(H / (8 * RW)), tokens), 256 threads, dynamic shared memory
-// DOWN_KB * 36 * I / 32 floats.
-extern "C" __global__ void moe_down_a4v(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
-                                        const float* __restrict__ wts, int K, const float* __restrict__ shared,
-                                        const float* __restrict__ sg, float* __restrict__ x) {
-    float* xs = (float*)a4v_dyn;
+// DOWN_KB * 37 * I / 32 floats.
+// The geometry of one down block (block column bx): this lane's row, chunk
+// and offsets inside an expert's down part.
+struct DnGeom {
+    int S, L, ro, li;
+    size_t gi, roff, cb, sb;
+};
+__device__ __forceinline__ DnGeom dn_geom(const W& dt, int bx) {
+    DnGeom g;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int cols = dt.cols;
-    const int S = cols >> 5;
-    const int L = S < 32 ? S : 32;
-    const int RW = 32 / L;
-    const int sub = lane / L, li = lane % L;
-    const int ro = (blockIdx.x * (blockDim.x >> 5) + warp) * RW + sub;
-    const int r = min(ro, dt.rows - 1);
-    const int t = blockIdx.y;
-    const int ng = cols / dt.group;
-    const size_t gi = (size_t)r * ng + (li * 32) / dt.group;
-    const size_t roff = (size_t)r * cols / 2;
-    const size_t cb = (size_t)dt.rows * cols / 2;
-    const size_t sb = (size_t)dt.rows * ng * 2;
+    g.S = cols >> 5;
+    g.L = g.S < 32 ? g.S : 32;
+    const int RW = 32 / g.L;
+    const int sub = lane / g.L;
+    g.li = lane % g.L;
+    g.ro = (bx * (blockDim.x >> 5) + warp) * RW + sub;
+    const int r = min(g.ro, dt.rows - 1);
+    const int gsh = __ffs(dt.group) - 1;  // group = 2^gsh
+    const int ng = cols >> gsh;
+    g.gi = (size_t)r * ng + ((g.li * 32) >> gsh);
+    g.roff = (size_t)r * cols / 2;
+    g.cb = (size_t)dt.rows * cols / 2;
+    g.sb = (size_t)dt.rows * ng * 2;
+    return g;
+}
+
+// Issues the loads of experts k0 .. k0 + DOWN_KB of token t for this lane.
+__device__ __forceinline__ void down_a4v_load(const DnGeom& g, const u64* __restrict__ dbase, int K, int t, int k0,
+                                              uint4* q, u16* sr, u16* br) {
+#pragma unroll
+    for (int kk = 0; kk < DOWN_KB; kk++) {
+        if (k0 + kk < K) {
+            const u8* b = (const u8*)dbase[(size_t)t * K + k0 + kk];
+            q[kk] = __ldg((const uint4*)(b + g.roff) + g.li);
+            sr[kk] = __ldg((const u16*)(b + g.cb) + g.gi);
+            br[kk] = __ldg((const u16*)(b + g.cb + g.sb) + g.gi);
+        }
+    }
+}
+
+// One block of moe_down_a4v: output rows of block column `bx`, token `t`.
+// With `loaded` the first DOWN_KB experts' loads were issued already
+// (down_a4v_load). With `ready` set, thread 0 waits, after the first loads,
+// until `*ready` reaches `ready_n` (the fused kernel: h is written by other
+// blocks of the same launch); h is read through L2.
+__device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbase, const float* h,
+                                              const float* __restrict__ wts, int K, const float* __restrict__ shared,
+                                              const float* __restrict__ sg, float* __restrict__ x, int bx, int t,
+                                              const u32* ready, u32 ready_n, bool loaded, uint4* q, u16* sr,
+                                              u16* br) {
+    float* xs = (float*)a4v_dyn;
+    const DnGeom g = dn_geom(dt, bx);
+    const int cols = dt.cols, S = g.S, li = g.li;
     const int bf = dt.scale_bf16;
     float acc = 0.0f;
     for (int k0 = 0; k0 < K; k0 += DOWN_KB) {
-        uint4 q[DOWN_KB];
-        u16 sr[DOWN_KB], br[DOWN_KB];
-#pragma unroll
-        for (int kk = 0; kk < DOWN_KB; kk++) {
-            if (k0 + kk < K) {
-                const u8* b = (const u8*)dbase[(size_t)t * K + k0 + kk];
-                q[kk] = __ldg((const uint4*)(b + roff) + li);
-                sr[kk] = __ldg((const u16*)(b + cb) + gi);
-                br[kk] = __ldg((const u16*)(b + cb + sb) + gi);
+        if (k0 > 0 || !loaded) down_a4v_load(g, dbase, K, t, k0, q, sr, br);
+        const int nb = min(DOWN_KB, K - k0);
+        if (k0 == 0 && ready) {
+            if (threadIdx.x == 0) {
+                while (*(volatile const u32*)ready < ready_n) __nanosleep(128);
+                __threadfence();
             }
         }
-        const int nb = min(DOWN_KB, K - k0);
-        if (k0 > 0) __syncthreads();
+        if (k0 > 0 || ready) __syncthreads();
         const float* src = h + ((size_t)t * K + k0) * cols;
         for (int i = threadIdx.x * 4; i < nb * cols; i += blockDim.x * 4) {
-            float4 v = *(const float4*)(src + i);
+            float4 v = __ldcg((const float4*)(src + i));
             *(float4*)(xs + XPAD(i)) = v;
         }
+        __syncthreads();
+        float* sums = xs + 36 * DOWN_KB * S;
+        chunk_sums(xs, nb * S, sums);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < DOWN_KB; kk++) {
             if (k0 + kk < K) {
                 float xv[32];
                 // Row kk of the batch starts at chunk kk * S of the padded copy.
-                const float xsum = load_chunk_x(xs, kk * S + li, xv);
-                const float part = half_val(sr[kk], bf) * chunk_qx(q[kk], xv) + half_val(br[kk], bf) * xsum;
+                load_chunk_x(xs, kk * S + li, xv);
+                const float xsum = sums[kk * S + li];
+                const float part = chunk_dot(q[kk], xv, xsum, half_val(sr[kk], bf), half_val(br[kk], bf));
                 acc += wts[(size_t)t * K + k0 + kk] * part;
             }
         }
     }
-    acc = seg_sum(acc, L);
-    if (li == 0 && ro < dt.rows) {
+    acc = seg_sum(acc, g.L);
+    if (li == 0 && g.ro < dt.rows) {
         float s = 0.0f;
-        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + ro];
-        x[(size_t)t * dt.rows + ro] += acc + s;
+        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + g.ro];
+        x[(size_t)t * dt.rows + g.ro] += acc + s;
     }
 }
+
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_down_a4v(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
+                                        const float* __restrict__ wts, int K, const float* __restrict__ shared,
+                                        const float* __restrict__ sg, float* __restrict__ x) {
+    uint4 q[DOWN_KB];
+    u16 sr[DOWN_KB], br[DOWN_KB];
+    down_a4v_unit(dt, dbase, h, wts, K, shared, sg, x, blockIdx.x, blockIdx.y, nullptr, 0, false, q, sr, br);
+}
+
+// All routed experts of a decode step in one launch (same numbers as
+// moe_gate_up_a4v_cC followed by moe_down_a4v). Grid: ga * pairs gate/up
+// blocks plus gb * tokens down blocks, 256 threads, dynamic shared memory
+// for the larger of the two. A block's role comes from a ticket taken when
+// it starts (sync[0]), gate/up roles first, so a down block, which waits
+// for every gate/up block (sync[1]) after issuing its weight loads, only
+// ever waits on blocks that are already running: no deadlock whatever the
+// occupancy or the order blocks start in. Each block first issues the loads
+// of the role its block index would have (blocks usually start in index
+// order, so the ticket usually agrees) and only reloads when the ticket
+// says otherwise: the ticket's round trip overlaps the weight loads. The
+// last down block resets the counters for the next launch.
+template <int C, int R>
+__device__ __forceinline__ void fused_a4v_body(W gt, W ut, W dt, const u64* __restrict__ gbase,
+                                               const u64* __restrict__ ubase, const u64* __restrict__ dbase,
+                                               const int* __restrict__ xrow, const float* __restrict__ x, float* h,
+                                               const float* __restrict__ wts, int K, const float* __restrict__ shared,
+                                               const float* __restrict__ sg, float* __restrict__ xout, int ga,
+                                               int pairs, int gb, int tokens, u32* sync) {
+    static_assert(2 * R * C == DOWN_KB, "one register set serves both roles");
+    __shared__ u32 ticket;
+    const u32 na = (u32)(ga * pairs), nb = (u32)(gb * tokens);
+    const u32 guess = blockIdx.x;
+    uint4 q[DOWN_KB];
+    u16 sr[DOWN_KB], br[DOWN_KB];
+    if (guess < na) {
+        gate_up_a4v_load<C, R>(gt, ut, gbase, ubase, guess % ga, guess / ga, q, sr, br);
+    } else {
+        const u32 u = guess - na;
+        down_a4v_load(dn_geom(dt, u % gb), dbase, K, u / gb, 0, q, sr, br);
+    }
+    if (threadIdx.x == 0) ticket = atomicAdd(&sync[0], 1u);
+    __syncthreads();
+    const u32 tk = ticket;
+    if (tk < na) {
+        gate_up_a4v_unit<C, R>(gt, ut, gbase, ubase, xrow, x, h, tk % ga, tk / ga, tk == guess, q, sr, br);
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(&sync[1], 1u);
+    } else {
+        const u32 u = tk - na;
+        down_a4v_unit(dt, dbase, h, wts, K, shared, sg, xout, u % gb, u / gb, &sync[1], na, tk == guess, q, sr,
+                      br);
+        __syncthreads();
+        if (threadIdx.x == 0 && atomicAdd(&sync[2], 1u) == nb - 1) {
+            // Every block has taken its ticket and every gate/up block has
+            // counted itself: nobody reads the counters any more.
+            sync[0] = 0;
+            sync[1] = 0;
+            sync[2] = 0;
+            __threadfence();
+        }
+    }
+}
+#define FU_ARGS                                                                                              \
+    W gt, W ut, W dt, const u64 *__restrict__ gbase, const u64 *__restrict__ ubase,                          \
+        const u64 *__restrict__ dbase, const int *__restrict__ xrow, const float *__restrict__ x, float *h,   \
+        const float *__restrict__ wts, int K, const float *__restrict__ shared, const float *__restrict__ sg, \
+        float *__restrict__ xout, int ga, int pairs, int gb, int tokens, u32 *sync
+#define FU_CALL gt, ut, dt, gbase, ubase, dbase, xrow, x, h, wts, K, shared, sg, xout, ga, pairs, gb, tokens, sync
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c1(FU_ARGS) { fused_a4v_body<1, 4>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c2(FU_ARGS) { fused_a4v_body<2, 2>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_ARGS) { fused_a4v_body<4, 1>(FU_CALL); }
 
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
 // per row; grid (ceil(rows / 8), n).
@@ -868,6 +1079,101 @@ extern "C" __global__ void gdn_step(const float* __restrict__ conv_out, const fl
     }
 }
 
+// gdn_step for dk <= 128 and dv <= 128 (the Qwen3.5/3-Next heads): 512
+// threads, column d = tid % 128 of the state and rows i = 4 r + tid / 128,
+// so each thread keeps its 32 state values in registers for all n tokens
+// (the state is read once and written once, instead of twice each per
+// token). The dot products over rows are summed per row group, then over
+// the 4 groups in a fixed order. Same grid (nv heads) and outputs as gdn_step.
+#define GDN_RG 4
+#define GDN_RPT 32
+extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
+    const float* __restrict__ conv_out, const float* __restrict__ z, const float* __restrict__ b,
+    const float* __restrict__ a, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const float* __restrict__ nw, float* __restrict__ S, int n, int nk, int dk, int nv, int dv, float eps,
+    float* __restrict__ core) {
+    __shared__ float qs[128];
+    __shared__ float ks[128];
+    __shared__ float red[GDN_RG][128];
+    const int j = blockIdx.x;
+    const int kh = j / (nv / nk);
+    const int C = 2 * nk * dk + nv * dv;
+    const int d = threadIdx.x & 127, rg = threadIdx.x >> 7;
+    const bool col = d < dv;
+    float* s = S + (size_t)j * dk * dv;
+    float st[GDN_RPT];
+#pragma unroll
+    for (int r = 0; r < GDN_RPT; r++) {
+        const int i = r * GDN_RG + rg;
+        st[r] = (col && i < dk) ? s[(size_t)i * dv + d] : 0.0f;
+    }
+    const float decay_rate = -expf(a_log[j]);
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    for (int t = 0; t < n; t++) {
+        const float* row = conv_out + (size_t)t * C;
+        double sq = 0.0, sk = 0.0;
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            float qv = row[kh * dk + i], kv = row[nk * dk + kh * dk + i];
+            qs[i] = qv;
+            ks[i] = kv;
+            sq += (double)qv * qv;
+            sk += (double)kv * kv;
+        }
+        sq = block_sum_d(sq);
+        sk = block_sum_d(sk);
+        const float iq = 1.0f / sqrtf((float)sq + 1e-6f), ik = 1.0f / sqrtf((float)sk + 1e-6f);
+        __syncthreads();
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+            qs[i] = (qs[i] * iq) * q_scale;
+            ks[i] = ks[i] * ik;
+        }
+        __syncthreads();
+        const float beta = sigmoidf_(b[(size_t)t * nv + j]);
+        const float ax = a[(size_t)t * nv + j] + dt_bias[j];
+        const float sp = ax > 20.0f ? ax : log1pf(expf(ax));
+        const float decay = expf(decay_rate * sp);
+        float p = 0.0f;
+#pragma unroll
+        for (int r = 0; r < GDN_RPT; r++) {
+            const int i = r * GDN_RG + rg;
+            if (i < dk) {
+                st[r] *= decay;
+                p += ks[i] * st[r];
+            }
+        }
+        red[rg][d] = p;
+        __syncthreads();
+        const float kv = ((red[0][d] + red[1][d]) + red[2][d]) + red[3][d];
+        const float delta = col ? (conv_out[(size_t)t * C + 2 * nk * dk + (size_t)j * dv + d] - kv) * beta : 0.0f;
+        __syncthreads();
+        float po = 0.0f;
+#pragma unroll
+        for (int r = 0; r < GDN_RPT; r++) {
+            const int i = r * GDN_RG + rg;
+            if (i < dk) {
+                st[r] += ks[i] * delta;
+                po += qs[i] * st[r];
+            }
+        }
+        red[rg][d] = po;
+        __syncthreads();
+        const float o = ((red[0][d] + red[1][d]) + red[2][d]) + red[3][d];
+        double oo = (rg == 0 && col) ? (double)o * o : 0.0;
+        oo = block_sum_d(oo);
+        const float inv = 1.0f / sqrtf((float)(oo / dv) + eps);
+        if (rg == 0 && col) {
+            const float zz = z[(size_t)t * nv * dv + (size_t)j * dv + d];
+            core[(size_t)t * nv * dv + (size_t)j * dv + d] = (o * inv) * nw[d] * siluf_(zz);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int r = 0; r < GDN_RPT; r++) {
+        const int i = r * GDN_RG + rg;
+        if (col && i < dk) s[(size_t)i * dv + d] = st[r];
+    }
+}
+
 // Router of token blockIdx.x: softmax over E logits, top-K (ties to the
 // lower id), optional renormalisation. 256 threads.
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
@@ -1027,3 +1333,6 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - t0 < cycles) {
     }
 }
+
+// An empty kernel (launch-cost probe).
+extern "C" __global__ void nop() {}
