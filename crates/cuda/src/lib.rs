@@ -19,7 +19,9 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUevent_flags, CUfunction};
-use cudarc::driver::{result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{
+    result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, PinnedHostSlice,
+};
 use slipstream_core::{QuantType, ScaleType, TensorView};
 
 /// The kernel source, compiled by NVRTC when a [`Gpu`] is created.
@@ -230,6 +232,59 @@ impl DBuf {
     }
 }
 
+/// Page-locked host memory (u32 words) that kernels write directly (mapped
+/// into the device's address space): the routing decision's way back.
+pub struct Mapped {
+    _mem: PinnedHostSlice<u32>,
+    /// Host address of word 0 (kept as an integer so the owner stays `Send`).
+    host: usize,
+    /// Device address of word 0.
+    pub dev: u64,
+    pub len: usize,
+}
+
+impl Mapped {
+    /// Word `i`, read as the device may have written it (volatile).
+    pub fn read(&self, i: usize) -> u32 {
+        assert!(i < self.len);
+        // SAFETY: `host` is the start of a live allocation of `len` u32
+        // (owned by `_mem`); i < len. Volatile: the device writes it.
+        unsafe { std::ptr::read_volatile((self.host as *const u32).add(i)) }
+    }
+
+    /// Polls word `i` until it holds `seq`. Every 1024 polls the stream is
+    /// queried: an error on it is returned, and so is a stream that went
+    /// idle without the word arriving (no kernel is left to write it).
+    pub fn wait_for(&self, i: usize, seq: u32, stream: &CudaStream) -> Result<()> {
+        let mut n = 0u64;
+        loop {
+            if self.read(i) == seq {
+                std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                return Ok(());
+            }
+            n += 1;
+            if n.is_multiple_of(1024) {
+                // SAFETY: a live stream of this context.
+                let r = unsafe { cudarc::driver::sys::cuStreamQuery(stream.cu_stream()) };
+                match r {
+                    cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    cudarc::driver::sys::CUresult::CUDA_SUCCESS => {
+                        if self.read(i) == seq {
+                            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+                            return Ok(());
+                        }
+                        return Err(CudaError::Invalid(
+                            "the routing decision never arrived from the device".into(),
+                        ));
+                    }
+                    e => return Err(CudaError::Driver(cudarc::driver::DriverError(e))),
+                }
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// A weight uploaded to the device.
 pub struct DWeight {
     pub buf: DBuf,
@@ -419,6 +474,37 @@ impl Gpu {
     /// A zeroed device buffer of `bytes` bytes (at least 16).
     pub fn alloc(&self, bytes: usize) -> Result<DBuf> {
         alloc_on(&self.stream, bytes)
+    }
+
+    /// `len` zeroed words of page-locked host memory that kernels can write
+    /// ([`Mapped`]).
+    pub fn alloc_mapped(&self, len: usize) -> Result<Mapped> {
+        use cudarc::driver::sys;
+        // SAFETY: a fresh page-locked allocation, mapped for the device
+        // (DEVICEMAP) and cached on the host (not write-combined: the host
+        // reads it); only touched through `Mapped`.
+        let mut mem = unsafe {
+            self.ctx.alloc_pinned_with_flags::<u32>(
+                len.max(1),
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )?
+        };
+        let host = mem.as_mut_ptr()?;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` is the start of the allocation above; `dev` is a
+        // valid out pointer.
+        unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dev, host as *mut c_void, 0).result()?;
+            for i in 0..len.max(1) {
+                std::ptr::write_volatile(host.add(i), 0);
+            }
+        }
+        Ok(Mapped {
+            _mem: mem,
+            host: host as usize,
+            dev,
+            len: len.max(1),
+        })
     }
 
     /// A device buffer holding `data`.
@@ -911,7 +997,10 @@ impl Gpu {
     }
 
     /// Router softmax + top-k for `tokens` rows of `e` logits (e <= 1024,
-    /// k <= 64): `ids`/`wts` receive `[tokens, k]`.
+    /// k <= 64): `ids`/`wts` receive `[tokens, k]`. With `publish` =
+    /// (a [`Mapped`] buffer of at least 2k + 1 words, seq), token 0's ids and
+    /// weights are also written there, then `seq` in word 2k
+    /// ([`Mapped::wait_for`]).
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk(
         &self,
@@ -922,18 +1011,24 @@ impl Gpu {
         ids: u64,
         wts: u64,
         tokens: usize,
+        publish: Option<(&Mapped, u32)>,
     ) -> Result<()> {
         if e > 1024 || k > 64 || k > e {
             return Err(CudaError::Invalid(format!(
                 "router with {e} experts, top {k} is outside the kernel's limits"
             )));
         }
+        let (pubp, seq) = match publish {
+            Some((m, seq)) if m.len > 2 * k => (m.dev, seq),
+            Some(_) => return Err(CudaError::Invalid("publish buffer too small".into())),
+            None => (0u64, 0u32),
+        };
         let (e, k, r) = (e as i32, k as i32, renorm as i32);
         self.go(
             &self.f.router_topk,
             (tokens as u32, 1, 1),
             256,
-            &mut args!(&logits, &e, &k, &r, &ids, &wts),
+            &mut args!(&logits, &e, &k, &r, &ids, &wts, &pubp, &seq),
         )
     }
 

@@ -23,7 +23,7 @@ use slipstream_models::{Backend, ModelError, NormKind, Transformer};
 use slipstream_store::policy::{LayerCache, Outcome};
 use slipstream_store::PolicyKind;
 
-use crate::{CudaError, DBuf, DWeight, Gpu, Result, WDesc};
+use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Result, WDesc};
 
 /// Settings of the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -170,6 +170,12 @@ pub struct CudaModel {
     staging: PinnedHostSlice<u8>,
     bases_host: PinnedHostSlice<u64>,
     route_host: PinnedHostSlice<f32>,
+    /// Mapped host words the router kernel publishes the routing decision
+    /// into (ids, weights, then a sequence number): the host polls them
+    /// instead of a copy + event. `None` (fallback, or
+    /// `SLIPSTREAM_CUDA_ROUTE_MAPPED=0`): copy + event.
+    route_pub: Option<Mapped>,
+    route_seq: u32,
     copy_done: Option<CudaEvent>,
     /// Expert part templates (base 0) and their offsets in a record.
     parts: [(WDesc, u64, usize); 3],
@@ -364,6 +370,13 @@ impl CudaModel {
             staging,
             bases_host,
             route_host,
+            route_pub: if std::env::var("SLIPSTREAM_CUDA_ROUTE_MAPPED").is_ok_and(|v| v == "0") {
+                None
+            } else {
+                // Where mapping fails, the copy + event path stays.
+                gpu.alloc_mapped(2 * k + 1).ok()
+            },
+            route_seq: 0,
             copy_done: None,
             parts: tmpl,
             rec_bytes,
@@ -564,6 +577,8 @@ impl CudaModel {
         let (k, e) = (self.top_k, self.num_experts);
         let xn_p = self.act(xn).ptr;
         let x_p = self.act(x).ptr;
+        self.route_seq = self.route_seq.wrapping_add(1).max(1);
+        let seq = self.route_seq;
         {
             let g = &self.gpu;
             let layer = &self.layers[l];
@@ -576,19 +591,27 @@ impl CudaModel {
                 self.s_route.ptr,
                 self.s_route.f32_at(k),
                 1,
+                self.route_pub.as_ref().map(|m| (m, seq)),
             )?;
-            g.ctx.bind_to_thread()?;
-            // SAFETY: `route_host` is pinned and holds 2k f32; it is read
-            // only after `routed` below has completed.
-            unsafe {
-                let dst = std::slice::from_raw_parts_mut(self.route_host.as_mut_ptr()?, 2 * k);
-                result::memcpy_dtoh_async(dst, self.s_route.ptr, g.stream.cu_stream())?;
+            if self.route_pub.is_none() {
+                g.ctx.bind_to_thread()?;
+                // SAFETY: `route_host` is pinned and holds 2k f32; it is read
+                // only after `routed` below has completed.
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(self.route_host.as_mut_ptr()?, 2 * k);
+                    result::memcpy_dtoh_async(dst, self.s_route.ptr, g.stream.cu_stream())?;
+                }
             }
         }
-        let routed = self
-            .gpu
-            .stream
-            .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        // Without the mapped buffer: a device-to-host copy and an event.
+        let routed = match self.route_pub {
+            Some(_) => None,
+            None => Some(
+                self.gpu
+                    .stream
+                    .record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
+            ),
+        };
         // The shared expert runs on the device while the host settles the cache.
         if let Some(sh) = &self.layers[l].shared {
             let g = &self.gpu;
@@ -607,12 +630,26 @@ impl CudaModel {
             g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, 1)?;
         }
         let t_wait = Instant::now();
-        routed.synchronize()?;
+        let (ids, wts): (Vec<u32>, Vec<f32>) = match (&self.route_pub, routed) {
+            (Some(m), _) => {
+                m.wait_for(2 * k, seq, &self.gpu.stream)?;
+                (
+                    (0..k).map(|i| m.read(i)).collect(),
+                    (0..k).map(|i| f32::from_bits(m.read(k + i))).collect(),
+                )
+            }
+            (None, Some(ev)) => {
+                ev.synchronize()?;
+                // SAFETY: the event covers the copy into `route_host`.
+                let host = unsafe { std::slice::from_raw_parts(self.route_host.as_ptr()?, 2 * k) };
+                (
+                    host[..k].iter().map(|v| v.to_bits()).collect(),
+                    host[k..].to_vec(),
+                )
+            }
+            (None, None) => unreachable!("an event is recorded when there is no mapped buffer"),
+        };
         self.stats.route_wait_ns += t_wait.elapsed().as_nanos() as u64;
-        // SAFETY: the event above covers the copy into `route_host`.
-        let host = unsafe { std::slice::from_raw_parts(self.route_host.as_ptr()?, 2 * k) };
-        let ids: Vec<u32> = host[..k].iter().map(|v| v.to_bits()).collect();
-        let wts: Vec<f32> = host[k..].to_vec();
         if ids.iter().any(|&i| i as usize >= e) {
             return Err(CudaError::Invalid(format!(
                 "router returned an expert id outside 0..{e}"

@@ -558,7 +558,7 @@ fn router_topk_and_argmax_match_cpu() {
         let dl = g.upload_f32(&logits).unwrap();
         let ids = g.alloc(tokens * k * 4).unwrap();
         let wts = g.alloc(tokens * k * 4).unwrap();
-        g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, tokens)
+        g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, tokens, None)
             .unwrap();
         let gi = g.read_i32(&ids, tokens * k).unwrap();
         let gw = g.read_f32(&wts, 0, tokens * k).unwrap();
@@ -578,6 +578,38 @@ fn router_topk_and_argmax_match_cpu() {
             let er = rel_err(&gw[t * k..][..k], &w);
             assert!(er < 1e-5, "router weights e={e}: {er}");
         }
+        // Published into mapped host memory: token 0's ids and weights (the
+        // same bits as in device memory), then the sequence number, on
+        // every launch.
+        let m = g.alloc_mapped(2 * k + 1).unwrap();
+        for seq in [7u32, 8] {
+            g.router_topk(
+                dl.ptr,
+                e,
+                k,
+                renorm,
+                ids.ptr,
+                wts.ptr,
+                tokens,
+                Some((&m, seq)),
+            )
+            .unwrap();
+            m.wait_for(2 * k, seq, &g.stream).unwrap();
+            for r in 0..k {
+                assert_eq!(m.read(r), gi[r] as u32, "published id e={e} rank {r}");
+                assert_eq!(m.read(k + r), gw[r].to_bits(), "published weight e={e}");
+            }
+        }
+        assert!(g
+            .router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, 1, Some((&m, 9)))
+            .is_ok());
+        g.sync().unwrap();
+        let small = g.alloc_mapped(2 * k).unwrap();
+        assert!(
+            g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, 1, Some((&small, 1)))
+                .is_err(),
+            "a publish buffer without room for the sequence word is refused"
+        );
     }
     for n in [1usize, 5, 1024, 1025, 248_320] {
         let mut x = rvec(&mut rng, n, 1.0);

@@ -1176,12 +1176,18 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
 
 // Router of token blockIdx.x: softmax over E logits, top-K (ties to the
 // lower id), optional renormalisation. 256 threads.
+//
+// With `pub` set (page-locked host memory the device can write), block 0
+// also publishes its K ids and K weights there, then, after a system-wide
+// fence, `seq` at pub[2K]: the host polls that word instead of waiting for
+// a device-to-host copy and an event.
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
-                                      int* __restrict__ ids, float* __restrict__ wts) {
+                                      int* __restrict__ ids, float* __restrict__ wts, u32* pub, u32 seq) {
     __shared__ float p[1024];
     __shared__ float rv[32];
     __shared__ int ri[32];
     __shared__ float wsel[64];
+    __shared__ int isel[64];
     const float* lg = logits + (size_t)blockIdx.x * E;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float m = -INFINITY;
@@ -1234,6 +1240,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
                     i = ri[w];
                 }
             ids[(size_t)blockIdx.x * K + k] = i;
+            isel[k] = i;
             wsel[k] = v;
             p[i] = -2.0f;
         }
@@ -1243,6 +1250,14 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
         float s = 0.0f;
         for (int k = 0; k < K; k++) s += wsel[k];
         for (int k = 0; k < K; k++) wts[(size_t)blockIdx.x * K + k] = renorm ? wsel[k] / s : wsel[k];
+        if (pub && blockIdx.x == 0) {
+            for (int k = 0; k < K; k++) {
+                pub[k] = (u32)isel[k];
+                pub[K + k] = __float_as_uint(renorm ? wsel[k] / s : wsel[k]);
+            }
+            __threadfence_system();
+            *(volatile u32*)(pub + 2 * K) = seq;
+        }
     }
 }
 
