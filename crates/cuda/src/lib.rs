@@ -348,6 +348,8 @@ pub struct Gpu {
     fused_sync: DBuf,
     /// Whether [`Gpu::moe_experts`] may use the fused kernel.
     pub fused: bool,
+    /// The kernels were built with `A4V_SPLIT=1` (grid shapes follow it).
+    split: bool,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -369,7 +371,8 @@ impl Gpu {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(MOE_MIN_BLOCKS);
-        let mut g = Gpu::with_moe_min_blocks(ordinal, minb)?;
+        let split = std::env::var("SLIPSTREAM_CUDA_A4V_SPLIT").map_or(true, |v| v != "0");
+        let mut g = Gpu::build(ordinal, minb, split)?;
         g.fused = std::env::var("SLIPSTREAM_CUDA_FUSED").is_ok_and(|v| v == "1");
         Ok(g)
     }
@@ -377,6 +380,13 @@ impl Gpu {
     /// [`Gpu::new`] with the routed experts' kernels capped to fit
     /// `min_blocks` (1..=8) blocks of 256 threads per SM; fused kernel on.
     pub fn with_moe_min_blocks(ordinal: usize, min_blocks: u32) -> Result<Gpu> {
+        Gpu::build(ordinal, min_blocks, true)
+    }
+
+    /// `split`: the warp-pair down kernel and half-height gate/up blocks
+    /// (`A4V_SPLIT` in decode.cu; `SLIPSTREAM_CUDA_A4V_SPLIT=0` turns it
+    /// off in [`Gpu::new`]).
+    fn build(ordinal: usize, min_blocks: u32, split: bool) -> Result<Gpu> {
         probe()?;
         let ctx = CudaContext::new(ordinal)?;
         // SAFETY: we never rely on cudarc's per-slice event tracking: every
@@ -400,6 +410,8 @@ impl Gpu {
             options: vec![
                 "--std=c++17".into(),
                 format!("-DMOE_MINB={}", min_blocks.clamp(1, 8)),
+                format!("-DMOE_GU_MINB={}", (min_blocks + split as u32).clamp(1, 8)),
+                format!("-DA4V_SPLIT={}", split as i32),
             ],
             ..Default::default()
         };
@@ -463,6 +475,7 @@ impl Gpu {
             sms,
             fused_sync,
             fused: true,
+            split,
         })
     }
 
@@ -670,9 +683,11 @@ impl Gpu {
         pairs: usize,
     ) -> Result<()> {
         if let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) {
-            // Rows per lane: 4 / c (gate and up: 8 loads in flight per lane).
+            // Rows per lane: 2 / c, at least 1 (gate and up: 4 loads in
+            // flight per lane; 8 for c = 4); 4 / c without the split.
+            let r_lane = if self.split { (2 / c).max(1) } else { 4 / c };
             let grid = (
-                gt.rows().div_ceil(gt.a4v_block_rows(4 / c)) as u32,
+                gt.rows().div_ceil(gt.a4v_block_rows(r_lane)) as u32,
                 pairs as u32,
                 1,
             );
@@ -720,9 +735,12 @@ impl Gpu {
     ) -> Result<()> {
         let k = k as i32;
         if dt.a4v_chunks() == Some(1) {
-            // One chunk per lane, experts loaded 8 at a time (`DOWN_KB`).
+            // One chunk per lane, experts staged 8 at a time (`DOWN_KB`),
+            // each warp pair splitting them 4 + 4: half the rows per block.
             let grid = (
-                dt.rows().div_ceil(dt.a4v_block_rows(1)) as u32,
+                dt.rows()
+                    .div_ceil(dt.a4v_block_rows(1) / (1 + self.split as usize))
+                    as u32,
                 tokens as u32,
                 1,
             );
@@ -780,7 +798,10 @@ impl Gpu {
             dt.a4v_chunks(),
         ) {
             let ga = gt.rows().div_ceil(gt.a4v_block_rows(4 / c)) as i32;
-            let gb = dt.rows().div_ceil(dt.a4v_block_rows(1)) as i32;
+            let gb = dt
+                .rows()
+                .div_ceil(dt.a4v_block_rows(1) / (1 + self.split as usize))
+                as i32;
             let smem = gt.a4v_smem(1).max(dt.a4v_smem(8));
             let grid = (ga as u32 * pairs as u32 + gb as u32 * tokens as u32, 1, 1);
             let (ki, pi, ti) = (k as i32, pairs as i32, tokens as i32);

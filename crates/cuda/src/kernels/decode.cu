@@ -565,8 +565,18 @@ __device__ __forceinline__ void gate_up_a4v_kernel(W gt, W ut, const u64* __rest
 #ifndef MOE_MINB
 #define MOE_MINB 3
 #endif
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_a4v_c1(GU_ARGS) { gate_up_a4v_kernel<1, 4>(GU_CALL); }
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_a4v_c2(GU_ARGS) { gate_up_a4v_kernel<2, 2>(GU_CALL); }
+// The standalone gate/up kernels take half the rows per warp of the fused
+// kernel (4 loads per lane: twice the blocks, each SM holding up to
+// MOE_GU_MINB of them).
+#ifndef MOE_GU_MINB
+#define MOE_GU_MINB 4
+#endif
+extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c1(GU_ARGS) {
+    gate_up_a4v_kernel<1, A4V_SPLIT ? 2 : 4>(GU_CALL);
+}
+extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c2(GU_ARGS) {
+    gate_up_a4v_kernel<2, A4V_SPLIT ? 1 : 2>(GU_CALL);
+}
 extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_kernel<4, 1>(GU_CALL); }
 
 #define DOWN_KB 8
@@ -577,10 +587,21 @@ extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_kernel<4, 1
 // rank order in each lane, then over the row's lanes. Grid
 // (ceil(H / (8 * RW)), tokens), 256 threads, dynamic shared memory
 // DOWN_KB * 37 * I / 32 floats.
-// The geometry of one down block (block column bx): this lane's row, chunk
-// and offsets inside an expert's down part.
+// The geometry of one down block (block column bx): this lane's row, chunk,
+// expert half and offsets inside an expert's down part. The warps of a
+// block come in pairs that share rows: the even warp takes experts 0-3 of
+// each batch of DOWN_KB, the odd warp experts 4-7 (more warps per row, less
+// serial work per warp); their sums are added in that order.
+// A4V_SPLIT (set by the host, default 1): down blocks split each batch
+// over a warp pair and the standalone gate/up kernels take half the rows
+// per warp; 0 restores one warp per row set (the previous layout).
+#ifndef A4V_SPLIT
+#define A4V_SPLIT 1
+#endif
+#define DOWN_WPR (A4V_SPLIT ? 2 : 1)
+#define DOWN_KH (DOWN_KB / DOWN_WPR)
 struct DnGeom {
-    int S, L, ro, li;
+    int S, L, ro, li, sub, half;
     size_t gi, roff, cb, sb;
 };
 __device__ __forceinline__ DnGeom dn_geom(const W& dt, int bx) {
@@ -590,9 +611,10 @@ __device__ __forceinline__ DnGeom dn_geom(const W& dt, int bx) {
     g.S = cols >> 5;
     g.L = g.S < 32 ? g.S : 32;
     const int RW = 32 / g.L;
-    const int sub = lane / g.L;
+    g.sub = lane / g.L;
     g.li = lane % g.L;
-    g.ro = (bx * (blockDim.x >> 5) + warp) * RW + sub;
+    g.half = A4V_SPLIT ? (warp & 1) : 0;
+    g.ro = (bx * ((blockDim.x >> 5) / DOWN_WPR) + warp / DOWN_WPR) * RW + g.sub;
     const int r = min(g.ro, dt.rows - 1);
     const int gsh = __ffs(dt.group) - 1;  // group = 2^gsh
     const int ng = cols >> gsh;
@@ -603,13 +625,14 @@ __device__ __forceinline__ DnGeom dn_geom(const W& dt, int bx) {
     return g;
 }
 
-// Issues the loads of experts k0 .. k0 + DOWN_KB of token t for this lane.
+// Issues the loads of this lane's DOWN_KH experts of batch k0 of token t.
 __device__ __forceinline__ void down_a4v_load(const DnGeom& g, const u64* __restrict__ dbase, int K, int t, int k0,
                                               uint4* q, u16* sr, u16* br) {
 #pragma unroll
-    for (int kk = 0; kk < DOWN_KB; kk++) {
-        if (k0 + kk < K) {
-            const u8* b = (const u8*)dbase[(size_t)t * K + k0 + kk];
+    for (int kk = 0; kk < DOWN_KH; kk++) {
+        const int k = k0 + g.half * DOWN_KH + kk;
+        if (k < K) {
+            const u8* b = (const u8*)dbase[(size_t)t * K + k];
             q[kk] = __ldg((const uint4*)(b + g.roff) + g.li);
             sr[kk] = __ldg((const u16*)(b + g.cb) + g.gi);
             br[kk] = __ldg((const u16*)(b + g.cb + g.sb) + g.gi);
@@ -618,7 +641,7 @@ __device__ __forceinline__ void down_a4v_load(const DnGeom& g, const u64* __rest
 }
 
 // One block of moe_down_a4v: output rows of block column `bx`, token `t`.
-// With `loaded` the first DOWN_KB experts' loads were issued already
+// With `loaded` the first batch's loads were issued already
 // (down_a4v_load). With `ready` set, thread 0 waits, after the first loads,
 // until `*ready` reaches `ready_n` (the fused kernel: h is written by other
 // blocks of the same launch); h is read through L2.
@@ -628,6 +651,7 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
                                               const u32* ready, u32 ready_n, bool loaded, uint4* q, u16* sr,
                                               u16* br) {
     float* xs = (float*)a4v_dyn;
+    __shared__ float pair_sum[16][32];
     const DnGeom g = dn_geom(dt, bx);
     const int cols = dt.cols, S = g.S, li = g.li;
     const int bf = dt.scale_bf16;
@@ -652,19 +676,26 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
         chunk_sums(xs, nb * S, sums);
         __syncthreads();
 #pragma unroll
-        for (int kk = 0; kk < DOWN_KB; kk++) {
-            if (k0 + kk < K) {
+        for (int kk = 0; kk < DOWN_KH; kk++) {
+            const int kb = g.half * DOWN_KH + kk;  // expert within the batch
+            if (k0 + kb < K) {
                 float xv[32];
-                // Row kk of the batch starts at chunk kk * S of the padded copy.
-                load_chunk_x(xs, kk * S + li, xv);
-                const float xsum = sums[kk * S + li];
+                // Row kb of the batch starts at chunk kb * S of the padded copy.
+                load_chunk_x(xs, kb * S + li, xv);
+                const float xsum = sums[kb * S + li];
                 const float part = chunk_dot(q[kk], xv, xsum, half_val(sr[kk], bf), half_val(br[kk], bf));
-                acc += wts[(size_t)t * K + k0 + kk] * part;
+                acc += wts[(size_t)t * K + k0 + kb] * part;
             }
         }
     }
     acc = seg_sum(acc, g.L);
-    if (li == 0 && g.ro < dt.rows) {
+    if (A4V_SPLIT) {
+        const int warp = threadIdx.x >> 5;
+        if (g.half == 1 && li == 0) pair_sum[warp >> 1][g.sub] = acc;
+        __syncthreads();
+        if (g.half == 0) acc = acc + pair_sum[warp >> 1][g.sub];
+    }
+    if (g.half == 0 && li == 0 && g.ro < dt.rows) {
         float s = 0.0f;
         if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + g.ro];
         x[(size_t)t * dt.rows + g.ro] += acc + s;
@@ -674,8 +705,8 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
 extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_down_a4v(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
                                         const float* __restrict__ wts, int K, const float* __restrict__ shared,
                                         const float* __restrict__ sg, float* __restrict__ x) {
-    uint4 q[DOWN_KB];
-    u16 sr[DOWN_KB], br[DOWN_KB];
+    uint4 q[DOWN_KH];
+    u16 sr[DOWN_KH], br[DOWN_KH];
     down_a4v_unit(dt, dbase, h, wts, K, shared, sg, x, blockIdx.x, blockIdx.y, nullptr, 0, false, q, sr, br);
 }
 
@@ -698,12 +729,12 @@ __device__ __forceinline__ void fused_a4v_body(W gt, W ut, W dt, const u64* __re
                                                const float* __restrict__ wts, int K, const float* __restrict__ shared,
                                                const float* __restrict__ sg, float* __restrict__ xout, int ga,
                                                int pairs, int gb, int tokens, u32* sync) {
-    static_assert(2 * R * C == DOWN_KB, "one register set serves both roles");
+    static_assert(2 * R * C >= DOWN_KH, "one register set serves both roles");
     __shared__ u32 ticket;
     const u32 na = (u32)(ga * pairs), nb = (u32)(gb * tokens);
     const u32 guess = blockIdx.x;
-    uint4 q[DOWN_KB];
-    u16 sr[DOWN_KB], br[DOWN_KB];
+    uint4 q[2 * R * C];
+    u16 sr[2 * R * C], br[2 * R * C];
     if (guess < na) {
         gate_up_a4v_load<C, R>(gt, ut, gbase, ubase, guess % ga, guess / ga, q, sr, br);
     } else {
