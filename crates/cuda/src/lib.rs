@@ -324,8 +324,9 @@ struct Funcs {
 }
 
 /// Default register cap of the routed experts' wide kernels: blocks of 256
-/// threads per SM (`MOE_MINB` in decode.cu). With 3 a 35B layer's fused
-/// launch (384 blocks) is resident at once on 132 SMs.
+/// threads per SM (`MOE_MINB` in decode.cu; the standalone gate/up kernels
+/// get one more with the split layout). With 3, 396 blocks of a launch are
+/// resident at once on the H200's 132 SMs.
 pub const MOE_MIN_BLOCKS: u32 = 3;
 
 /// Keys per attention split (`ATT_CHUNK` in decode.cu).
