@@ -261,7 +261,12 @@ fn affine_rows<const BITS: u32>(
     let (c, s, b) = w.affine_parts();
     let row = |r: usize| AffineRow::from_parts(c, s, b, w.cols, BITS as u8, group, r);
     if BITS == 4 && group.is_multiple_of(16) && toks.len() >= GEMM_MIN_TOKENS {
-        q4_gemm_rows(w, r0, r1, toks, out, bf16, group);
+        if crate::avx512::supported() {
+            // SAFETY: the CPU has the features `supported` checks.
+            unsafe { crate::avx512::q4_gemm_rows(w, r0, r1, toks, out, bf16, group) };
+        } else {
+            q4_gemm_rows(w, r0, r1, toks, out, bf16, group);
+        }
     } else if BITS == 4 && group.is_multiple_of(16) {
         block_loop!(4, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
             rs.map(row),
@@ -448,14 +453,14 @@ const GEMM_MIN_TOKENS: usize = 8;
 
 /// Rows decoded at a time by the GEMM path: 32 rows of 2048 columns are a
 /// 256 KiB f32 panel (L2), decoded once for all tokens.
-const GEMM_ROWS: usize = 32;
+pub(crate) const GEMM_ROWS: usize = 32;
 
 /// Tokens per block of the GEMM path: with [`GEMM_COLS`] columns their inputs
 /// (8 x 512 f32 = 16 KiB) stay in L1 while every row pair passes over them.
 const GEMM_TOKENS: usize = 8;
 
 /// Columns per block of the GEMM path (rounded to whole groups).
-const GEMM_COLS: usize = 512;
+pub(crate) const GEMM_COLS: usize = 512;
 
 /// 4-bit affine rows `r0..r1` (group a multiple of 16) for many tokens, as a
 /// small GEMM: rows are decoded [`GEMM_ROWS`] at a time into an f32 panel
@@ -466,7 +471,7 @@ const GEMM_COLS: usize = 512;
 /// the next. Per (row, token) the arithmetic is exactly [`q4_block`]'s,
 /// group by group in order, so results are bit-identical to the matvec path.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4_gemm_rows(
+pub(crate) fn q4_gemm_rows(
     w: &TensorView,
     r0: usize,
     r1: usize,
@@ -579,7 +584,7 @@ fn q4_gemm_rows(
 /// low nibbles then the 8 high nibbles times 16, as [`q4_block`] widens
 /// them) and its scales into `scales` (`[ng]`).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn decode_q4_panel(row: &AffineRow, bf16: bool, ng: usize, panel: &mut [f32], scales: &mut [f32]) {
+pub(crate) fn decode_q4_panel(row: &AffineRow, bf16: bool, ng: usize, panel: &mut [f32], scales: &mut [f32]) {
     let m_lo = _mm256_set1_epi32(0x0F);
     let m_hi = _mm256_set1_epi32(0xF0);
     assert!(row.codes.len() >= panel.len() / 2 && scales.len() == ng);

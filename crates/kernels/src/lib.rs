@@ -25,6 +25,9 @@ use slipstream_core::{QuantType, TensorView};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+pub mod attention;
 pub mod ggml;
 #[cfg(target_arch = "aarch64")]
 mod neon;
@@ -175,10 +178,30 @@ pub fn matmul_act(isa: Isa, act: Activations, w: &TensorView, x: &[f32], n: usiz
     // Kernels write [rows, n]; transpose into the token-major output.
     let mut tmp = vec![0f32; w.rows * n];
     run_rows(isa, w, &toks, &mut tmp);
-    for (r, vals) in tmp.chunks_exact(n).enumerate() {
-        for (t, &v) in vals.iter().enumerate() {
-            y[t * w.rows + r] = v;
+    transpose_into(&tmp, w.rows, n, y);
+}
+
+/// `y[t, r] = tmp[r, t]` for `tmp` `[rows, n]` and `y` `[n, rows]`: blocks of
+/// 16 tokens in parallel, each walked 64 rows at a time so the lines written
+/// (16 tokens x 64 rows) stay in L1.
+fn transpose_into(tmp: &[f32], rows: usize, n: usize, y: &mut [f32]) {
+    const TOKENS: usize = 16;
+    const ROWS: usize = 64;
+    let block = |(bi, ych): (usize, &mut [f32])| {
+        let t0 = bi * TOKENS;
+        let nt = ych.len() / rows;
+        for rb in (0..rows).step_by(ROWS) {
+            for r in rb..(rb + ROWS).min(rows) {
+                for (k, &v) in tmp[r * n + t0..][..nt].iter().enumerate() {
+                    ych[k * rows + r] = v;
+                }
+            }
         }
+    };
+    if rows * n < PAR_MIN_WORK {
+        y.chunks_mut(TOKENS * rows).enumerate().for_each(block);
+    } else {
+        y.par_chunks_mut(TOKENS * rows).enumerate().for_each(block);
     }
 }
 
@@ -268,22 +291,22 @@ impl<'a> Token<'a> {
     }
 }
 
-/// f32 values in 32-byte aligned storage, so whole 8-lane loads at multiples
-/// of 8 never split a cache line.
+/// f32 values in 64-byte aligned storage, so whole 8-lane loads at multiples
+/// of 8 and 16-lane loads at multiples of 16 never split a cache line.
 pub(crate) struct AlignedF32 {
-    buf: Vec<Lanes8>,
+    buf: Vec<Lanes16>,
     len: usize,
 }
 
 #[derive(Clone, Copy)]
-#[repr(C, align(32))]
-struct Lanes8([f32; 8]);
+#[repr(C, align(64))]
+struct Lanes16([f32; 16]);
 
 impl AlignedF32 {
     /// `len` zeros.
     pub(crate) fn zeroed(len: usize) -> AlignedF32 {
         AlignedF32 {
-            buf: vec![Lanes8([0.0; 8]); len.div_ceil(8)],
+            buf: vec![Lanes16([0.0; 16]); len.div_ceil(16)],
             len,
         }
     }
@@ -292,8 +315,8 @@ impl AlignedF32 {
 impl std::ops::Deref for AlignedF32 {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        // SAFETY: `buf` holds len.div_ceil(8) * 8 >= len initialized f32
-        // (`Lanes8` is `repr(C)` over `[f32; 8]`), borrowed with `self`.
+        // SAFETY: `buf` holds len.div_ceil(16) * 16 >= len initialized f32
+        // (`Lanes16` is `repr(C)` over `[f32; 16]`), borrowed with `self`.
         unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<f32>(), self.len) }
     }
 }

@@ -105,6 +105,44 @@ proptest! {
         }
     }
 
+    /// The AVX-512 GEMM path gives the AVX2 GEMM path's bits (which the test
+    /// above ties to the matvec), for ragged rows, tokens and row ranges.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_gemm_equals_avx2_gemm(
+        group in proptest::sample::select(vec![16u32, 32, 48, 64, 128]),
+        scale in proptest::sample::select(vec![ScaleType::F16, ScaleType::Bf16]),
+        rows in 1usize..80,
+        ncols in 1usize..12,
+        n in 1usize..40,
+        seed in any::<u64>(),
+    ) {
+        if !crate::avx512::supported() {
+            return Ok(());
+        }
+        let q = QuantType::Affine { bits: 4, group, scale };
+        let cols = group as usize * ncols;
+        let buf = weight_bytes(q, rows, cols, 0, seed);
+        let w = TensorView::new(q, rows, cols, &buf).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x512);
+        let x = rand_vals(&mut rng, n * cols);
+        let toks: Vec<Token> = (0..n)
+            .map(|t| Token::new(&w, &x[t * cols..(t + 1) * cols], Activations::Exact))
+            .collect();
+        let r0 = rows / 3;
+        let bf16 = scale == ScaleType::Bf16;
+        let mut want = vec![0f32; (rows - r0) * n];
+        let mut got = vec![1f32; (rows - r0) * n];
+        // SAFETY: AVX2, FMA and F16C are implied by `avx512::supported`.
+        unsafe { crate::avx2::q4_gemm_rows(&w, r0, rows, &toks, &mut want, bf16, group as usize) };
+        // SAFETY: checked by `avx512::supported` above.
+        unsafe { crate::avx512::q4_gemm_rows(&w, r0, rows, &toks, &mut got, bf16, group as usize) };
+        prop_assert_eq!(
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
     #[test]
     fn dequantize_row_matches_to_f32((q, rows, cols, off, seed) in case()) {
         let buf = weight_bytes(q, rows, cols, off, seed);
@@ -257,10 +295,21 @@ fn bench_matvec() {
     let Ok(mode) = std::env::var("SLIPSTREAM_KERNEL_BENCH") else {
         return;
     };
-    // `SLIPSTREAM_KERNEL_BENCH=gemm`: the prefill product on one thread
-    // (for profiling the GEMM path).
-    if mode == "gemm" {
-        let (rows, cols, n) = (512, 2048, 256);
+    // `SLIPSTREAM_KERNEL_BENCH=gemm[:ROWS,COLS,TOKENS[,THREADS]]`: one
+    // prefill product (default [512x2048] x 256 on one thread), for
+    // profiling the GEMM path.
+    if let Some(spec) = mode.strip_prefix("gemm") {
+        let dims: Vec<usize> = spec
+            .trim_start_matches(':')
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse().expect("gemm:ROWS,COLS,TOKENS[,THREADS]"))
+            .collect();
+        let (rows, cols, n) = match dims[..] {
+            [r, c, n, ..] => (r, c, n),
+            _ => (512, 2048, 256),
+        };
+        let threads = dims.get(3).copied().unwrap_or(1);
         let q = QuantType::Q4;
         let buf = weight_bytes(q, rows, cols, 0, 1);
         let w = TensorView::new(q, rows, cols, &buf).unwrap();
@@ -268,7 +317,7 @@ fn bench_matvec() {
         let x = rand_vals(&mut rng, n * cols);
         let mut y = vec![0f32; n * rows];
         let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
+            .num_threads(threads)
             .build()
             .unwrap();
         // Best of 40 (a shared machine's noise only ever slows a run down).
@@ -280,7 +329,7 @@ fn bench_matvec() {
         }
         let gflops = 2.0 * (rows * cols * n) as f64 / best * 1e-9;
         println!(
-            "gemm [{rows}x{cols}] x {n}: best {:.2} ms, {gflops:.1} GFLOP/s (1 thread)",
+            "gemm [{rows}x{cols}] x {n}: best {:.2} ms, {gflops:.1} GFLOP/s ({threads} threads)",
             best * 1e3
         );
         return;

@@ -190,23 +190,17 @@ impl Attention {
                 let keys = start + t + 1;
                 let h0 = t * nh + kvh * group;
                 let mut scores = vec![0.0f32; group * keys];
-                for j in 0..keys {
-                    let kr = &state.k[j * kv_stride + kvh * hd..][..hd];
-                    for g in 0..group {
-                        let qh = &q[(h0 + g) * hd..][..hd];
-                        scores[g * keys + j] = ops::dot(qh, kr) * scale;
-                    }
-                }
-                for sc in scores.chunks_exact_mut(keys) {
-                    ops::softmax_inplace(sc);
-                }
-                og.fill(0.0);
-                for j in 0..keys {
-                    let vr = &state.v[j * kv_stride + kvh * hd..][..hd];
-                    for (g, o) in og.chunks_exact_mut(hd).enumerate() {
-                        ops::axpy(scores[g * keys + j], vr, o);
-                    }
-                }
+                k::attention::attend_group(
+                    &q[h0 * hd..(h0 + group) * hd],
+                    &state.k[kvh * hd..],
+                    &state.v[kvh * hd..],
+                    kv_stride,
+                    keys,
+                    hd,
+                    scale,
+                    &mut scores,
+                    og,
+                );
                 if self.output_gate {
                     for (g, o) in og.chunks_exact_mut(hd).enumerate() {
                         for (oi, &gv) in o.iter_mut().zip(&gate[(h0 + g) * hd..][..hd]) {
