@@ -40,7 +40,7 @@ pub struct BenchArgs {
     /// Tokens to generate per run.
     #[arg(long, default_value_t = 512)]
     pub gen: usize,
-    /// File cache state before each run: cold (model files evicted) or warm (pre-read).
+    /// File cache state before each run: cold (model files evicted) or warm (pre-read); the other runtime's model files are evicted before every run either way.
     #[arg(long, default_value = "cold")]
     pub cache: String,
     /// How a cold cache is made: fadvise (fsync + POSIX_FADV_DONTNEED on

@@ -376,6 +376,16 @@ fn run_one(
     } else {
         opts.cache
     };
+    // The other runtime's files leave the page cache either way: pages a
+    // previous row cached would take memory from this one (a row after a
+    // peer row would otherwise start with gigabytes of GGUF cached).
+    let mut others = Vec::new();
+    if let Some(gguf) = &opts.gguf {
+        others.push(gguf.clone());
+    }
+    others.extend(ctx.slip_files.iter().cloned());
+    others.retain(|f| !files.contains(f));
+    cache::evict_fadvise(&others)?;
     let cache_report = cache::prepare(&files, mode, opts.evict)?;
     let cgroup = match (spec.memory_cap, ctx.cgroup_parent) {
         (Some(cap), Some(parent)) => Some(cgroup::MemCgroup::create(

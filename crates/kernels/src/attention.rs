@@ -92,7 +92,10 @@ pub fn attend_group_impl(
     for (qh, sc) in q.chunks_exact(hd).zip(scores.chunks_exact_mut(keys)) {
         let mut j = 0;
         while j + KEYS <= keys {
-            let rows: [&[f32]; KEYS] = std::array::from_fn(|m| &k[(j + m) * stride..][..hd]);
+            let mut rows: [&[f32]; KEYS] = [&[]; KEYS];
+            for (m, r) in rows.iter_mut().enumerate() {
+                *r = &k[(j + m) * stride..][..hd];
+            }
             let d = dots::<KEYS>(qh, rows);
             for m in 0..KEYS {
                 sc[j + m] = d[m] * scale;
@@ -135,6 +138,7 @@ pub fn attend_group_impl(
 /// Dot products of `a` with `N` rows of its length: per row an 8-lane
 /// `mul_add` chain, the fixed horizontal sum, then the tail in order.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)]
 fn dots<const N: usize>(a: &[f32], rows: [&[f32]; N]) -> [f32; N] {
     let full = a.len() / 8 * 8;
     let mut acc = [[0f32; 8]; N];
@@ -147,20 +151,24 @@ fn dots<const N: usize>(a: &[f32], rows: [&[f32]; N]) -> [f32; N] {
             }
         }
     }
-    std::array::from_fn(|m| {
-        let s = hsum8(&acc[m]);
-        a[full..]
-            .iter()
-            .zip(&rows[m][full..])
-            .fold(s, |s, (&x, &y)| x.mul_add(y, s))
-    })
+    // Loops rather than `array::from_fn` or iterator closures, which would
+    // not be compiled with the caller's target features.
+    let mut out = [0f32; N];
+    for m in 0..N {
+        let mut s = hsum8(&acc[m]);
+        for i in full..a.len() {
+            s = a[i].mul_add(rows[m][i], s);
+        }
+        out[m] = s;
+    }
+    out
 }
 
 /// The horizontal sum order of the AVX2 kernels: lanes `l` and `l + 4`,
 /// then pairs two apart, then the last two.
 #[inline(always)]
 fn hsum8(a: &[f32; 8]) -> f32 {
-    let s: [f32; 4] = std::array::from_fn(|l| a[l] + a[l + 4]);
+    let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
