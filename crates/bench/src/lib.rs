@@ -214,7 +214,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
         };
         let rec = run_one(&ctx, spec, index, repeat_of, &ids)?;
         let line = format!(
-            "[bench] {:>2} {} | prompt {} | {} | ttft {} s | prefill {} tok/s | decode {} tok/s | peak {:.2} GB",
+            "[bench] {:>2} {} | prompt {} | {} | ttft {} s | prefill {} tok/s | decode {} tok/s | peak {:.2} GB | steal {}",
             index,
             rec.label,
             rec.prompt_len,
@@ -222,7 +222,9 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
             rec.ttft_s.map_or("-".into(), |v| format!("{v:.2}")),
             rec.prefill_tok_s.map_or("-".into(), |v| format!("{v:.2}")),
             rec.decode_tok_s.map_or("-".into(), |v| format!("{v:.2}")),
-            rec.peak_memory_bytes as f64 / 1e9
+            rec.peak_memory_bytes as f64 / 1e9,
+            rec.steal_fraction
+                .map_or("-".into(), |v| format!("{:.1} %", v * 100.0))
         );
         // A bar drawing nowhere (stderr not a terminal) would swallow the line.
         if bar.is_hidden() {
@@ -397,6 +399,7 @@ fn run_one(
         _ => None,
     };
     let load_before = machine::load_average();
+    let ticks_before = machine::cpu_ticks();
     let (started_at, _) = machine::utc_now();
     let stdout = log_dir.join("stdout.txt");
     let stderr = log_dir.join("stderr.txt");
@@ -408,6 +411,7 @@ fn run_one(
         opts.timeout,
     )?;
     let load_after = machine::load_average();
+    let steal_fraction = machine::steal_fraction(ticks_before, machine::cpu_ticks());
     let (cg_peak, cg_fail, cg_oom) = match &cgroup {
         Some(c) => (c.max_usage(), c.failcnt(), c.oom_kills()),
         None => (None, None, None),
@@ -446,6 +450,7 @@ fn run_one(
         cache: cache_report,
         load_before,
         load_after,
+        steal_fraction,
         started_at,
         command: shell_words(&cmd),
         log_dir: log_dir.display().to_string(),

@@ -66,6 +66,35 @@ pub fn load_average() -> Option<[f64; 3]> {
     Some([it.next()??, it.next()??, it.next()??])
 }
 
+/// The machine-wide CPU time counters of `/proc/stat`'s `cpu` line, in
+/// clock ticks: (all time, time stolen by the hypervisor).
+pub fn cpu_ticks() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_cpu_ticks(&text)
+}
+
+fn parse_cpu_ticks(stat: &str) -> Option<(u64, u64)> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let vals: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal [guest guest_nice]:
+    // guest time is already counted in user and nice.
+    let steal = *vals.get(7)?;
+    let total = vals.iter().take(8).sum();
+    Some((total, steal))
+}
+
+/// Share of the CPU time between two [`cpu_ticks`] readings that the
+/// hypervisor gave to other guests (0 to 1); `None` when unknown.
+pub fn steal_fraction(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((t0, s0), (t1, s1)) = (before?, after?);
+    let total = t1.checked_sub(t0)?;
+    (total > 0).then(|| s1.saturating_sub(s0) as f64 / total as f64)
+}
+
 /// The commit being measured: `git rev-parse` in the current directory
 /// when that works, else the commit this binary was built from.
 pub fn commit() -> (String, &'static str) {
@@ -137,6 +166,15 @@ mod tests {
         assert!(m.cores >= 1);
         assert!(m.summary().contains("cores"));
         assert!(load_average().is_some());
+        let stat = "cpu  100 5 20 800 10 0 5 60 0 0\ncpu0 50 2 10 400 5 0 2 30 0 0\n";
+        assert_eq!(parse_cpu_ticks(stat), Some((1000, 60)));
+        assert_eq!(parse_cpu_ticks("cpu  1 2\n"), None);
+        assert_eq!(
+            steal_fraction(Some((1000, 60)), Some((2000, 310))),
+            Some(0.25)
+        );
+        assert_eq!(steal_fraction(Some((1000, 60)), Some((1000, 60))), None);
+        assert_eq!(steal_fraction(None, Some((1000, 60))), None);
         assert!(!commit().0.is_empty());
     }
 }

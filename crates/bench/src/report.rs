@@ -83,6 +83,10 @@ pub struct Record {
     pub cache: CacheReport,
     pub load_before: Option<[f64; 3]>,
     pub load_after: Option<[f64; 3]>,
+    /// Share of the machine's CPU time stolen by the hypervisor while the
+    /// run lasted (`/proc/stat`): a virtual machine's neighbours slow it
+    /// down without showing in the load average.
+    pub steal_fraction: Option<f64>,
     pub started_at: String,
     pub command: String,
     pub log_dir: String,
@@ -206,7 +210,7 @@ fn csv_field(s: &str) -> String {
 /// One CSV line per record, with a header.
 pub fn csv(report: &Report) -> String {
     let mut out = String::from(
-        "index,repeat_of,label,runtime,prompt_len,gen,memory_cap_bytes,threads,status,tokens_done,ttft_s,prefill_tok_s,decode_tok_s,decode_skip_steps,decode_all_tok_s,vmhwm_bytes,cgroup_max_usage_bytes,peak_memory_bytes,misses_per_token,expert_bytes_read,disk_read_bytes,wall_s,cache_mode,cache_method,cache_resident_fraction,load_before_1m,load_after_1m,started_at,commit,discarded,error\n",
+        "index,repeat_of,label,runtime,prompt_len,gen,memory_cap_bytes,threads,status,tokens_done,ttft_s,prefill_tok_s,decode_tok_s,decode_skip_steps,decode_all_tok_s,vmhwm_bytes,cgroup_max_usage_bytes,peak_memory_bytes,misses_per_token,expert_bytes_read,disk_read_bytes,wall_s,cache_mode,cache_method,cache_resident_fraction,load_before_1m,load_after_1m,steal_pct,started_at,commit,discarded,error\n",
     );
     let discarded = report.drift.as_ref().is_some_and(|d| d.discarded);
     for r in &report.records {
@@ -239,6 +243,7 @@ pub fn csv(report: &Report) -> String {
             opt(r.cache.resident_fraction, 4),
             opt(r.load_before.map(|l| l[0]), 2),
             opt(r.load_after.map(|l| l[0]), 2),
+            opt(r.steal_fraction.map(|f| f * 100.0), 2),
             r.started_at.clone(),
             report.meta.commit.clone(),
             discarded.to_string(),
@@ -371,6 +376,21 @@ pub fn markdown(report: &Report) -> String {
             d.first, d.repeat, d.note
         )),
         None => out.push_str("No drift check.\n"),
+    }
+    let steal: Vec<f64> = report
+        .records
+        .iter()
+        .filter_map(|r| r.steal_fraction)
+        .collect();
+    if let (Some(lo), Some(hi)) = (
+        steal.iter().copied().reduce(f64::min),
+        steal.iter().copied().reduce(f64::max),
+    ) {
+        out.push_str(&format!(
+            "CPU time stolen by the hypervisor during a run: {:.1}-{:.1} %.\n",
+            lo * 100.0,
+            hi * 100.0
+        ));
     }
     out
 }

@@ -76,7 +76,7 @@ pub fn attend_group_impl(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    assert!(hd > 0 && stride >= hd && q.len() % hd == 0);
+    assert!(hd > 0 && stride >= hd && q.len().is_multiple_of(hd));
     let group = q.len() / hd;
     assert_eq!(out.len(), group * hd, "out must be [group, hd]");
     assert!(scores.len() >= group * keys, "scores scratch too small");
@@ -85,7 +85,10 @@ pub fn attend_group_impl(
         return;
     }
     let last = (keys - 1) * stride + hd;
-    assert!(k.len() >= last && v.len() >= last, "k/v shorter than keys rows");
+    assert!(
+        k.len() >= last && v.len() >= last,
+        "k/v shorter than keys rows"
+    );
     let scores = &mut scores[..group * keys];
 
     // Scores: KEYS keys at a time share each load of the query.
@@ -195,14 +198,25 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     /// Plain f64 attention, for the accuracy bound.
-    fn reference(q: &[f32], k: &[f32], v: &[f32], stride: usize, keys: usize, hd: usize) -> Vec<f64> {
+    fn reference(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        stride: usize,
+        keys: usize,
+        hd: usize,
+    ) -> Vec<f64> {
         let scale = 1.0 / (hd as f64).sqrt();
         let mut out = Vec::new();
         for qh in q.chunks_exact(hd) {
             let s: Vec<f64> = (0..keys)
                 .map(|j| {
                     let kr = &k[j * stride..][..hd];
-                    qh.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale
+                    qh.iter()
+                        .zip(kr)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale
                 })
                 .collect();
             let max = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);

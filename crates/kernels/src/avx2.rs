@@ -584,7 +584,13 @@ pub(crate) fn q4_gemm_rows(
 /// low nibbles then the 8 high nibbles times 16, as [`q4_block`] widens
 /// them) and its scales into `scales` (`[ng]`).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn decode_q4_panel(row: &AffineRow, bf16: bool, ng: usize, panel: &mut [f32], scales: &mut [f32]) {
+pub(crate) fn decode_q4_panel(
+    row: &AffineRow,
+    bf16: bool,
+    ng: usize,
+    panel: &mut [f32],
+    scales: &mut [f32],
+) {
     let m_lo = _mm256_set1_epi32(0x0F);
     let m_hi = _mm256_set1_epi32(0xF0);
     assert!(row.codes.len() >= panel.len() / 2 && scales.len() == ng);

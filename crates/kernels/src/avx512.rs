@@ -183,9 +183,8 @@ impl Tile<'_, '_> {
                 let s = _mm256_set1_ps(self.scales[(i + r) * ng + g]);
                 for j in 0..T {
                     let lo = _mm512_castps512_ps256(ch[r][j]);
-                    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(
-                        ch[r][j],
-                    )));
+                    let hi =
+                        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(ch[r][j])));
                     a[r][j] = _mm256_fmadd_ps(s, _mm256_add_ps(lo, hi), a[r][j]);
                 }
             }

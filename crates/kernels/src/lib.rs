@@ -23,11 +23,11 @@
 use rayon::prelude::*;
 use slipstream_core::{QuantType, TensorView};
 
+pub mod attention;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-pub mod attention;
 pub mod ggml;
 #[cfg(target_arch = "aarch64")]
 mod neon;
