@@ -175,10 +175,10 @@ fn hsum8(a: &[f32; 8]) -> f32 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-/// In-place softmax: `exp(x - max)` times the reciprocal of the sum (summed
-/// in f64).
+/// Numerically stable in-place softmax: `exp(x - max)` times the reciprocal
+/// of the sum (summed in f64). The one softmax of the CPU model code.
 #[inline(always)]
-fn softmax(x: &mut [f32]) {
+pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0.0f64;
     for v in x.iter_mut() {

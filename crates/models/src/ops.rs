@@ -56,18 +56,7 @@ pub fn softplus(x: f32) -> f32 {
 }
 
 /// Numerically stable softmax in place.
-pub fn softmax_inplace(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
-}
+pub use slipstream_kernels::attention::softmax as softmax_inplace;
 
 /// Plain dot product in f32 with a fixed order.
 #[inline]
