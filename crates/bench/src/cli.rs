@@ -27,8 +27,9 @@ pub struct BenchArgs {
     /// Cache policies, comma separated: aging, lfu, lru.
     #[arg(long, default_value = "aging")]
     pub policy: String,
-    /// Direct I/O for expert reads: on, off or on,off.
-    #[arg(long, default_value = "off")]
+    /// Direct I/O for expert reads, comma separated: auto (slipstream's
+    /// default: decided from the slots and the memory), on, off.
+    #[arg(long, default_value = "auto")]
     pub direct_io: String,
     /// Activations of slipstream's 4-bit products, comma separated: f32
     /// (exact) or int16 (`slipstream run --activations int16`).
@@ -111,7 +112,7 @@ pub fn options(args: &BenchArgs, runner: PathBuf, progress: bool) -> Result<Benc
     let matrix = MatrixSpec {
         slots: matrix::parse_slots(&args.slots)?,
         policies: matrix::parse_policies(&args.policy)?,
-        direct_io: matrix::parse_on_off("--direct-io", &args.direct_io)?,
+        direct_io: matrix::parse_direct_io(&args.direct_io)?,
         activations: matrix::parse_activations(&args.activations)?,
         prompt_lens: matrix::parse_lens(&args.prompt_lens)?,
         gen: args.gen,

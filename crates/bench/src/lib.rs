@@ -354,9 +354,7 @@ fn run_one(
             }
             if !matches!(slots, Slots::Resident) {
                 c.args(["--expert-cache-policy", policy]);
-                if *direct_io {
-                    c.arg("--direct-io");
-                }
+                c.args(["--direct-io", direct_io]);
             }
             (c, ctx.slip_files.to_vec())
         }

@@ -118,7 +118,8 @@ pub enum Setting {
     Slipstream {
         slots: Slots,
         policy: String,
-        direct_io: bool,
+        /// `--direct-io`: `auto` (the default), `on` or `off`.
+        direct_io: String,
         /// `--activations`: `f32` (exact, the default) or `int16`.
         activations: String,
     },
@@ -148,7 +149,11 @@ impl Setting {
                     Slots::All => "all slots".to_string(),
                     Slots::Resident => "resident".to_string(),
                 };
-                let dio = if *direct_io { ", direct I/O" } else { "" };
+                let dio = match direct_io.as_str() {
+                    "on" => ", direct I/O",
+                    "off" => ", buffered I/O",
+                    _ => "",
+                };
                 let act = if activations == "f32" {
                     String::new()
                 } else {
@@ -218,12 +223,11 @@ pub fn parse_slots(s: &str) -> Result<Vec<Slots>> {
     })
 }
 
-/// `--direct-io on,off`.
-pub fn parse_on_off(flag: &str, s: &str) -> Result<Vec<bool>> {
-    parse_list(flag, s, |p| match p {
-        "on" | "1" | "true" => Ok(true),
-        "off" | "0" | "false" => Ok(false),
-        other => bail!("bad value {other:?}: expected on or off"),
+/// `--direct-io auto,on,off`.
+pub fn parse_direct_io(s: &str) -> Result<Vec<String>> {
+    parse_list("--direct-io", s, |p| match p {
+        "auto" | "on" | "off" => Ok(p.to_string()),
+        other => bail!("bad value {other:?}: expected auto, on or off"),
     })
 }
 
@@ -303,7 +307,7 @@ impl CapRuns {
 pub struct MatrixSpec {
     pub slots: Vec<Slots>,
     pub policies: Vec<String>,
-    pub direct_io: Vec<bool>,
+    pub direct_io: Vec<String>,
     /// Activation modes of the slipstream rows (`f32`, `int16`).
     pub activations: Vec<String>,
     pub prompt_lens: Vec<usize>,
@@ -337,13 +341,13 @@ pub fn expand(m: &MatrixSpec) -> Vec<RunSpec> {
                     }
                 }
                 for policy in &m.policies {
-                    for &direct_io in &m.direct_io {
+                    for direct_io in &m.direct_io {
                         for activations in &m.activations {
                             out.push(RunSpec {
                                 setting: Setting::Slipstream {
                                     slots,
                                     policy: policy.clone(),
-                                    direct_io,
+                                    direct_io: direct_io.clone(),
                                     activations: activations.clone(),
                                 },
                                 prompt_len,
@@ -412,7 +416,7 @@ mod tests {
         let m = MatrixSpec {
             slots: vec![Slots::Count(16), Slots::All],
             policies: vec!["aging".into()],
-            direct_io: vec![false],
+            direct_io: vec!["auto".into()],
             activations: vec!["f32".into(), "int16".into()],
             prompt_lens: vec![8, 16],
             gen: 4,

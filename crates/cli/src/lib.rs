@@ -7,6 +7,57 @@ pub mod replay_cmd;
 pub mod serve_cmd;
 pub mod synth_cmd;
 
+/// Settles `--direct-io` for a streaming run of the model at `model` with
+/// `slots` expert slots per layer: `auto` follows
+/// [`slipstream_engine::resolve_direct_io`] against this machine's memory
+/// (and falls back to buffered reads where the filesystem refuses O_DIRECT).
+/// A `--memory-budget` counts the page cache too: `budget` caps the memory
+/// the decision sees. Logs the choice and why (`SLIPSTREAM_LOG=info`); the
+/// store description (`--stats-json`'s `store`) says `direct I/O` when on.
+pub fn settle_direct_io(
+    mode: slipstream_store::DirectIo,
+    model: &std::path::Path,
+    slots: usize,
+    context: usize,
+    chunk: usize,
+    budget: Option<u64>,
+) -> anyhow::Result<bool> {
+    use anyhow::Context;
+    let file = slipstream_format::SlipModel::open(model)
+        .with_context(|| format!("opening model {}", model.display()))?;
+    let mut choice = slipstream_engine::resolve_direct_io(
+        mode,
+        &file,
+        slots,
+        context,
+        chunk,
+        match (slipstream_engine::available_memory(), budget) {
+            (Some(m), Some(b)) => Some(m.min(b)),
+            (m, b) => m.or(b),
+        },
+    );
+    if choice.direct
+        && mode == slipstream_store::DirectIo::Auto
+        && !slipstream_store::supports_direct_io(file.experts_path())
+    {
+        choice.direct = false;
+        choice.reason = format!(
+            "{}; but this filesystem refuses O_DIRECT, so buffered",
+            choice.reason
+        );
+    }
+    tracing::info!(
+        "expert reads {} ({})",
+        if choice.direct {
+            "direct (O_DIRECT)"
+        } else {
+            "buffered"
+        },
+        choice.reason
+    );
+    Ok(choice.direct)
+}
+
 /// Where `slipstream hwbench` leaves its last full report for other commands.
 pub fn hwbench_report_path() -> std::path::PathBuf {
     demo::cache_dir().join("hwbench.json")

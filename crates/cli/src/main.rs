@@ -184,9 +184,12 @@ struct StoreArgs {
     /// found best on this machine, else 4).
     #[arg(long)]
     io_threads: Option<usize>,
-    /// Read experts with O_DIRECT so the page cache holds no second copy.
-    #[arg(long)]
-    direct_io: bool,
+    /// Read experts with O_DIRECT so the page cache holds no second copy:
+    /// auto (default: on when every expert has a slot or the memory beside
+    /// the slots cannot cache half the expert file), on (also plain
+    /// `--direct-io`), off.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    direct_io: slipstream_store::DirectIo,
     /// Read-ahead advice on the expert file: default, off, random.
     #[arg(long, default_value = "default")]
     readahead: Readahead,
@@ -380,7 +383,14 @@ fn run(args: RunArgs) -> Result<()> {
                 .io_threads
                 .unwrap_or_else(slipstream_cli::default_io_threads)
                 .max(1),
-            direct_io: args.store.direct_io,
+            direct_io: slipstream_cli::settle_direct_io(
+                args.store.direct_io,
+                &model_path,
+                slots,
+                args.max_new + 4096,
+                prefill_chunk,
+                args.store.memory_budget,
+            )?,
             readahead: args.store.readahead,
         })
     };

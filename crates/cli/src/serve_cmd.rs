@@ -58,9 +58,10 @@ pub struct ServeArgs {
     /// found best on this machine, else 4).
     #[arg(long)]
     pub io_threads: Option<usize>,
-    /// Read experts with O_DIRECT.
-    #[arg(long)]
-    pub direct_io: bool,
+    /// Read experts with O_DIRECT: auto (default; see `slipstream run
+    /// --help`), on (also plain `--direct-io`), off.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    pub direct_io: slipstream_store::DirectIo,
     /// Read every expert into memory at start.
     #[arg(long)]
     pub resident: bool,
@@ -103,7 +104,14 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
                 .io_threads
                 .unwrap_or_else(crate::default_io_threads)
                 .max(1),
-            direct_io: args.direct_io,
+            direct_io: crate::settle_direct_io(
+                args.direct_io,
+                &model,
+                slots,
+                args.max_context.unwrap_or(32768),
+                args.prefill_chunk.max(1),
+                None,
+            )?,
             ..StreamConfig::default()
         })
     };

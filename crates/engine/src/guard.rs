@@ -85,13 +85,7 @@ pub fn cgroup_limit_bytes() -> Option<u64> {
 
 /// 90 % of the smaller of physical memory and the cgroup limit.
 pub fn default_memory_limit() -> Option<u64> {
-    let m = match (physical_memory_bytes(), cgroup_limit_bytes()) {
-        (Some(a), Some(b)) => a.min(b),
-        (Some(a), None) => a,
-        (None, Some(b)) => b,
-        (None, None) => return None,
-    };
-    Some(m / 10 * 9)
+    crate::available_memory().map(|m| m / 10 * 9)
 }
 
 pub(crate) fn gb(b: u64) -> f64 {

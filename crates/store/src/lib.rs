@@ -12,7 +12,7 @@ pub mod streaming;
 pub mod trace;
 
 pub use policy::PolicyKind;
-pub use reader::Readahead;
+pub use reader::{supports_direct_io, DirectIo, Readahead};
 pub use streaming::{StreamConfig, StreamingStore};
 pub use trace::{Phase, TraceHeader, TraceWriter};
 

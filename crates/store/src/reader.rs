@@ -34,6 +34,44 @@ impl std::str::FromStr for Readahead {
     }
 }
 
+/// Whether expert reads bypass the page cache (`--direct-io`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectIo {
+    /// Decided per run from the slots and the memory (see
+    /// `slipstream_engine::resolve_direct_io`).
+    #[default]
+    Auto,
+    /// O_DIRECT: the page cache holds no second copy of read experts.
+    On,
+    /// Buffered reads: the page cache keeps read experts, a second cache
+    /// level below the slots while memory allows.
+    Off,
+}
+
+impl std::str::FromStr for DirectIo {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(DirectIo::Auto),
+            "on" | "true" => Ok(DirectIo::On),
+            "off" | "false" => Ok(DirectIo::Off),
+            _ => Err(format!(
+                "unknown --direct-io value {s:?}: expected auto, on or off"
+            )),
+        }
+    }
+}
+
+/// Whether `path` can be opened with O_DIRECT (some filesystems, e.g.
+/// tmpfs, refuse it).
+pub fn supports_direct_io(path: &Path) -> bool {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .is_ok()
+}
+
 /// Destination of a read: raw memory owned by the store.
 #[derive(Clone, Copy)]
 struct Dest(*mut u8);
