@@ -12,7 +12,9 @@
 //!   zero, folded into the row accumulator with
 //!   `acc = fma(scale, chain0 + chain1, acc)`; separately an 8-lane FMA chain
 //!   of `bias[g] * X_g` over the groups; the result is
-//!   `hsum(acc) + hsum(bias chain)` (see [`affine_block`]).
+//!   `hsum(acc) + hsum(bias chain)` (see [`affine_block`]). 4-bit weights
+//!   with groups of a multiple of 16 fold each chain into its own
+//!   accumulator instead and sum the two at the end (see [`q4_block`]).
 //!
 //! Row blocks: float `R = 4`, affine `R = 2` for one token; `R = 1, T = 4`
 //! when a batch has 4 or more tokens.
@@ -54,7 +56,7 @@ fn rows_impl(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f3
 
 /// Tokens per block of a batch (a multiple of 4): 32 inputs of 2048 f32 are
 /// 256 KiB.
-const TOKEN_BLOCK: usize = 32;
+pub(crate) const TOKEN_BLOCK: usize = 32;
 
 /// How a row range is blocked: with 4+ tokens one row at a time for 4 tokens
 /// at a time (weights decoded once per 4 tokens), otherwise `$rb` rows at a
@@ -65,8 +67,8 @@ macro_rules! block_loop {
         if ntok >= 4 {
             // Blocks of TOKEN_BLOCK tokens outermost, so their inputs stay in
             // L2 while every row of the range passes over them.
-            for tb in (0..ntok).step_by(TOKEN_BLOCK) {
-                let te = (tb + TOKEN_BLOCK).min(ntok);
+            for tb in (0..ntok).step_by($crate::avx2::TOKEN_BLOCK) {
+                let te = (tb + $crate::avx2::TOKEN_BLOCK).min(ntok);
                 for r in $r0..$r1 {
                     let o = &mut $out[(r - $r0) * ntok..(r - $r0 + 1) * ntok];
                     let mut t = tb;
@@ -109,6 +111,7 @@ macro_rules! block_loop {
         }
     }};
 }
+pub(crate) use block_loop;
 
 // ---------------------------------------------------------------------------
 // Shared helpers
@@ -267,14 +270,11 @@ fn affine_rows<const BITS: u32>(
         } else {
             q4_gemm_rows(w, r0, r1, toks, out, bf16, group);
         }
+    } else if BITS == 4 && group.is_multiple_of(16) && crate::avx512::supported() {
+        // SAFETY: the CPU has the features `supported` checks.
+        unsafe { crate::avx512::q4_rows(w, r0, r1, toks, out, bf16, group) };
     } else if BITS == 4 && group.is_multiple_of(16) {
-        block_loop!(4, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
-            rs.map(row),
-            tk.map(|t| (&t.xp[..], t.gsum.as_slice())),
-            bf16,
-            group,
-            w.cols
-        ));
+        q4_rows(w, r0, r1, toks, out, bf16, group);
     } else {
         block_loop!(2, r0, r1, toks, out, |rs, tk| affine_block::<
             BITS,
@@ -289,6 +289,31 @@ fn affine_rows<const BITS: u32>(
             w.cols
         ));
     }
+}
+
+/// The matrix-vector blocks of 4-bit affine rows (group a multiple of 16):
+/// rows `r0..r1` for `toks` into `out` (`[r1 - r0, toks.len()]`), 4 rows per
+/// block for one token, 4 tokens per row otherwise.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q4_rows(
+    w: &TensorView,
+    r0: usize,
+    r1: usize,
+    toks: &[Token],
+    out: &mut [f32],
+    bf16: bool,
+    group: usize,
+) {
+    let cols = w.cols;
+    let (c, s, b) = w.affine_parts();
+    let row = |r: usize| AffineRow::from_parts(c, s, b, cols, 4, group, r);
+    block_loop!(4, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
+        rs.map(row),
+        tk.map(|t| (&t.xp[..], t.gsum.as_slice())),
+        bf16,
+        group,
+        cols
+    ));
 }
 
 /// The bias term of an affine row, `sum_g bias[g] * gsum[g]`: an 8-lane FMA
@@ -498,7 +523,7 @@ pub(crate) fn q4_gemm_rows(
         std::slice::from_raw_parts_mut(panel_buf.as_mut_ptr().cast::<f32>(), GEMM_ROWS * cols)
     };
     let mut scales = vec![0f32; GEMM_ROWS * ng];
-    let mut acc = vec![_mm256_setzero_ps(); GEMM_ROWS * GEMM_TOKENS];
+    let mut acc = vec![[_mm256_setzero_ps(); 2]; GEMM_ROWS * GEMM_TOKENS];
     for rc in (r0..r1).step_by(GEMM_ROWS) {
         let nr = (r1 - rc).min(GEMM_ROWS);
         for i in 0..nr {
@@ -512,7 +537,7 @@ pub(crate) fn q4_gemm_rows(
         }
         for tb in (0..ntok).step_by(GEMM_TOKENS) {
             let nt = (ntok - tb).min(GEMM_TOKENS);
-            acc.fill(_mm256_setzero_ps());
+            acc.fill([_mm256_setzero_ps(); 2]);
             for g0 in (0..ng).step_by(kg) {
                 let gs = g0..(g0 + kg).min(ng);
                 let mut i = 0;
@@ -573,7 +598,8 @@ pub(crate) fn q4_gemm_rows(
                 let biases = row(rc + i).biases;
                 for t in 0..nt {
                     let bias = bias_term(biases, &toks[tb + t].gsum, ng, bf16);
-                    out[(rc + i - r0) * ntok + tb + t] = hsum(acc[i * GEMM_TOKENS + t]) + bias;
+                    let [a0, a1] = acc[i * GEMM_TOKENS + t];
+                    out[(rc + i - r0) * ntok + tb + t] = q4_finish(a0, a1) + bias;
                 }
             }
         }
@@ -615,9 +641,9 @@ pub(crate) fn decode_q4_panel(
 }
 
 /// One `R x T` tile of the GEMM path over groups `gs`: per (row, token)
-/// continues the accumulator `acc` of [`q4_block`] (before the horizontal
-/// sum and the bias term), from decoded panels (`[cols]` each), scales
-/// (`[ng]` each) and split inputs.
+/// continues the accumulators `[acc0, acc1]` of [`q4_block`] (before the
+/// horizontal sum and the bias term), from decoded panels (`[cols]` each),
+/// scales (`[ng]` each) and split inputs.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::needless_range_loop)]
@@ -627,7 +653,7 @@ fn q4_tile<const R: usize, const T: usize>(
     xs: [&[f32]; T],
     group: usize,
     gs: std::ops::Range<usize>,
-    acc: &mut [[__m256; T]; R],
+    acc: &mut [[[__m256; 2]; T]; R],
 ) {
     let end = gs.end * group;
     for r in 0..R {
@@ -664,7 +690,8 @@ fn q4_tile<const R: usize, const T: usize>(
         for r in 0..R {
             let s = _mm256_set1_ps(scales[r][g]);
             for t in 0..T {
-                acc[r][t] = _mm256_fmadd_ps(s, _mm256_add_ps(a0[r][t], a1[r][t]), acc[r][t]);
+                acc[r][t][0] = _mm256_fmadd_ps(s, a0[r][t], acc[r][t][0]);
+                acc[r][t][1] = _mm256_fmadd_ps(s, a1[r][t], acc[r][t][1]);
             }
         }
     }
@@ -673,7 +700,7 @@ fn q4_tile<const R: usize, const T: usize>(
 /// Scales of groups `g..g + 8` of one row as f32 (zero past `ng`).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn scales8(p: &[u8], g: usize, ng: usize, bf16: bool) -> [f32; 8] {
+pub(crate) fn scales8(p: &[u8], g: usize, ng: usize, bf16: bool) -> [f32; 8] {
     let mut o = [0f32; 8];
     // SAFETY: `o` is 8 writable f32.
     unsafe { _mm256_storeu_ps(o.as_mut_ptr(), params8(p, g, ng, bf16)) };
@@ -690,10 +717,11 @@ fn scales8(p: &[u8], g: usize, ng: usize, bf16: bool) -> [f32; 8] {
 ///
 /// Per (row, token) and group: two 8-lane FMA chains `a0` (low nibbles) and
 /// `a1` (high nibbles) from zero over the group's 16-element steps, then
-/// `acc = fma(broadcast(scale), a0 + a1, acc)`; the bias term is an 8-lane
-/// FMA chain of `bias[g] * gsum[g]` over blocks of 8 groups. Result:
-/// `hsum(acc) + hsum(bias chain)`. The sequence is the same for every `R`
-/// and `T`.
+/// `acc0 = fma(broadcast(scale), a0, acc0)` and the same for `a1` into
+/// `acc1` (so a 16-lane machine folds both in one FMA); the bias term is an
+/// 8-lane FMA chain of `bias[g] * gsum[g]` over blocks of 8 groups. Result:
+/// `hsum(acc0 + acc1) + hsum(bias chain)`. The sequence is the same for
+/// every `R` and `T`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::needless_range_loop)]
@@ -715,7 +743,8 @@ fn q4_block<const R: usize, const T: usize>(
     }
     let m_lo = _mm256_set1_epi32(0x0F);
     let m_hi = _mm256_set1_epi32(0xF0);
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut acc0 = [[_mm256_setzero_ps(); T]; R];
+    let mut acc1 = [[_mm256_setzero_ps(); T]; R];
     let mut gb = 0;
     while gb < ng {
         let sc: [[f32; 8]; R] = std::array::from_fn(|r| scales8(rows[r].scales, gb, ng, bf16));
@@ -752,7 +781,8 @@ fn q4_block<const R: usize, const T: usize>(
             for r in 0..R {
                 let s = _mm256_set1_ps(sc[r][gi]);
                 for t in 0..T {
-                    acc[r][t] = _mm256_fmadd_ps(s, _mm256_add_ps(a0[r][t], a1[r][t]), acc[r][t]);
+                    acc0[r][t] = _mm256_fmadd_ps(s, a0[r][t], acc0[r][t]);
+                    acc1[r][t] = _mm256_fmadd_ps(s, a1[r][t], acc1[r][t]);
                 }
             }
         }
@@ -761,8 +791,16 @@ fn q4_block<const R: usize, const T: usize>(
     let mut out = [[0f32; T]; R];
     for r in 0..R {
         for t in 0..T {
-            out[r][t] = hsum(acc[r][t]) + bias_term(rows[r].biases, xs[t].1, ng, bf16);
+            out[r][t] =
+                q4_finish(acc0[r][t], acc1[r][t]) + bias_term(rows[r].biases, xs[t].1, ng, bf16);
         }
     }
     out
+}
+
+/// The end of a 4-bit split product's weight term: `hsum(acc0 + acc1)`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn q4_finish(acc0: __m256, acc1: __m256) -> f32 {
+    hsum(_mm256_add_ps(acc0, acc1))
 }

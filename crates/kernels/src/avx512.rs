@@ -1,6 +1,6 @@
-//! AVX-512 (F + VL) form of the 4-bit affine GEMM path, used in place of
-//! [`crate::avx2`]'s when the CPU has it: bit-identical results, fewer
-//! instructions.
+//! AVX-512 (F + VL) forms of the 4-bit affine products (the GEMM path and
+//! the matrix-vector blocks), used in place of [`crate::avx2`]'s when the CPU
+//! has it: bit-identical results, fewer instructions.
 //!
 //! The AVX2 path keeps, per (row, token) and group, two 8-lane FMA chains:
 //! `a0` over the panel's low-nibble vectors times the input's even elements,
@@ -9,13 +9,24 @@
 //! stores the inputs in the same order, so one 16-lane FMA over 16 panel
 //! values and 16 inputs computes both chains at once: lanes 0-7 are `a0`,
 //! lanes 8-15 are `a1`, each lane the same sequence of fused multiply-adds.
-//! The group's end then does what the AVX2 path does: `a0 + a1` in 8 lanes
-//! and `acc = fma(scale, a0 + a1, acc)`. With 32 vector registers a tile is
-//! 4 rows x 3 tokens (12 chains plus 12 accumulators).
+//! The group's end folds both chains into their accumulators, `acc0` in
+//! lanes 0-7 and `acc1` in lanes 8-15, with one 16-lane FMA by the
+//! broadcast scale, as the AVX2 path's two 8-lane FMAs do; the end of the
+//! row adds the halves and sums horizontally (`avx2::q4_finish`). With 32
+//! vector registers a tile is 4 rows x 3 tokens (12 chains plus 12
+//! accumulators).
+//!
+//! The matrix-vector blocks ([`q4_rows`], decode) decode 8 code bytes per
+//! row and step straight into that order: the bytes duplicated into both
+//! halves of a 128-bit register, widened to 16 dwords and masked with 0x0F
+//! (lanes 0-7) and 0xF0 (lanes 8-15), so one widening, one mask, one
+//! conversion and one FMA replace the AVX2 path's one, two, two and two.
 
 use std::arch::x86_64::*;
 
-use crate::avx2::{bias_term, decode_q4_panel, hsum, GEMM_COLS, GEMM_ROWS};
+use crate::avx2::{
+    bias_term, block_loop, decode_q4_panel, q4_finish, scales8, GEMM_COLS, GEMM_ROWS,
+};
 use crate::scalar::AffineRow;
 use crate::Token;
 use slipstream_core::TensorView;
@@ -72,7 +83,7 @@ pub(crate) unsafe fn q4_gemm_rows(
         std::slice::from_raw_parts_mut(panel_buf.as_mut_ptr().cast::<f32>(), GEMM_ROWS * cols)
     };
     let mut scales = vec![0f32; GEMM_ROWS * ng];
-    let mut acc = vec![_mm256_setzero_ps(); GEMM_ROWS * BLOCK_TOKENS];
+    let mut acc = vec![_mm512_setzero_ps(); GEMM_ROWS * BLOCK_TOKENS];
     for rc in (r0..r1).step_by(GEMM_ROWS) {
         let nr = (r1 - rc).min(GEMM_ROWS);
         for i in 0..nr {
@@ -86,7 +97,7 @@ pub(crate) unsafe fn q4_gemm_rows(
         }
         for tb in (0..ntok).step_by(BLOCK_TOKENS) {
             let nt = (ntok - tb).min(BLOCK_TOKENS);
-            acc.fill(_mm256_setzero_ps());
+            acc.fill(_mm512_setzero_ps());
             for g0 in (0..ng).step_by(kg) {
                 let gs = g0..(g0 + kg).min(ng);
                 for i in (0..nr).step_by(TILE_ROWS) {
@@ -124,7 +135,7 @@ pub(crate) unsafe fn q4_gemm_rows(
                 let biases = row(rc + i).biases;
                 for t in 0..nt {
                     let bias = bias_term(biases, &toks[tb + t].gsum, ng, bf16);
-                    out[(rc + i - r0) * ntok + tb + t] = hsum(acc[i * BLOCK_TOKENS + t]) + bias;
+                    out[(rc + i - r0) * ntok + tb + t] = finish(acc[i * BLOCK_TOKENS + t]) + bias;
                 }
             }
         }
@@ -151,7 +162,7 @@ impl Tile<'_, '_> {
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
     #[inline]
     #[allow(clippy::needless_range_loop)]
-    fn run<const R: usize, const T: usize>(&self, i: usize, t: usize, acc: &mut [__m256]) {
+    fn run<const R: usize, const T: usize>(&self, i: usize, t: usize, acc: &mut [__m512]) {
         let (cols, ng) = (self.cols, self.ng);
         let end = self.gs.end * self.group;
         assert!((i + R) * cols <= self.panel.len() && (i + R) * ng <= self.scales.len());
@@ -159,7 +170,7 @@ impl Tile<'_, '_> {
         assert!((i + R - 1) * BLOCK_TOKENS + t + T <= acc.len());
         let panels: [&[f32]; R] = std::array::from_fn(|r| &self.panel[(i + r) * cols..][..cols]);
         let xs: [&[f32]; T] = std::array::from_fn(|k| &self.toks[k].xp[..cols]);
-        let mut a: [[__m256; T]; R] =
+        let mut a: [[__m512; T]; R] =
             std::array::from_fn(|r| std::array::from_fn(|k| acc[(i + r) * BLOCK_TOKENS + t + k]));
         let steps = self.group / 16;
         for g in self.gs.clone() {
@@ -180,12 +191,9 @@ impl Tile<'_, '_> {
                 }
             }
             for r in 0..R {
-                let s = _mm256_set1_ps(self.scales[(i + r) * ng + g]);
+                let s = _mm512_set1_ps(self.scales[(i + r) * ng + g]);
                 for j in 0..T {
-                    let lo = _mm512_castps512_ps256(ch[r][j]);
-                    let hi =
-                        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(ch[r][j])));
-                    a[r][j] = _mm256_fmadd_ps(s, _mm256_add_ps(lo, hi), a[r][j]);
+                    a[r][j] = _mm512_fmadd_ps(s, ch[r][j], a[r][j]);
                 }
             }
         }
@@ -195,4 +203,120 @@ impl Tile<'_, '_> {
             }
         }
     }
+}
+
+/// Same contract and results as the AVX2 matrix-vector blocks of 4-bit
+/// rows: rows `r0..r1` of a 4-bit affine `w` (group a multiple of 16) for
+/// `toks` (fewer than the GEMM path's minimum) into `out`
+/// (`[r1 - r0, toks.len()]`). With one combined chain per (row, token)
+/// instead of two, 8 rows per block keep 8 FMA chains in flight.
+///
+/// # Safety
+/// The CPU must support the features [`supported`] checks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+pub(crate) unsafe fn q4_rows(
+    w: &TensorView,
+    r0: usize,
+    r1: usize,
+    toks: &[Token],
+    out: &mut [f32],
+    bf16: bool,
+    group: usize,
+) {
+    let cols = w.cols;
+    let (c, s, b) = w.affine_parts();
+    let row = |r: usize| AffineRow::from_parts(c, s, b, cols, 4, group, r);
+    block_loop!(8, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
+        rs.map(row),
+        tk.map(|t| (&t.xp[..], t.gsum.as_slice())),
+        bf16,
+        group,
+        cols
+    ));
+}
+
+/// `avx2::q4_block` with each (row, token)'s two 8-lane chains in one
+/// 16-lane register (see the module doc): per group, 16-lane FMAs of the
+/// decoded `[low nibbles | 16 x high nibbles]` with the input's 16
+/// `Token::xp` values, then `acc = fma(broadcast(scale), chains, acc)` in
+/// 16 lanes (`[acc0 | acc1]`), and the same end and bias term.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[inline]
+#[allow(clippy::needless_range_loop)]
+fn q4_block<const R: usize, const T: usize>(
+    rows: [AffineRow; R],
+    xs: [(&[f32], &[f32]); T],
+    bf16: bool,
+    group: usize,
+    cols: usize,
+) -> [[f32; T]; R] {
+    let ng = cols / group;
+    let gbytes = group / 2;
+    let steps = group / 16;
+    for r in &rows {
+        assert!(r.codes.len() >= ng * gbytes && r.scales.len() >= ng * 2);
+    }
+    for (x, gs) in xs {
+        assert!(x.len() >= cols && gs.len() >= ng.next_multiple_of(8));
+    }
+    let mask = _mm512_setr_epi32(
+        0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0x0F, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0, 0xF0,
+        0xF0,
+    );
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut gb = 0;
+    while gb < ng {
+        let sc: [[f32; 8]; R] = std::array::from_fn(|r| scales8(rows[r].scales, gb, ng, bf16));
+        for gi in 0..(ng - gb).min(8) {
+            let g = gb + gi;
+            let cp: [*const u8; R] = std::array::from_fn(|r| rows[r].codes[g * gbytes..].as_ptr());
+            let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].0[g * group..].as_ptr());
+            // Software prefetch of the same group R rows ahead, as in the
+            // AVX2 blocks (prefetches never fault).
+            for p in cp {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(R * cols / 2).cast());
+            }
+            let mut ch = [[_mm512_setzero_ps(); T]; R];
+            for k in 0..steps {
+                for r in 0..R {
+                    // SAFETY: k * 8 + 8 <= gbytes bytes remain at cp[r]
+                    // (codes length asserted above); `_mm_loaddup_pd` reads
+                    // 8 bytes unaligned.
+                    let q = unsafe {
+                        let b = _mm_castpd_si128(_mm_loaddup_pd(cp[r].add(k * 8).cast()));
+                        _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_cvtepu8_epi32(b), mask))
+                    };
+                    for t in 0..T {
+                        // SAFETY: k * 16 + 16 <= group elements remain at
+                        // xp[t] (x length asserted above).
+                        let x = unsafe { _mm512_loadu_ps(xp[t].add(k * 16)) };
+                        ch[r][t] = _mm512_fmadd_ps(q, x, ch[r][t]);
+                    }
+                }
+            }
+            for r in 0..R {
+                let s = _mm512_set1_ps(sc[r][gi]);
+                for t in 0..T {
+                    acc[r][t] = _mm512_fmadd_ps(s, ch[r][t], acc[r][t]);
+                }
+            }
+        }
+        gb += 8;
+    }
+    let mut out = [[0f32; T]; R];
+    for r in 0..R {
+        for t in 0..T {
+            out[r][t] = finish(acc[r][t]) + bias_term(rows[r].biases, xs[t].1, ng, bf16);
+        }
+    }
+    out
+}
+
+/// `avx2::q4_finish` of a `[acc0 | acc1]` register.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+#[inline]
+fn finish(acc: __m512) -> f32 {
+    let lo = _mm512_castps512_ps256(acc);
+    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+    q4_finish(lo, hi)
 }

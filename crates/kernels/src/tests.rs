@@ -143,6 +143,44 @@ proptest! {
         );
     }
 
+    /// The AVX-512 matrix-vector blocks give the AVX2 blocks' bits, for one
+    /// to seven tokens (the matvec and 4-token blocks) and ragged row ranges.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_matvec_equals_avx2_matvec(
+        group in proptest::sample::select(vec![16u32, 32, 48, 64, 128]),
+        scale in proptest::sample::select(vec![ScaleType::F16, ScaleType::Bf16]),
+        rows in 1usize..80,
+        ncols in 1usize..12,
+        n in 1usize..8,
+        seed in any::<u64>(),
+    ) {
+        if !crate::avx512::supported() {
+            return Ok(());
+        }
+        let q = QuantType::Affine { bits: 4, group, scale };
+        let cols = group as usize * ncols;
+        let buf = weight_bytes(q, rows, cols, 0, seed);
+        let w = TensorView::new(q, rows, cols, &buf).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5120);
+        let x = rand_vals(&mut rng, n * cols);
+        let toks: Vec<Token> = (0..n)
+            .map(|t| Token::new(&w, &x[t * cols..(t + 1) * cols], Activations::Exact))
+            .collect();
+        let r0 = rows / 3;
+        let bf16 = scale == ScaleType::Bf16;
+        let mut want = vec![0f32; (rows - r0) * n];
+        let mut got = vec![1f32; (rows - r0) * n];
+        // SAFETY: AVX2, FMA and F16C are implied by `avx512::supported`.
+        unsafe { crate::avx2::q4_rows(&w, r0, rows, &toks, &mut want, bf16, group as usize) };
+        // SAFETY: checked by `avx512::supported` above.
+        unsafe { crate::avx512::q4_rows(&w, r0, rows, &toks, &mut got, bf16, group as usize) };
+        prop_assert_eq!(
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
     #[test]
     fn dequantize_row_matches_to_f32((q, rows, cols, off, seed) in case()) {
         let buf = weight_bytes(q, rows, cols, off, seed);
