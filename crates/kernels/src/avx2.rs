@@ -391,8 +391,14 @@ fn affine_block<const BITS: u32, const SPLIT: bool, const R: usize, const T: usi
             let g = gb + gi;
             let mut a0 = [[_mm256_setzero_ps(); T]; R];
             let mut a1 = [[_mm256_setzero_ps(); T]; R];
-            let cp: [*const u8; R] = std::array::from_fn(|r| rows[r].codes[g * gbytes..].as_ptr());
-            let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].0[g * group..].as_ptr());
+            let mut cp = [std::ptr::null::<u8>(); R];
+            for r in 0..R {
+                cp[r] = rows[r].codes[g * gbytes..].as_ptr();
+            }
+            let mut xp = [std::ptr::null::<f32>(); T];
+            for t in 0..T {
+                xp[t] = xs[t].0[g * group..].as_ptr();
+            }
             if SPLIT {
                 // 16 elements per step: 8 code bytes widened to dwords; the
                 // low nibbles are the even elements, the high nibbles the odd.
@@ -747,11 +753,20 @@ fn q4_block<const R: usize, const T: usize>(
     let mut acc1 = [[_mm256_setzero_ps(); T]; R];
     let mut gb = 0;
     while gb < ng {
-        let sc: [[f32; 8]; R] = std::array::from_fn(|r| scales8(rows[r].scales, gb, ng, bf16));
+        let mut sc = [[0f32; 8]; R];
+        for r in 0..R {
+            sc[r] = scales8(rows[r].scales, gb, ng, bf16);
+        }
         for gi in 0..(ng - gb).min(8) {
             let g = gb + gi;
-            let cp: [*const u8; R] = std::array::from_fn(|r| rows[r].codes[g * gbytes..].as_ptr());
-            let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].0[g * group..].as_ptr());
+            let mut cp = [std::ptr::null::<u8>(); R];
+            for r in 0..R {
+                cp[r] = rows[r].codes[g * gbytes..].as_ptr();
+            }
+            let mut xp = [std::ptr::null::<f32>(); T];
+            for t in 0..T {
+                xp[t] = xs[t].0[g * group..].as_ptr();
+            }
             // Software prefetch of the same group R rows ahead (the next
             // row block); prefetches never fault, so running past the end
             // is harmless.

@@ -170,8 +170,12 @@ impl Tile<'_, '_> {
         assert!((i + R - 1) * BLOCK_TOKENS + t + T <= acc.len());
         let panels: [&[f32]; R] = std::array::from_fn(|r| &self.panel[(i + r) * cols..][..cols]);
         let xs: [&[f32]; T] = std::array::from_fn(|k| &self.toks[k].xp[..cols]);
-        let mut a: [[__m512; T]; R] =
-            std::array::from_fn(|r| std::array::from_fn(|k| acc[(i + r) * BLOCK_TOKENS + t + k]));
+        let mut a = [[_mm512_setzero_ps(); T]; R];
+        for r in 0..R {
+            for k in 0..T {
+                a[r][k] = acc[(i + r) * BLOCK_TOKENS + t + k];
+            }
+        }
         let steps = self.group / 16;
         for g in self.gs.clone() {
             let mut ch = [[_mm512_setzero_ps(); T]; R];
@@ -180,8 +184,12 @@ impl Tile<'_, '_> {
                 // SAFETY: off + 16 <= end <= cols, the length of every panel
                 // row and input slice (asserted above).
                 unsafe {
-                    let p: [__m512; R] =
-                        std::array::from_fn(|r| _mm512_loadu_ps(panels[r].as_ptr().add(off)));
+                    // A loop, not `array::from_fn`: its closure is a call
+                    // compiled without AVX-512 when not inlined.
+                    let mut p = [_mm512_setzero_ps(); R];
+                    for r in 0..R {
+                        p[r] = _mm512_loadu_ps(panels[r].as_ptr().add(off));
+                    }
                     for j in 0..T {
                         let x = _mm512_loadu_ps(xs[j].as_ptr().add(off));
                         for r in 0..R {
@@ -266,11 +274,20 @@ fn q4_block<const R: usize, const T: usize>(
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let mut gb = 0;
     while gb < ng {
-        let sc: [[f32; 8]; R] = std::array::from_fn(|r| scales8(rows[r].scales, gb, ng, bf16));
+        let mut sc = [[0f32; 8]; R];
+        for r in 0..R {
+            sc[r] = scales8(rows[r].scales, gb, ng, bf16);
+        }
         for gi in 0..(ng - gb).min(8) {
             let g = gb + gi;
-            let cp: [*const u8; R] = std::array::from_fn(|r| rows[r].codes[g * gbytes..].as_ptr());
-            let xp: [*const f32; T] = std::array::from_fn(|t| xs[t].0[g * group..].as_ptr());
+            let mut cp = [std::ptr::null::<u8>(); R];
+            for r in 0..R {
+                cp[r] = rows[r].codes[g * gbytes..].as_ptr();
+            }
+            let mut xp = [std::ptr::null::<f32>(); T];
+            for t in 0..T {
+                xp[t] = xs[t].0[g * group..].as_ptr();
+            }
             // Software prefetch of the same group R rows ahead, as in the
             // AVX2 blocks (prefetches never fault).
             for p in cp {
