@@ -16,8 +16,11 @@
 //!   footprint grows and this term shrinks by the same amount. (The reference
 //!   extrapolated the first chunk's slot filling as a per-chunk rate and
 //!   refused long prompts at large slot counts; footnote 11 of the seed.)
-//! - `dense_untouched`: the mapped dense weights, until the first forward
-//!   pass has touched them.
+//! - `dense_untouched`: the part of the mapped dense weights not yet in this
+//!   process's resident set (`Rss` of the mapping in `/proc/self/smaps`;
+//!   opening a model verifies every dense tensor through the mapping, so this
+//!   is usually near zero; counting the whole file again refused 80 slots of
+//!   the 35B model under an 8 GiB cap that fit).
 //!
 //! The footprint is `VmRSS` from `/proc/self/status`; the default limit is
 //! 90 % of the smaller of `MemTotal` and the cgroup limit (v2 `memory.max`,
@@ -46,6 +49,30 @@ fn status_kb(field: &str) -> Option<u64> {
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|kb| kb.parse::<u64>().ok())
         .map(|kb| kb * 1024)
+}
+
+/// Bytes of the mapping that contains address `addr` that are in this
+/// process's resident set (its `Rss` in `/proc/self/smaps`), `None` when
+/// unknown.
+pub fn mapping_rss_bytes(addr: usize) -> Option<u64> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let mut inside = false;
+    for line in smaps.lines() {
+        let head = line.split_whitespace().next().unwrap_or("");
+        if let Some((a, b)) = head.split_once('-') {
+            if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                inside = (a..b).contains(&addr);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(rest) = line.strip_prefix("Rss:") {
+                let kb = rest.split_whitespace().next()?.parse::<u64>().ok()?;
+                return Some(kb * 1024);
+            }
+        }
+    }
+    None
 }
 
 /// Resident set size of this process now (`VmRSS`), `None` when unknown.

@@ -526,11 +526,19 @@ impl Engine {
             state: st,
             activations: act,
             unfilled_slots: self.store.inner.unfilled_slot_bytes(),
-            dense_untouched: if self.dense_touched {
-                0
-            } else {
-                self.file.manifest.dense_file_bytes
-            },
+            dense_untouched: self.dense_untouched_bytes(),
+        }
+    }
+
+    /// Dense weight bytes not yet in this process's resident set: the
+    /// mapping's `Rss` where `/proc/self/smaps` tells, else all of them until
+    /// a forward pass has run.
+    fn dense_untouched_bytes(&self) -> u64 {
+        let (addr, len) = self.file.dense_mapping();
+        match guard::mapping_rss_bytes(addr) {
+            Some(rss) if len > 0 => (len as u64).saturating_sub(rss),
+            _ if self.dense_touched => 0,
+            _ => self.file.manifest.dense_file_bytes,
         }
     }
 

@@ -118,6 +118,12 @@ impl SlipModel {
         })
     }
 
+    /// Where the dense weights are mapped: `(address, bytes)` (for
+    /// measuring how much of the mapping is resident).
+    pub fn dense_mapping(&self) -> (usize, usize) {
+        (self.dense.as_ptr() as usize, self.dense.len())
+    }
+
     /// A dense tensor by canonical name, sharing the mapping.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let entry = self
