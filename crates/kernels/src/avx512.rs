@@ -168,8 +168,14 @@ impl Tile<'_, '_> {
         assert!((i + R) * cols <= self.panel.len() && (i + R) * ng <= self.scales.len());
         assert!(self.toks.len() == T && end <= cols);
         assert!((i + R - 1) * BLOCK_TOKENS + t + T <= acc.len());
-        let panels: [&[f32]; R] = std::array::from_fn(|r| &self.panel[(i + r) * cols..][..cols]);
-        let xs: [&[f32]; T] = std::array::from_fn(|k| &self.toks[k].xp[..cols]);
+        let mut panels: [&[f32]; R] = [&[]; R];
+        for r in 0..R {
+            panels[r] = &self.panel[(i + r) * cols..][..cols];
+        }
+        let mut xs: [&[f32]; T] = [&[]; T];
+        for k in 0..T {
+            xs[k] = &self.toks[k].xp[..cols];
+        }
         let mut a = [[_mm512_setzero_ps(); T]; R];
         for r in 0..R {
             for k in 0..T {
