@@ -61,11 +61,13 @@ for spec in qwen3_5_moe_mlx4:q4 qwen3_moe:q4 qwen3_5_moe_fused:f32 qwen3_5_moe_s
     run --backend cpu --dump-logits /tmp/$fx.cpu.npy > /tmp/$fx.cpu.ids || fail=1
     for s in 1 2 all ram alt; do
         case $s in all|alt) extra="";; ram) extra="--vram-slots 1 --ram-cache-slots 3";; *) extra="--vram-slots $s";; esac
-        # alt: the fused experts kernel and the copy + event routing path
-        # (both off the default path) must give the same bits.
-        if [ $s = alt ]; then export SLIPSTREAM_CUDA_FUSED=1 SLIPSTREAM_CUDA_ROUTE_MAPPED=0; fi
+        # all: every expert resident, so routing runs on the device (no host
+        # round trip). alt: the fused experts kernel and host routing through
+        # the copy + event path (all off the default path) must give the
+        # same bits.
+        if [ $s = alt ]; then export SLIPSTREAM_CUDA_FUSED=1 SLIPSTREAM_CUDA_ROUTE_MAPPED=0 SLIPSTREAM_CUDA_DEVICE_ROUTING=0; fi
         run --backend cuda $extra --dump-logits /tmp/$fx.cuda$s.npy > /tmp/$fx.cuda$s.ids || fail=1
-        unset SLIPSTREAM_CUDA_FUSED SLIPSTREAM_CUDA_ROUTE_MAPPED
+        unset SLIPSTREAM_CUDA_FUSED SLIPSTREAM_CUDA_ROUTE_MAPPED SLIPSTREAM_CUDA_DEVICE_ROUTING
     done
     python3 - "$fx" "$q" >> "$OUT/model.log" <<'PY' || fail=1
 import sys, numpy as np
@@ -83,7 +85,7 @@ for s in ["1", "2", "all", "ram", "alt"]:
     print(f"{fx} ({q}) slots={s}: rows {g.shape[0]} max rel logit err vs cpu {rel:.2e} {'ok' if good else 'FAIL'}; "
           f"logits bit-identical to slots=all: {bits}; tokens {' '.join(ids[s])}")
 same = ids["1"] == ids["2"] == ids["all"] == ids["ram"] == ids["alt"]
-print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RAM tier of 3; alt = fused experts kernel + copy/event routing): {same}; cpu tokens {' '.join(cpu_ids)} (same as cuda: {cpu_ids == ids['all']})")
+print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RAM tier of 3; all = device routing; alt = fused experts kernel + host copy/event routing): {same}; cpu tokens {' '.join(cpu_ids)} (same as cuda: {cpu_ids == ids['all']})")
 sys.exit(0 if ok and same else 1)
 PY
 done

@@ -285,6 +285,18 @@ impl Mapped {
     }
 }
 
+/// Device routing for [`Gpu::router_topk`]: `addr` holds one u64 device
+/// address per expert (its VRAM record); for the routed experts in rank
+/// order the kernel writes `out[r] = addr[id] + offsets[0]`,
+/// `out[k + r] = addr[id] + offsets[1]`, `out[2k + r] = addr[id] +
+/// offsets[2]` (gate, up, down: the table [`Gpu::moe_experts`] reads).
+#[derive(Debug, Clone, Copy)]
+pub struct RouteBases {
+    pub addr: u64,
+    pub offsets: [u64; 3],
+    pub out: u64,
+}
+
 /// A weight uploaded to the device.
 pub struct DWeight {
     pub buf: DBuf,
@@ -1022,7 +1034,9 @@ impl Gpu {
     /// k <= 64): `ids`/`wts` receive `[tokens, k]`. With `publish` =
     /// (a [`Mapped`] buffer of at least 2k + 1 words, seq), token 0's ids and
     /// weights are also written there, then `seq` in word 2k
-    /// ([`Mapped::wait_for`]).
+    /// ([`Mapped::wait_for`]). With `bases`, token 0's experts' bases table
+    /// is written on the device too ([`RouteBases`]), so the routed experts
+    /// can run without the host.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk(
         &self,
@@ -1034,6 +1048,7 @@ impl Gpu {
         wts: u64,
         tokens: usize,
         publish: Option<(&Mapped, u32)>,
+        bases: Option<&RouteBases>,
     ) -> Result<()> {
         if e > 1024 || k > 64 || k > e {
             return Err(CudaError::Invalid(format!(
@@ -1045,12 +1060,21 @@ impl Gpu {
             Some(_) => return Err(CudaError::Invalid("publish buffer too small".into())),
             None => (0u64, 0u32),
         };
+        let none = RouteBases {
+            addr: 0,
+            offsets: [0; 3],
+            out: 0,
+        };
+        let b = bases.unwrap_or(&none);
         let (e, k, r) = (e as i32, k as i32, renorm as i32);
+        let (o0, o1, o2) = (b.offsets[0], b.offsets[1], b.offsets[2]);
         self.go(
             &self.f.router_topk,
             (tokens as u32, 1, 1),
             256,
-            &mut args!(&logits, &e, &k, &r, &ids, &wts, &pubp, &seq),
+            &mut args!(
+                &logits, &e, &k, &r, &ids, &wts, &pubp, &seq, &b.addr, &o0, &o1, &o2, &b.out
+            ),
         )
     }
 

@@ -6,7 +6,11 @@
 //! own [`LayerCache`] (same policies as the host store); misses are fetched
 //! through the host [`ExpertSource`] (RAM tier or SSD), staged in pinned
 //! memory and copied on a second stream while the shared expert runs. The
-//! only host round trip per layer is the routing decision (expert ids).
+//! only host round trip per layer is the routing decision (expert ids),
+//! and none at all when every expert is resident in VRAM: then the router
+//! kernel writes the experts' bases table from a per-layer expert ->
+//! address table and the host queues a whole token without waiting
+//! (device routing; the ids are read back once per pass for the counters).
 //!
 //! The device runs one token per pass ([`Backend::max_pass_tokens`] = 1);
 //! [`Transformer::run`] splits prompts into such passes.
@@ -23,7 +27,7 @@ use slipstream_models::{Backend, ModelError, NormKind, Transformer};
 use slipstream_store::policy::{LayerCache, Outcome};
 use slipstream_store::PolicyKind;
 
-use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Result, WDesc};
+use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Result, RouteBases, WDesc};
 
 /// Settings of the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -129,6 +133,8 @@ struct DLayer {
     slots: DBuf,
     /// The pinned RAM tier: its slot bookkeeping and `slots * rec` bytes.
     ram: Option<(LayerCache, PinnedHostSlice<u8>)>,
+    /// With device routing: `[num_experts]` u64, each expert's VRAM record.
+    addr_table: Option<DBuf>,
 }
 
 /// The CUDA backend of one model and one sequence.
@@ -176,6 +182,16 @@ pub struct CudaModel {
     /// `SLIPSTREAM_CUDA_ROUTE_MAPPED=0`): copy + event.
     route_pub: Option<Mapped>,
     route_seq: u32,
+    /// Every expert of every layer sits in VRAM for good (after
+    /// [`CudaModel::preload`] of a full cache): the router kernel writes the
+    /// experts' bases table itself and the host queues the whole token
+    /// without waiting for routing decisions.
+    device_routing: bool,
+    /// With device routing: `[layers, 2k]` words, each layer's ids then
+    /// weights of the last pass, read back once per pass for the counters.
+    s_route_all: DBuf,
+    /// The last pass routed on the device and its ids are not counted yet.
+    routes_pending: bool,
     copy_done: Option<CudaEvent>,
     /// Expert part templates (base 0) and their offsets in a record.
     parts: [(WDesc, u64, usize); 3],
@@ -307,6 +323,7 @@ impl CudaModel {
                 shared,
                 cache: LayerCache::new(opts.policy.build(e), e, slots),
                 slots: gpu.alloc(slots * rec_bytes)?,
+                addr_table: None,
                 ram: match opts.ram_slots {
                     Some(r) => {
                         let r = r.clamp(1, e);
@@ -377,6 +394,9 @@ impl CudaModel {
                 gpu.alloc_mapped(2 * k + 1).ok()
             },
             route_seq: 0,
+            device_routing: false,
+            s_route_all: f(2 * k * m.layers.len().max(1))?,
+            routes_pending: false,
             copy_done: None,
             parts: tmpl,
             rec_bytes,
@@ -573,6 +593,10 @@ impl CudaModel {
         routes: &mut Vec<Route>,
         times: &mut MoeTimes,
     ) -> Result<std::result::Result<(), slipstream_core::BoxError>> {
+        if self.device_routing {
+            self.moe_device(l, x, xn, times)?;
+            return Ok(Ok(()));
+        }
         let t0 = Instant::now();
         let (k, e) = (self.top_k, self.num_experts);
         let xn_p = self.act(xn).ptr;
@@ -592,6 +616,7 @@ impl CudaModel {
                 self.s_route.f32_at(k),
                 1,
                 self.route_pub.as_ref().map(|m| (m, seq)),
+                None,
             )?;
             if self.route_pub.is_none() {
                 g.ctx.bind_to_thread()?;
@@ -613,22 +638,7 @@ impl CudaModel {
             ),
         };
         // The shared expert runs on the device while the host settles the cache.
-        if let Some(sh) = &self.layers[l].shared {
-            let g = &self.gpu;
-            let sb = sh.bases.ptr;
-            g.moe_gate_up(
-                &sh.gate.desc,
-                &sh.up.desc,
-                sb,
-                sb + 8,
-                self.s_xrow.ptr,
-                xn_p,
-                self.s_sh_h.ptr,
-                1,
-            )?;
-            g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, 1)?;
-            g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, 1)?;
-        }
+        self.shared_expert(l, xn_p)?;
         let t_wait = Instant::now();
         let (ids, wts): (Vec<u32>, Vec<f32>) = match (&self.route_pub, routed) {
             (Some(m), _) => {
@@ -722,29 +732,134 @@ impl CudaModel {
             // SAFETY: 3k u64 into `s_bases` (3k + 3 u64).
             unsafe { result::memcpy_htod_async(self.s_bases.ptr, &b[..], g.stream.cu_stream())? };
         }
+        self.routed_experts(l, xn_p, x_p, self.s_route.f32_at(k))?;
+        times.router_ns += router_ns;
+        times.wait_ns += fetch_ns;
+        times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns - fetch_ns;
+        Ok(Ok(()))
+    }
+
+    /// Launches layer `l`'s shared expert (if any) on `xn_p` into
+    /// `s_sh_out` and its gate into `s_sg`.
+    fn shared_expert(&self, l: usize, xn_p: u64) -> Result<()> {
+        let Some(sh) = &self.layers[l].shared else {
+            return Ok(());
+        };
         let g = &self.gpu;
+        let sb = sh.bases.ptr;
+        g.moe_gate_up(
+            &sh.gate.desc,
+            &sh.up.desc,
+            sb,
+            sb + 8,
+            self.s_xrow.ptr,
+            xn_p,
+            self.s_sh_h.ptr,
+            1,
+        )?;
+        g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, 1)?;
+        g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, 1)
+    }
+
+    /// Launches the routed experts of layer `l` over the bases table in
+    /// `s_bases` with the routing weights at `wts`, adding their (and the
+    /// shared expert's) output into the residual at `x_p`.
+    fn routed_experts(&self, l: usize, xn_p: u64, x_p: u64, wts: u64) -> Result<()> {
+        let k = self.top_k;
         let bp = self.s_bases.ptr;
         let shared = if self.layers[l].shared.is_some() {
             (self.s_sh_out.ptr, self.s_sg.ptr)
         } else {
             (0, 0)
         };
-        g.moe_experts(
+        self.gpu.moe_experts(
             [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
             [bp, bp + 8 * k as u64, bp + 16 * k as u64],
             self.s_xrow.ptr,
             xn_p,
             self.s_h.ptr,
-            self.s_route.f32_at(k),
+            wts,
             k,
             shared,
             x_p,
             1,
+        )
+    }
+
+    /// The MoE of layer `l` with device routing: router, bases table,
+    /// shared and routed experts queued back to back, no host round trip.
+    /// The same kernels on the same addresses as the host-routed path, so
+    /// the same bits.
+    fn moe_device(&mut self, l: usize, x: DAct, xn: DAct, times: &mut MoeTimes) -> Result<()> {
+        let t0 = Instant::now();
+        let (k, e) = (self.top_k, self.num_experts);
+        let (xn_p, x_p) = (self.act(xn).ptr, self.act(x).ptr);
+        let ids = self.s_route_all.f32_at(2 * k * l);
+        let wts = self.s_route_all.f32_at(2 * k * l + k);
+        let layer = &self.layers[l];
+        let Some(addr) = &layer.addr_table else {
+            return Err(CudaError::Invalid(format!(
+                "device routing without layer {l}'s expert table"
+            )));
+        };
+        let bases = RouteBases {
+            addr: addr.ptr,
+            offsets: [self.parts[0].1, self.parts[1].1, self.parts[2].1],
+            out: self.s_bases.ptr,
+        };
+        let g = &self.gpu;
+        g.matvec(&layer.router.desc, xn_p, self.s_logits.ptr, 1)?;
+        g.router_topk(
+            self.s_logits.ptr,
+            e,
+            k,
+            self.renorm,
+            ids,
+            wts,
+            1,
+            None,
+            Some(&bases),
         )?;
+        let router_ns = t0.elapsed().as_nanos() as u64;
+        self.shared_expert(l, xn_p)?;
+        self.routed_experts(l, xn_p, x_p, wts)?;
+        self.routes_pending = true;
         times.router_ns += router_ns;
-        times.wait_ns += fetch_ns;
-        times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns - fetch_ns;
-        Ok(Ok(()))
+        times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns;
+        Ok(())
+    }
+
+    /// Counts the last device-routed pass's experts (every one a VRAM hit)
+    /// from the ids its router kernels left in `s_route_all` (one read,
+    /// which waits for the pass).
+    fn collect_device_routes(&mut self) -> Result<()> {
+        if !self.routes_pending {
+            return Ok(());
+        }
+        self.routes_pending = false;
+        let (k, e) = (self.top_k, self.num_experts);
+        let words = self
+            .gpu
+            .read_i32(&self.s_route_all, 2 * k * self.layers.len())?;
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let mut ids: Vec<i32> = words[2 * k * l..][..k].to_vec();
+            if ids.iter().any(|&i| i < 0 || i as usize >= e) {
+                return Err(CudaError::Invalid(format!(
+                    "router returned an expert id outside 0..{e} in layer {l}"
+                )));
+            }
+            ids.sort_unstable();
+            ids.dedup();
+            self.stats.vram_hits += ids.len() as u64;
+            layer.cache.hits += ids.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Whether the router kernels write the experts' bases table themselves
+    /// (see [`CudaModel::preload`]).
+    pub fn device_routing(&self) -> bool {
+        self.device_routing
     }
 
     /// Brings `missing` experts of layer `l` (id, VRAM destination; 0 =
@@ -931,7 +1046,36 @@ impl CudaModel {
         }
         self.gpu.copy_stream.synchronize()?;
         self.stats = CudaStats::default();
+        self.enable_device_routing()?;
         Ok(Ok(n))
+    }
+
+    /// Turns device routing on when every layer holds every expert in VRAM
+    /// (`SLIPSTREAM_CUDA_DEVICE_ROUTING=0` keeps the host round trip):
+    /// uploads each layer's expert -> record address table. A full cache
+    /// never evicts, so the tables stay valid.
+    fn enable_device_routing(&mut self) -> Result<()> {
+        if std::env::var("SLIPSTREAM_CUDA_DEVICE_ROUTING").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        let e = self.num_experts;
+        let mut tables = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let mut addr = Vec::with_capacity(e * 8);
+            for id in 0..e as u32 {
+                let Some(slot) = layer.cache.slot_of(id) else {
+                    return Ok(());
+                };
+                let a = layer.slots.ptr + (slot * self.rec_bytes) as u64;
+                addr.extend_from_slice(&a.to_le_bytes());
+            }
+            tables.push(addr);
+        }
+        for (layer, addr) in self.layers.iter_mut().zip(tables) {
+            layer.addr_table = Some(self.gpu.upload(&addr)?);
+        }
+        self.device_routing = !self.layers.is_empty();
+        Ok(())
     }
 
     /// Greedy token of the last logits computed on the device (`head`).
@@ -951,6 +1095,7 @@ impl Backend for CudaModel {
     }
 
     fn begin_pass(&mut self, position: usize, n: usize) -> std::result::Result<(), ModelError> {
+        self.collect_device_routes().map_err(err)?;
         if position == 0 {
             self.reset().map_err(err)?;
         } else if position != self.pos {
@@ -1048,7 +1193,12 @@ impl Backend for CudaModel {
         self.gpu
             .matvec(&self.lm_head.desc, self.act(*xn).ptr, self.s_vocab.ptr, 1)
             .map_err(err)?;
-        self.gpu.read_f32(&self.s_vocab, 0, self.vocab).map_err(err)
+        let logits = self
+            .gpu
+            .read_f32(&self.s_vocab, 0, self.vocab)
+            .map_err(err)?;
+        self.collect_device_routes().map_err(err)?;
+        Ok(logits)
     }
 
     fn tail(

@@ -4,7 +4,7 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{Gpu, WDesc};
+use slipstream_cuda::{Gpu, RouteBases, WDesc};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
@@ -558,7 +558,7 @@ fn router_topk_and_argmax_match_cpu() {
         let dl = g.upload_f32(&logits).unwrap();
         let ids = g.alloc(tokens * k * 4).unwrap();
         let wts = g.alloc(tokens * k * 4).unwrap();
-        g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, tokens, None)
+        g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, tokens, None, None)
             .unwrap();
         let gi = g.read_i32(&ids, tokens * k).unwrap();
         let gw = g.read_f32(&wts, 0, tokens * k).unwrap();
@@ -592,6 +592,7 @@ fn router_topk_and_argmax_match_cpu() {
                 wts.ptr,
                 tokens,
                 Some((&m, seq)),
+                None,
             )
             .unwrap();
             m.wait_for(2 * k, seq, &g.stream).unwrap();
@@ -601,13 +602,69 @@ fn router_topk_and_argmax_match_cpu() {
             }
         }
         assert!(g
-            .router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, 1, Some((&m, 9)))
+            .router_topk(
+                dl.ptr,
+                e,
+                k,
+                renorm,
+                ids.ptr,
+                wts.ptr,
+                1,
+                Some((&m, 9)),
+                None
+            )
             .is_ok());
         g.sync().unwrap();
+        // Device routing: token 0's bases table from an expert -> address
+        // table (addresses spaced apart so a wrong id or part shows).
+        let addr: Vec<u64> = (0..e as u64).map(|i| 0x1000_0000 + i * 0x10_0000).collect();
+        let addr_bytes: Vec<u8> = addr.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let daddr = g.upload(&addr_bytes).unwrap();
+        let dbases = g.alloc(3 * k * 8).unwrap();
+        let rb = RouteBases {
+            addr: daddr.ptr,
+            offsets: [0, 0x100, 0x2000],
+            out: dbases.ptr,
+        };
+        g.router_topk(
+            dl.ptr,
+            e,
+            k,
+            renorm,
+            ids.ptr,
+            wts.ptr,
+            tokens,
+            None,
+            Some(&rb),
+        )
+        .unwrap();
+        let words = g.read_i32(&dbases, 6 * k).unwrap();
+        let got: Vec<u64> = words
+            .chunks_exact(2)
+            .map(|w| w[0] as u32 as u64 | (w[1] as u32 as u64) << 32)
+            .collect();
+        for r in 0..k {
+            let a = addr[gi[r] as usize];
+            assert_eq!(
+                [got[r], got[k + r], got[2 * k + r]],
+                [a, a + 0x100, a + 0x2000],
+                "device-routed bases e={e} rank {r}"
+            );
+        }
         let small = g.alloc_mapped(2 * k).unwrap();
         assert!(
-            g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, 1, Some((&small, 1)))
-                .is_err(),
+            g.router_topk(
+                dl.ptr,
+                e,
+                k,
+                renorm,
+                ids.ptr,
+                wts.ptr,
+                1,
+                Some((&small, 1)),
+                None
+            )
+            .is_err(),
             "a publish buffer without room for the sequence word is refused"
         );
     }

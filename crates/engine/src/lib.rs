@@ -317,6 +317,9 @@ impl Engine {
                 "; {n} experts preloaded into VRAM (and a full RAM tier) in {:.1} s",
                 t.elapsed().as_secs_f64()
             ));
+            if m.device_routing() {
+                line.push_str("; routing on the device (no host round trip per layer)");
+            }
         }
         self.cuda = Some(m);
         Ok(line)

@@ -64,7 +64,9 @@ pub trait Backend {
         state: &mut LayerState,
     ) -> Result<(), ModelError>;
 
-    /// `x += moe_l(xn)`; appends the chunk's routes to `routes`.
+    /// `x += moe_l(xn)`; appends the chunk's routes to `routes` (a backend
+    /// that routes on the device without the host, the CUDA backend with
+    /// every expert resident, leaves them out).
     #[allow(clippy::too_many_arguments)]
     fn moe(
         &mut self,

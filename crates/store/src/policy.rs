@@ -234,6 +234,11 @@ impl LayerCache {
         self.policy.name()
     }
 
+    /// The slot holding `expert`, if resident.
+    pub fn slot_of(&self, expert: u32) -> Option<usize> {
+        self.slot_of.get(expert as usize).copied().flatten()
+    }
+
     /// Experts resident now, by slot order.
     pub fn resident(&self) -> Vec<u32> {
         self.holder.iter().flatten().copied().collect()

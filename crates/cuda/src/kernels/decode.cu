@@ -1213,7 +1213,9 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
 // fence, `seq` at pub[2K]: the host polls that word instead of waiting for
 // a device-to-host copy and an event.
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
-                                      int* __restrict__ ids, float* __restrict__ wts, u32* pub, u32 seq) {
+                                      int* __restrict__ ids, float* __restrict__ wts, u32* pub, u32 seq,
+                                      const u64* __restrict__ addr, u64 off0, u64 off1, u64 off2,
+                                      u64* __restrict__ bases) {
     __shared__ float p[1024];
     __shared__ float rv[32];
     __shared__ int ri[32];
@@ -1288,6 +1290,19 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
             }
             __threadfence_system();
             *(volatile u32*)(pub + 2 * K) = seq;
+        }
+        // Device routing: the experts' bases table from the expert -> VRAM
+        // record table, in rank order (gate, up, down). An id outside 0..E
+        // (NaN logits) reads record 0 and stays visible in `ids` for the
+        // host to reject.
+        if (addr && blockIdx.x == 0) {
+            for (int k = 0; k < K; k++) {
+                int i = isel[k];
+                u64 a = addr[(i >= 0 && i < E) ? i : 0];
+                bases[k] = a + off0;
+                bases[K + k] = a + off1;
+                bases[2 * K + k] = a + off2;
+            }
         }
     }
 }
