@@ -18,7 +18,9 @@ mode=${1:-run}
 if [ "$mode" = build ]; then
     set -e
     grep -qx '/.devbin/' .git/info/exclude 2>/dev/null || echo '/.devbin/' >> .git/info/exclude
-    nice -n 19 cargo build --release -p slipstream-cli -p slipstream-cuda --example cuda_bench
+    # Two builds: with `--example`, cargo builds only the example, not the CLI.
+    nice -n 19 cargo build --release -p slipstream-cli
+    nice -n 19 cargo build --release -p slipstream-cuda --example cuda_bench
     nice -n 19 cargo test --release -p slipstream-cuda --no-run --message-format=json \
         | python3 -c 'import sys,json
 for l in sys.stdin:
