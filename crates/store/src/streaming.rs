@@ -95,6 +95,12 @@ impl StreamingStore {
         // Anonymous mappings are page aligned, and the stride is a multiple
         // of 4096, so every slot satisfies O_DIRECT's alignment.
         let slots = MmapMut::map_anon((layers * slots_per_layer * stride).max(1))?;
+        // Transparent huge pages where the kernel gives them only on request
+        // (`madvise` mode): decode reads experts scattered over gigabytes of
+        // slots, and 4 KiB pages would put a page walk behind most of them.
+        // Best effort: without THP the slots work the same.
+        #[cfg(target_os = "linux")]
+        let _ = slots.advise(memmap2::Advice::HugePage);
         let scratch = MmapMut::map_anon((SCRATCH_BUFFERS * stride).max(1))?;
         let file = open_pool_file(model.experts_path(), config.direct_io, config.readahead)?;
         let pool = ReaderPool::new(file, config.io_threads);
