@@ -221,8 +221,9 @@ impl ExpertSource for TracedStore {
 /// Every expert of every layer held in memory, read and verified once at open.
 pub struct ResidentStore {
     model: Arc<SlipModel>,
-    /// All records back to back, `record_bytes` apart, layer-major.
-    records: Vec<u8>,
+    /// All records back to back, `record_bytes` apart, layer-major (an
+    /// anonymous mapping with transparent huge pages requested).
+    records: memmap2::MmapMut,
     record_bytes: usize,
     num_experts: usize,
     counters: StoreCounters,
@@ -235,7 +236,12 @@ impl ResidentStore {
         let pool = &model.manifest.experts;
         let record_bytes = pool.record_bytes as usize;
         let num_experts = pool.num_experts;
-        let mut records = vec![0u8; record_bytes * pool.num_layers * num_experts];
+        let mut records =
+            memmap2::MmapMut::map_anon((record_bytes * pool.num_layers * num_experts).max(1))?;
+        // Huge pages where the kernel gives them only on request (see the
+        // streaming store's slots); best effort.
+        #[cfg(target_os = "linux")]
+        let _ = records.advise(memmap2::Advice::HugePage);
         if record_bytes > 0 {
             records
                 .par_chunks_mut(record_bytes)
@@ -244,7 +250,7 @@ impl ResidentStore {
                     model.read_expert(i / num_experts, i % num_experts, buf)
                 })?;
         }
-        let bytes_read = records.len() as u64;
+        let bytes_read = (record_bytes * pool.num_layers * num_experts) as u64;
         Ok(ResidentStore {
             model,
             records,
@@ -266,7 +272,8 @@ impl ExpertStore for ResidentStore {
     fn describe(&self) -> String {
         format!(
             "resident: all experts in memory ({:.1} MB)",
-            self.records.len() as f64 / 1e6
+            (self.record_bytes * self.num_experts * self.model.manifest.experts.num_layers) as f64
+                / 1e6
         )
     }
 
