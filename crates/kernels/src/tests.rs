@@ -39,6 +39,56 @@ fn rand_vals(rng: &mut impl Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
 }
 
+/// Bits of the AVX2 and the AVX-512 forms of a 4-bit product (the GEMM path
+/// when `gemm`, else the matrix-vector blocks) on random weights `[rows,
+/// group * ncols]` and `n` tokens, over rows `rows / 3..rows`; two empty
+/// vectors when the CPU lacks AVX-512.
+#[cfg(target_arch = "x86_64")]
+fn avx512_and_avx2(
+    gemm: bool,
+    group: u32,
+    scale: ScaleType,
+    rows: usize,
+    ncols: usize,
+    n: usize,
+    seed: u64,
+) -> (Vec<u32>, Vec<u32>) {
+    if !crate::avx512::supported() {
+        return (Vec::new(), Vec::new());
+    }
+    let q = QuantType::Affine {
+        bits: 4,
+        group,
+        scale,
+    };
+    let cols = group as usize * ncols;
+    let buf = weight_bytes(q, rows, cols, 0, seed);
+    let w = TensorView::new(q, rows, cols, &buf).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x512);
+    let x = rand_vals(&mut rng, n * cols);
+    let toks: Vec<Token> = (0..n)
+        .map(|t| Token::new(&w, &x[t * cols..(t + 1) * cols], Activations::Exact))
+        .collect();
+    let r0 = rows / 3;
+    let bf16 = scale == ScaleType::Bf16;
+    let g = group as usize;
+    let mut want = vec![0f32; (rows - r0) * n];
+    let mut got = vec![1f32; (rows - r0) * n];
+    // SAFETY: AVX2, FMA and F16C are implied by `avx512::supported`, which
+    // was checked above.
+    unsafe {
+        if gemm {
+            crate::avx2::q4_gemm_rows(&w, r0, rows, &toks, &mut want, bf16, g);
+            crate::avx512::q4_gemm_rows(&w, r0, rows, &toks, &mut got, bf16, g);
+        } else {
+            crate::avx2::q4_rows(&w, r0, rows, &toks, &mut want, bf16, g);
+            crate::avx512::q4_rows(&w, r0, rows, &toks, &mut got, bf16, g);
+        }
+    }
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    (bits(&want), bits(&got))
+}
+
 /// Builds weight bytes at byte offset `off` of a fresh buffer (unaligned).
 fn weight_bytes(q: QuantType, rows: usize, cols: usize, off: usize, seed: u64) -> Vec<u8> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -117,30 +167,8 @@ proptest! {
         n in 1usize..40,
         seed in any::<u64>(),
     ) {
-        if !crate::avx512::supported() {
-            return Ok(());
-        }
-        let q = QuantType::Affine { bits: 4, group, scale };
-        let cols = group as usize * ncols;
-        let buf = weight_bytes(q, rows, cols, 0, seed);
-        let w = TensorView::new(q, rows, cols, &buf).unwrap();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x512);
-        let x = rand_vals(&mut rng, n * cols);
-        let toks: Vec<Token> = (0..n)
-            .map(|t| Token::new(&w, &x[t * cols..(t + 1) * cols], Activations::Exact))
-            .collect();
-        let r0 = rows / 3;
-        let bf16 = scale == ScaleType::Bf16;
-        let mut want = vec![0f32; (rows - r0) * n];
-        let mut got = vec![1f32; (rows - r0) * n];
-        // SAFETY: AVX2, FMA and F16C are implied by `avx512::supported`.
-        unsafe { crate::avx2::q4_gemm_rows(&w, r0, rows, &toks, &mut want, bf16, group as usize) };
-        // SAFETY: checked by `avx512::supported` above.
-        unsafe { crate::avx512::q4_gemm_rows(&w, r0, rows, &toks, &mut got, bf16, group as usize) };
-        prop_assert_eq!(
-            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
+        let (want, got) = avx512_and_avx2(true, group, scale, rows, ncols, n, seed);
+        prop_assert_eq!(want, got);
     }
 
     /// The AVX-512 matrix-vector blocks give the AVX2 blocks' bits, for one
@@ -155,30 +183,8 @@ proptest! {
         n in 1usize..8,
         seed in any::<u64>(),
     ) {
-        if !crate::avx512::supported() {
-            return Ok(());
-        }
-        let q = QuantType::Affine { bits: 4, group, scale };
-        let cols = group as usize * ncols;
-        let buf = weight_bytes(q, rows, cols, 0, seed);
-        let w = TensorView::new(q, rows, cols, &buf).unwrap();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5120);
-        let x = rand_vals(&mut rng, n * cols);
-        let toks: Vec<Token> = (0..n)
-            .map(|t| Token::new(&w, &x[t * cols..(t + 1) * cols], Activations::Exact))
-            .collect();
-        let r0 = rows / 3;
-        let bf16 = scale == ScaleType::Bf16;
-        let mut want = vec![0f32; (rows - r0) * n];
-        let mut got = vec![1f32; (rows - r0) * n];
-        // SAFETY: AVX2, FMA and F16C are implied by `avx512::supported`.
-        unsafe { crate::avx2::q4_rows(&w, r0, rows, &toks, &mut want, bf16, group as usize) };
-        // SAFETY: checked by `avx512::supported` above.
-        unsafe { crate::avx512::q4_rows(&w, r0, rows, &toks, &mut got, bf16, group as usize) };
-        prop_assert_eq!(
-            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-        );
+        let (want, got) = avx512_and_avx2(false, group, scale, rows, ncols, n, seed);
+        prop_assert_eq!(want, got);
     }
 
     #[test]
