@@ -224,6 +224,8 @@ pub struct ResidentStore {
     /// All records back to back, `record_bytes` apart, layer-major (an
     /// anonymous mapping with transparent huge pages requested).
     records: memmap2::MmapMut,
+    /// Bytes of the pool (the mapping is at least one byte long).
+    pool_bytes: usize,
     record_bytes: usize,
     num_experts: usize,
     counters: StoreCounters,
@@ -236,28 +238,28 @@ impl ResidentStore {
         let pool = &model.manifest.experts;
         let record_bytes = pool.record_bytes as usize;
         let num_experts = pool.num_experts;
-        let mut records =
-            memmap2::MmapMut::map_anon((record_bytes * pool.num_layers * num_experts).max(1))?;
+        let pool_bytes = record_bytes * pool.num_layers * num_experts;
+        let mut records = memmap2::MmapMut::map_anon(pool_bytes.max(1))?;
         // Huge pages where the kernel gives them only on request (see the
         // streaming store's slots); best effort.
         #[cfg(target_os = "linux")]
         let _ = records.advise(memmap2::Advice::HugePage);
         if record_bytes > 0 {
-            records
+            records[..pool_bytes]
                 .par_chunks_mut(record_bytes)
                 .enumerate()
                 .try_for_each(|(i, buf)| {
                     model.read_expert(i / num_experts, i % num_experts, buf)
                 })?;
         }
-        let bytes_read = (record_bytes * pool.num_layers * num_experts) as u64;
         Ok(ResidentStore {
             model,
             records,
+            pool_bytes,
             record_bytes,
             num_experts,
             counters: StoreCounters {
-                bytes_read,
+                bytes_read: pool_bytes as u64,
                 ..Default::default()
             },
         })
@@ -272,8 +274,7 @@ impl ExpertStore for ResidentStore {
     fn describe(&self) -> String {
         format!(
             "resident: all experts in memory ({:.1} MB)",
-            (self.record_bytes * self.num_experts * self.model.manifest.experts.num_layers) as f64
-                / 1e6
+            self.pool_bytes as f64 / 1e6
         )
     }
 
