@@ -42,6 +42,8 @@ decode() { # name, args...
     grep -h "^\[stats\]\|^\[cuda\]\|^\[backend\]\|rror" "$OUT/decode_$name.log" | tee -a "$OUT/bench.txt"
 }
 decode resident --resident
+# The same without the CUDA graph per pass (each kernel launched on its own).
+SLIPSTREAM_CUDA_GRAPH=0 decode resident_nograph --resident
 # The same with the host routing round trip per layer (device routing off).
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 decode resident_host_routing --resident
 decode vram4g_ram_pinned --resident --ram-cache-slots 256 --vram-budget 4G

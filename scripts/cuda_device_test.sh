@@ -59,35 +59,42 @@ for spec in qwen3_5_moe_mlx4:q4 qwen3_moe:q4 qwen3_5_moe_fused:f32 qwen3_5_moe_s
     $B/slipstream repack --input tests/fixtures/$fx --output $m --quant $q >/dev/null 2>&1 \
         || { echo "$fx: repack failed" | tee -a "$OUT/model.log"; fail=1; continue; }
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('tests/fixtures/$fx/reference.json'))['prompt_tokens'])))")
-    run() { $B/slipstream run --model $m --prompt-tokens "$toks" --max-new 8 --resident --print-ids "$@" 2>>"$OUT/model.stderr"; }
-    run --backend cpu --dump-logits /tmp/$fx.cpu.npy > /tmp/$fx.cpu.ids || fail=1
-    for s in 1 2 all ram alt; do
-        case $s in all|alt) extra="";; ram) extra="--vram-slots 1 --ram-cache-slots 3";; *) extra="--vram-slots $s";; esac
+    run() { $B/slipstream run --model $m --prompt-tokens "$toks" --max-new 8 --resident --print-ids "$@"; }
+    run --backend cpu --dump-logits /tmp/$fx.cpu.npy > /tmp/$fx.cpu.ids 2>>"$OUT/model.stderr" || fail=1
+    for s in 1 2 all ram alt nograph; do
+        case $s in all|alt|nograph) extra="";; ram) extra="--vram-slots 1 --ram-cache-slots 3";; *) extra="--vram-slots $s";; esac
         # all: every expert resident, so routing runs on the device (no host
-        # round trip). alt: the fused experts kernel and host routing through
-        # the copy + event path (all off the default path) must give the
-        # same bits.
+        # round trip) and each pass's layers replay as one CUDA graph.
+        # nograph: the same without graphs. alt: the fused experts kernel
+        # and host routing through the copy + event path (all off the
+        # default path). All must give the same bits.
         if [ $s = alt ]; then export SLIPSTREAM_CUDA_FUSED=1 SLIPSTREAM_CUDA_ROUTE_MAPPED=0 SLIPSTREAM_CUDA_DEVICE_ROUTING=0; fi
-        run --backend cuda $extra --dump-logits /tmp/$fx.cuda$s.npy > /tmp/$fx.cuda$s.ids || fail=1
-        unset SLIPSTREAM_CUDA_FUSED SLIPSTREAM_CUDA_ROUTE_MAPPED SLIPSTREAM_CUDA_DEVICE_ROUTING
+        if [ $s = nograph ]; then export SLIPSTREAM_CUDA_GRAPH=0; fi
+        run --backend cuda $extra --dump-logits /tmp/$fx.cuda$s.npy > /tmp/$fx.cuda$s.ids 2> /tmp/$fx.cuda$s.err || fail=1
+        cat /tmp/$fx.cuda$s.err >> "$OUT/model.stderr"
+        unset SLIPSTREAM_CUDA_FUSED SLIPSTREAM_CUDA_ROUTE_MAPPED SLIPSTREAM_CUDA_DEVICE_ROUTING SLIPSTREAM_CUDA_GRAPH
     done
+    # The device-routed run must really have replayed graphs.
+    grep -q "passes replayed" /tmp/$fx.cudaall.err && ! grep -q " 0 passes replayed" /tmp/$fx.cudaall.err \
+        || { echo "$fx: slots=all replayed no CUDA graph FAIL" | tee -a "$OUT/model.log"; fail=1; }
     python3 - "$fx" "$q" >> "$OUT/model.log" <<'PY' || fail=1
 import sys, numpy as np
 fx, q = sys.argv[1], sys.argv[2]
 cpu = np.load(f"/tmp/{fx}.cpu.npy")
 ok = True
-ids = {s: open(f"/tmp/{fx}.cuda{s}.ids").read().split() for s in ["1", "2", "all", "ram", "alt"]}
+cases = ["1", "2", "all", "ram", "alt", "nograph"]
+ids = {s: open(f"/tmp/{fx}.cuda{s}.ids").read().split() for s in cases}
 cpu_ids = open(f"/tmp/{fx}.cpu.ids").read().split()
-for s in ["1", "2", "all", "ram", "alt"]:
+for s in cases:
     g = np.load(f"/tmp/{fx}.cuda{s}.npy")
     rel = float(np.abs(g - cpu).max() / np.abs(cpu).max()) if g.shape == cpu.shape else float("inf")
     bits = bool(np.array_equal(g, np.load(f"/tmp/{fx}.cudaall.npy")))
-    good = rel < 1e-3 and np.isfinite(g).all() and (bits or s != "alt")
+    good = rel < 1e-3 and np.isfinite(g).all() and (bits or s not in ("alt", "nograph"))
     ok &= good
     print(f"{fx} ({q}) slots={s}: rows {g.shape[0]} max rel logit err vs cpu {rel:.2e} {'ok' if good else 'FAIL'}; "
           f"logits bit-identical to slots=all: {bits}; tokens {' '.join(ids[s])}")
-same = ids["1"] == ids["2"] == ids["all"] == ids["ram"] == ids["alt"]
-print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RAM tier of 3; all = device routing; alt = fused experts kernel + host copy/event routing): {same}; cpu tokens {' '.join(cpu_ids)} (same as cuda: {cpu_ids == ids['all']})")
+same = all(ids[s] == ids["all"] for s in cases)
+print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RAM tier of 3; all = device routing + CUDA graphs; nograph = device routing without; alt = fused experts kernel + host copy/event routing): {same}; cpu tokens {' '.join(cpu_ids)} (same as cuda: {cpu_ids == ids['all']})")
 sys.exit(0 if ok and same else 1)
 PY
 done
@@ -95,13 +102,22 @@ done
 $B/slipstream run --max-new 16 --print-ids --resident --backend cpu --dump-logits /tmp/demo.cpu.npy > /tmp/demo.cpu.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda --dump-logits /tmp/demo.cuda.npy > /tmp/demo.cuda.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda --vram-slots 1 > /tmp/demo.cuda1.ids 2>>"$OUT/model.stderr" || fail=1
+# 300 tokens: the KV caches grow past their first 256 rows, so the pass
+# graph is captured again; graphs on and off must give the same bits.
+$B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.long.npy > /tmp/demo.long.ids 2>/tmp/demo.long.err || fail=1
+SLIPSTREAM_CUDA_GRAPH=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
+cat /tmp/demo.long.err >> "$OUT/model.stderr"
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
-import sys, numpy as np
+import re, sys, numpy as np
 c, g = np.load("/tmp/demo.cpu.npy"), np.load("/tmp/demo.cuda.npy")
 rel = float(np.abs(g - c).max() / np.abs(c).max()) if g.shape == c.shape else float("inf")
-t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1"]]
+t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1", "long", "longng"]]
 print(f"demo: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL'}); tokens cuda==cuda(1 slot): {t[1] == t[2]}; cpu==cuda: {t[0] == t[1]}")
-sys.exit(0 if rel < 1e-3 and t[1] == t[2] else 1)
+m = re.search(r"CUDA graphs: (\d+) captured, (\d+) passes replayed", open("/tmp/demo.long.err").read())
+caps, reps = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+lb = bool(np.array_equal(np.load("/tmp/demo.long.npy"), np.load("/tmp/demo.longng.npy")))
+print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs off: {lb}; tokens: {t[3] == t[4]}")
+sys.exit(0 if rel < 1e-3 and t[1] == t[2] and lb and t[3] == t[4] and caps >= 2 and reps > 0 else 1)
 PY
 cat "$OUT/model.log"
 grep -h "^\[cuda\]\|^\[backend\]\|rror" "$OUT/model.stderr" | sort | uniq -c | head -20

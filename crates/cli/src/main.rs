@@ -666,7 +666,7 @@ fn run(args: RunArgs) -> Result<()> {
     if let Some(cs) = engine.cuda_stats() {
         let t = cs.tokens.max(1) as f64;
         eprintln!(
-            "[cuda] VRAM hits {} misses {} (RAM tier hits {}, store reads {}) ({:.2} misses/token over {} tokens, {:.2} MB host->device/token) | routing round trip {:.3} ms/token | host fetch {:.3} ms/token",
+            "[cuda] VRAM hits {} misses {} (RAM tier hits {}, store reads {}) ({:.2} misses/token over {} tokens, {:.2} MB host->device/token) | routing round trip {:.3} ms/token | host fetch {:.3} ms/token | CUDA graphs: {} captured, {} passes replayed",
             cs.vram_hits,
             cs.vram_misses,
             cs.ram_hits,
@@ -676,6 +676,8 @@ fn run(args: RunArgs) -> Result<()> {
             cs.h2d_bytes as f64 / 1e6 / t,
             cs.route_wait_ns as f64 / 1e6 / t,
             cs.fetch_ns as f64 / 1e6 / t,
+            cs.graph_captures,
+            cs.graph_replays,
         );
     }
     if let Some(p) = &gen.phases {

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use slipstream_core::QuantType;
-use slipstream_cuda::{DBuf, Gpu, WDesc};
+use slipstream_cuda::{DBuf, Gpu, Position, WDesc};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -440,7 +440,7 @@ fn main() {
                     qb.ptr,
                     kc.ptr,
                     vc.ptr,
-                    keys,
+                    Position::Host(keys - 1),
                     (nh, nkv, hd),
                     qb.ptr,
                     &sc,

@@ -346,6 +346,17 @@ pub const ATT_CHUNK: usize = 128;
 /// Most query heads per KV head (`ATT_MAXG`).
 pub const ATT_MAXG: usize = 16;
 
+/// Where a decode kernel takes the token's position from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Position {
+    /// An argument of the launch (the launch is for this position only).
+    Host(usize),
+    /// The i32 at device address `ptr`, read when the kernel runs, so a
+    /// launch captured in a CUDA graph replays at every position below
+    /// `cap` (the KV cache's rows; attention grids are sized for it).
+    Device { ptr: u64, cap: usize },
+}
+
 /// One CUDA device with its compute stream, a copy stream and the kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -887,7 +898,7 @@ impl Gpu {
         dims: (usize, usize, usize),
         gated: bool,
         eps: f32,
-        pos0: usize,
+        pos0: Position,
         n: usize,
         q_out: u64,
         gate_out: u64,
@@ -896,8 +907,16 @@ impl Gpu {
     ) -> Result<()> {
         let (nh, nkv, hd) = dims;
         let q_stride = if gated { 2 * hd } else { hd } as i32;
-        let (half, nh_i, nkv_i, hd_i, pos0) =
-            (half as i32, nh as i32, nkv as i32, hd as i32, pos0 as i32);
+        let (pos0, dpos) = match pos0 {
+            Position::Host(p) => (p as i32, 0u64),
+            Position::Device { ptr, .. } if n == 1 => (0, ptr),
+            Position::Device { .. } => {
+                return Err(CudaError::Invalid(
+                    "qk_prep reads a device position for one token only".into(),
+                ))
+            }
+        };
+        let (half, nh_i, nkv_i, hd_i) = (half as i32, nh as i32, nkv as i32, hd as i32);
         let gate_out = if gated { gate_out } else { 0 };
         self.go(
             &self.f.qk_prep,
@@ -905,22 +924,24 @@ impl Gpu {
             256,
             &mut args!(
                 &q_all, &k_all, &v_all, &qn, &kn, &inv_freq, &half, &nh_i, &nkv_i, &hd_i,
-                &q_stride, &eps, &pos0, &q_out, &gate_out, &kcache, &vcache
+                &q_stride, &eps, &pos0, &q_out, &gate_out, &kcache, &vcache, &dpos
             ),
         )
     }
 
-    /// Decode attention of one token over `keys` cached positions:
-    /// `q` `[nh, hd]`, caches `[keys, nkv*hd]`, `out` `[nh, hd]`;
-    /// `scratch` holds at least [`Gpu::attn_scratch_f32`] floats; `gate`
-    /// 0 for none.
+    /// Decode attention of the token at position `at` over the `at + 1`
+    /// cached positions: `q` `[nh, hd]`, caches `[keys, nkv*hd]`, `out`
+    /// `[nh, hd]`; `scratch` holds at least [`Gpu::attn_scratch_f32`]
+    /// floats for `at + 1` keys (for the capacity with
+    /// [`Position::Device`]); `gate` 0 for none. Both forms of `at` give
+    /// the same bits.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         q: u64,
         kc: u64,
         vc: u64,
-        keys: usize,
+        at: Position,
         dims: (usize, usize, usize),
         gate: u64,
         scratch: &DBuf,
@@ -932,6 +953,12 @@ impl Gpu {
                 "attention with {nh} heads over {nkv} KV heads of {hd} is outside the kernel's limits"
             )));
         }
+        // `keys` sizes the grid and scratch: the real count, or the
+        // capacity when the kernels read the count from device memory.
+        let (keys, dpos) = match at {
+            Position::Host(p) => (p + 1, 0u64),
+            Position::Device { ptr, cap } => (cap.max(1), ptr),
+        };
         let nsplit = keys.div_ceil(ATT_CHUNK);
         if scratch.len_f32() < Self::attn_scratch_f32(nh, hd, keys) {
             return Err(CudaError::Invalid("attention scratch too small".into()));
@@ -946,13 +973,15 @@ impl Gpu {
             &self.f.attn_partial,
             (nkv as u32, nsplit as u32, 1),
             256,
-            &mut args!(&q, &kc, &vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl, &pacc),
+            &mut args!(
+                &q, &kc, &vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl, &pacc, &dpos
+            ),
         )?;
         self.go(
             &self.f.attn_combine,
             (nh as u32, 1, 1),
             256,
-            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out),
+            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos),
         )
     }
 

@@ -27,7 +27,7 @@ use slipstream_models::{Backend, ModelError, NormKind, Transformer};
 use slipstream_store::policy::{LayerCache, Outcome};
 use slipstream_store::PolicyKind;
 
-use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Result, RouteBases, WDesc};
+use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases, WDesc};
 
 /// Settings of the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -62,6 +62,32 @@ pub struct CudaStats {
     pub store_reads: u64,
     /// Tokens run.
     pub tokens: u64,
+    /// Passes whose layers ran as one replayed CUDA graph.
+    pub graph_replays: u64,
+    /// CUDA graphs captured (the first pass, and again after a KV cache grew).
+    pub graph_captures: u64,
+}
+
+/// How the current pass's layers reach the device (device routing only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PassMode {
+    /// Each kernel launched on its own.
+    Plain,
+    /// Launches recorded into a CUDA graph, launched at the last layer.
+    Capture,
+    /// The recorded graph launched once; the layers launch nothing.
+    Replay,
+}
+
+/// A pass's body (embedding to the last layer's experts) captured as one
+/// CUDA graph: ~17 launches per layer become one, and the GPU runs them
+/// without the per-launch gaps. Its kernels take the position from device
+/// memory, so it replays at every position whose keys fit the KV caches it
+/// captured.
+struct PassGraph {
+    exec: cudarc::driver::CudaGraph,
+    /// Smallest KV capacity over the attention layers at capture (rows).
+    kv_cap: usize,
 }
 
 /// Which preallocated activation buffer an activation lives in.
@@ -192,6 +218,11 @@ pub struct CudaModel {
     s_route_all: DBuf,
     /// The last pass routed on the device and its ids are not counted yet.
     routes_pending: bool,
+    /// With device routing, run each pass's body as one CUDA graph
+    /// (`SLIPSTREAM_CUDA_GRAPH=0` turns it off).
+    graphs: bool,
+    graph: Option<PassGraph>,
+    mode: PassMode,
     copy_done: Option<CudaEvent>,
     /// Expert part templates (base 0) and their offsets in a record.
     parts: [(WDesc, u64, usize); 3],
@@ -395,6 +426,9 @@ impl CudaModel {
             },
             route_seq: 0,
             device_routing: false,
+            graphs: !std::env::var("SLIPSTREAM_CUDA_GRAPH").is_ok_and(|v| v == "0"),
+            graph: None,
+            mode: PassMode::Plain,
             s_route_all: f(2 * k * m.layers.len().max(1))?,
             routes_pending: false,
             copy_done: None,
@@ -438,6 +472,78 @@ impl CudaModel {
             self.slots(),
             self.rec_bytes as f64 / 1e6
         )
+    }
+
+    /// The position of the current pass in device memory (written with the
+    /// token id in `embed`), for kernels of layer `l`'s attention.
+    fn device_pos(&self, cap: usize) -> Position {
+        Position::Device {
+            ptr: self.s_ids.ptr + 4,
+            cap,
+        }
+    }
+
+    /// Decides how this pass's body runs (see [`PassMode`]); before a
+    /// capture, grows every KV cache for `position` (growing allocates and
+    /// synchronises, which a capture may not).
+    fn choose_mode(&mut self, position: usize) -> Result<()> {
+        self.mode = PassMode::Plain;
+        if !(self.device_routing && self.graphs) {
+            return Ok(());
+        }
+        if self.graph.as_ref().is_some_and(|g| position < g.kv_cap) {
+            self.mode = PassMode::Replay;
+            return Ok(());
+        }
+        for l in 0..self.layers.len() {
+            self.ensure_kv(l, position + 1)?;
+        }
+        self.graph = None;
+        self.mode = PassMode::Capture;
+        Ok(())
+    }
+
+    /// Ends a capture that failed midway, so the stream takes work again.
+    fn abort_capture(&mut self) {
+        if self.mode == PassMode::Capture {
+            // The graph (if any) is dropped: it is incomplete.
+            let _ = self
+                .gpu
+                .stream
+                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            self.mode = PassMode::Plain;
+        }
+    }
+
+    /// Ends the capture of the pass's body and launches it.
+    fn finish_capture(&mut self) -> Result<()> {
+        let kv_cap = self
+            .layers
+            .iter()
+            .filter_map(|l| match &l.mixer {
+                DMixer::Attn(a) => Some(a.cap),
+                DMixer::Gdn(_) => None,
+            })
+            .min()
+            .unwrap_or(usize::MAX);
+        self.mode = PassMode::Plain;
+        let exec = self
+            .gpu
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))?
+            .ok_or_else(|| CudaError::Invalid("the pass's graph capture came back empty".into()))?;
+        exec.launch()?;
+        self.graph = Some(PassGraph { exec, kv_cap });
+        self.stats.graph_captures += 1;
+        Ok(())
+    }
+
+    /// `r`, ending a capture in progress when it is an error.
+    fn guard<T>(&mut self, r: Result<T>) -> std::result::Result<T, ModelError> {
+        if r.is_err() {
+            self.abort_capture();
+        }
+        r.map_err(err)
     }
 
     fn act(&self, a: DAct) -> &DBuf {
@@ -491,6 +597,8 @@ impl CudaModel {
                 a.kc = kc;
                 a.vc = vc;
                 a.cap = cap;
+                // A captured graph holds the old buffers' addresses.
+                self.graph = None;
                 let need_s = Gpu::attn_scratch_f32(a.dims.0, a.dims.2, cap);
                 if self.s_att_scratch.len_f32() < need_s {
                     self.s_att_scratch = gpu.alloc(need_s * 4)?;
@@ -507,6 +615,9 @@ impl CudaModel {
             unreachable!()
         };
         let xn = self.act(xn).ptr;
+        // The position comes from device memory (so the launches replay in
+        // a graph); the attention grid covers the cache's capacity.
+        let at = self.device_pos(a.cap);
         g.matvec(&a.q.desc, xn, self.s_q_all.ptr, 1)?;
         g.matvec(&a.k.desc, xn, self.s_k_all.ptr, 1)?;
         g.matvec(&a.v.desc, xn, self.s_v_all.ptr, 1)?;
@@ -521,7 +632,7 @@ impl CudaModel {
             a.dims,
             a.gated,
             a.eps,
-            self.pos,
+            at,
             1,
             self.s_q.ptr,
             self.s_gate.ptr,
@@ -533,7 +644,7 @@ impl CudaModel {
             self.s_q.ptr,
             a.kc.ptr,
             a.vc.ptr,
-            self.pos + 1,
+            at,
             a.dims,
             gate,
             &self.s_att_scratch,
@@ -862,6 +973,12 @@ impl CudaModel {
         self.device_routing
     }
 
+    /// Whether each pass's layers run as one replayed CUDA graph (device
+    /// routing, unless `SLIPSTREAM_CUDA_GRAPH=0`).
+    pub fn pass_graphs(&self) -> bool {
+        self.device_routing && self.graphs
+    }
+
     /// Brings `missing` experts of layer `l` (id, VRAM destination; 0 =
     /// none, RAM tier only) to the device: RAM-tier hits are copied straight
     /// from pinned memory; the rest are read through the host store into
@@ -1095,6 +1212,7 @@ impl Backend for CudaModel {
     }
 
     fn begin_pass(&mut self, position: usize, n: usize) -> std::result::Result<(), ModelError> {
+        self.abort_capture();
         self.collect_device_routes().map_err(err)?;
         if position == 0 {
             self.reset().map_err(err)?;
@@ -1105,16 +1223,49 @@ impl Backend for CudaModel {
                 self.pos
             )));
         }
-        debug_assert_eq!(n, 1);
-        Ok(())
+        if n != 1 {
+            return Err(ModelError::State(format!(
+                "the CUDA backend runs one token per pass, got {n}"
+            )));
+        }
+        self.choose_mode(position).map_err(err)
     }
 
     fn embed(&mut self, _m: &Transformer, tokens: &[u32]) -> std::result::Result<DAct, ModelError> {
-        let ids: Vec<f32> = tokens.iter().map(|&t| f32::from_bits(t)).collect();
-        self.gpu.write_f32(&self.s_ids, &ids).map_err(err)?;
-        self.gpu
-            .embed_rows(&self.embed.desc, self.s_ids.ptr, self.act(DAct::X).ptr, 1)
-            .map_err(err)?;
+        let &[id] = tokens else {
+            return Err(ModelError::State(format!(
+                "the CUDA backend runs one token per pass, got {}",
+                tokens.len()
+            )));
+        };
+        // The token id, then its position (read by the attention kernels).
+        let words = [f32::from_bits(id), f32::from_bits(self.pos as u32)];
+        self.gpu.write_f32(&self.s_ids, &words).map_err(err)?;
+        let r = match self.mode {
+            PassMode::Replay => match &self.graph {
+                Some(g) => g.exec.launch().map_err(CudaError::from),
+                None => Err(CudaError::Invalid("graph replay without a graph".into())),
+            },
+            PassMode::Capture => self
+                .gpu
+                .stream
+                .begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .map_err(CudaError::from)
+                .and_then(|()| {
+                    self.gpu
+                        .embed_rows(&self.embed.desc, self.s_ids.ptr, self.act(DAct::X).ptr, 1)
+                }),
+            PassMode::Plain => {
+                self.gpu
+                    .embed_rows(&self.embed.desc, self.s_ids.ptr, self.act(DAct::X).ptr, 1)
+            }
+        };
+        self.guard(r)?;
+        if self.mode == PassMode::Replay {
+            self.stats.graph_replays += 1;
+        }
         Ok(DAct::X)
     }
 
@@ -1134,16 +1285,18 @@ impl Backend for CudaModel {
             DAct::X | DAct::Xn => DAct::Xn,
             DAct::T | DAct::Tn => DAct::Tn,
         };
-        self.gpu
-            .rms_norm(
-                self.act(*x).ptr,
-                w,
-                self.act(out).ptr,
-                1,
-                self.hidden,
-                self.eps,
-            )
-            .map_err(err)?;
+        if self.mode == PassMode::Replay && which != NormKind::Final {
+            return Ok(out);
+        }
+        let r = self.gpu.rms_norm(
+            self.act(*x).ptr,
+            w,
+            self.act(out).ptr,
+            1,
+            self.hidden,
+            self.eps,
+        );
+        self.guard(r)?;
         Ok(out)
     }
 
@@ -1156,11 +1309,14 @@ impl Backend for CudaModel {
         _n: usize,
         _state: &mut LayerState,
     ) -> std::result::Result<(), ModelError> {
-        match self.layers[l].mixer {
+        if self.mode == PassMode::Replay {
+            return Ok(());
+        }
+        let r = match self.layers[l].mixer {
             DMixer::Attn(_) => self.attention(l, *x, *xn),
             DMixer::Gdn(_) => self.gdn(l, *x, *xn),
-        }
-        .map_err(err)
+        };
+        self.guard(r)
     }
 
     fn moe(
@@ -1174,9 +1330,24 @@ impl Backend for CudaModel {
         routes: &mut Vec<Route>,
         times: &mut MoeTimes,
     ) -> std::result::Result<(), ModelError> {
-        let r = self.moe(l, *x, *xn, experts, routes, times).map_err(err)?;
-        r.map_err(ModelError::Store)?;
-        if l + 1 == self.layers.len() {
+        let last = l + 1 == self.layers.len();
+        match self.mode {
+            // The graph's router kernels leave the ids for the counters.
+            PassMode::Replay => self.routes_pending = true,
+            _ => {
+                let r = self.moe(l, *x, *xn, experts, routes, times);
+                if let Err(e) = self.guard(r)? {
+                    self.abort_capture();
+                    return Err(ModelError::Store(e));
+                }
+                if last && self.mode == PassMode::Capture {
+                    let r = self.finish_capture();
+                    self.guard(r)?;
+                }
+            }
+        }
+        if last {
+            self.mode = PassMode::Plain;
             self.pos += 1;
             self.stats.tokens += 1;
         }

@@ -4,7 +4,7 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{Gpu, RouteBases, WDesc};
+use slipstream_cuda::{Gpu, Position, RouteBases, WDesc};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
@@ -419,24 +419,39 @@ fn decode_attention_matches_cpu() {
             g.upload_f32(&v).unwrap(),
             g.upload_f32(&gate).unwrap(),
         );
-        let scratch = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, keys)).unwrap();
+        // The device-position form (graph replay) runs over a grid sized
+        // for a larger cache and must give the same bits.
+        let cap = (keys + 200).next_power_of_two();
+        let scratch = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, cap)).unwrap();
         let out = g.upload_f32(&vec![f32::NAN; nh * hd]).unwrap();
         let gp = if gated { dg.ptr } else { 0 };
-        g.attention(
-            dq.ptr,
-            dk.ptr,
-            dv.ptr,
-            keys,
-            (nh, nkv, hd),
-            gp,
-            &scratch,
-            out.ptr,
-        )
-        .unwrap();
-        let e = rel_err(&g.read_f32(&out, 0, nh * hd).unwrap(), &want);
+        let run = |at: Position| {
+            g.attention(
+                dq.ptr,
+                dk.ptr,
+                dv.ptr,
+                at,
+                (nh, nkv, hd),
+                gp,
+                &scratch,
+                out.ptr,
+            )
+            .unwrap();
+            g.read_f32(&out, 0, nh * hd).unwrap()
+        };
+        let got = run(Position::Host(keys - 1));
+        let e = rel_err(&got, &want);
         assert!(
             e < 1e-4,
             "attention nh {nh} nkv {nkv} hd {hd} keys {keys}: {e}"
+        );
+        let dpos = g.upload_f32(&[f32::from_bits(keys as u32 - 1)]).unwrap();
+        let got_dev = run(Position::Device { ptr: dpos.ptr, cap });
+        assert!(
+            got.iter()
+                .zip(&got_dev)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "attention with the position in device memory differs (keys {keys}, cap {cap})"
         );
     }
 }

@@ -319,6 +319,9 @@ impl Engine {
             ));
             if m.device_routing() {
                 line.push_str("; routing on the device (no host round trip per layer)");
+                if m.pass_graphs() {
+                    line.push_str("; each pass's layers replayed as one CUDA graph");
+                }
             }
         }
         self.cuda = Some(m);

@@ -875,14 +875,18 @@ extern "C" __global__ void rope(float* v, const float* inv_freq, int half, int h
 // Per token t (grid.y) and head (grid.x < nh: query head, else KV head):
 // q/k RMS norm, RoPE at pos0 + t, the gate split off, K and V appended to
 // the caches at row pos0 + t. q_all rows hold per head [query(hd), gate(hd)]
-// when gated (q_stride = 2 hd). 256 threads; hd <= 1024.
+// when gated (q_stride = 2 hd). `dpos`, when not null, replaces pos0 with
+// the position held in device memory (so a CUDA graph can replay the
+// launch at every position). 256 threads; hd <= 1024.
 extern "C" __global__ void qk_prep(const float* __restrict__ q_all, const float* __restrict__ k_all,
                                   const float* __restrict__ v_all, const float* __restrict__ qn,
                                   const float* __restrict__ kn, const float* __restrict__ inv_freq, int half,
                                   int nh, int nkv, int hd, int q_stride, float eps, int pos0,
                                   float* __restrict__ q_out, float* __restrict__ gate_out,
-                                  float* __restrict__ kcache, float* __restrict__ vcache) {
+                                  float* __restrict__ kcache, float* __restrict__ vcache,
+                                  const int* __restrict__ dpos) {
     __shared__ float buf[1024];
+    if (dpos) pos0 = dpos[0];
     int t = blockIdx.y, hh = blockIdx.x;
     const float* src;
     const float* nw;
@@ -919,11 +923,21 @@ extern "C" __global__ void qk_prep(const float* __restrict__ q_all, const float*
 // `group` query heads of that KV head walk keys [split*ATT_CHUNK, ..) of the
 // first `keys` together, so each K and V row is read once per KV head.
 // Writes per (head, split) the running max m, sum l and unnormalised
-// acc[hd]. 256 threads; group <= ATT_MAXG; hd <= 256.
+// acc[hd]. `dpos`, when not null, replaces keys with dpos[0] + 1 (the
+// position in device memory, for graph replay): nsplit follows from it and
+// the blocks of a grid sized for the cache's capacity past nsplit return at
+// once, so both forms compute the same bits. 256 threads; group <=
+// ATT_MAXG; hd <= 256.
+__device__ __forceinline__ int att_splits(int keys) { return (keys + ATT_CHUNK - 1) / ATT_CHUNK; }
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ kc,
                                        const float* __restrict__ vc, int keys, int nh, int nkv, int hd,
                                        float scale, int nsplit, float* __restrict__ pm, float* __restrict__ pl,
-                                       float* __restrict__ pacc) {
+                                       float* __restrict__ pacc, const int* __restrict__ dpos) {
+    if (dpos) {
+        keys = dpos[0] + 1;
+        nsplit = att_splits(keys);
+    }
+    if ((int)blockIdx.y >= nsplit) return;
     __shared__ float qs[ATT_MAXG * 256];
     __shared__ float sc[ATT_MAXG * ATT_CHUNK];
     __shared__ float mx[ATT_MAXG];
@@ -994,10 +1008,13 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 }
 
 // Decode attention, pass 2: combine the splits of head blockIdx.x and apply
-// the sigmoid output gate (when `gate` is not null). 256 threads.
+// the sigmoid output gate (when `gate` is not null); `dpos` as in
+// attn_partial. 256 threads.
 extern "C" __global__ void attn_combine(const float* __restrict__ pm, const float* __restrict__ pl,
                                        const float* __restrict__ pacc, int nsplit, int hd,
-                                       const float* __restrict__ gate, float* __restrict__ out) {
+                                       const float* __restrict__ gate, float* __restrict__ out,
+                                       const int* __restrict__ dpos) {
+    if (dpos) nsplit = att_splits(dpos[0] + 1);
     int h = blockIdx.x;
     float m = -INFINITY;
     for (int s = 0; s < nsplit; s++) m = fmaxf(m, pm[(size_t)h * nsplit + s]);
