@@ -44,6 +44,8 @@ decode() { # name, args...
 decode resident --resident
 # The same without the CUDA graph per pass (each kernel launched on its own).
 SLIPSTREAM_CUDA_GRAPH=0 decode resident_nograph --resident
+# The same with the (opt-in) tensor-core 4-bit kernels.
+SLIPSTREAM_CUDA_TC=1 decode resident_tc --resident
 # The same with the host routing round trip per layer (device routing off).
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 decode resident_host_routing --resident
 decode vram4g_ram_pinned --resident --ram-cache-slots 256 --vram-budget 4G

@@ -94,7 +94,6 @@ fn main() {
     let mut g = Gpu::new(0).expect("opening the GPU");
     // The "fused" rows measure the one-launch kernel (off in the model by default).
     g.fused = true;
-    let g = g;
     println!("device: {} ({} SMs)", g.name, g.sms);
     let reps = 20;
     let mut rows: Vec<Row> = Vec::new();
@@ -172,6 +171,48 @@ fn main() {
                 .unwrap();
         }
     }) / 40.0;
+    // The same layer on the tensor-core kernels (opt-in:
+    // `SLIPSTREAM_CUDA_TC=1`; `moe_experts` with the fused kernel off).
+    g.fused = false;
+    g.tensor_cores = true;
+    let tc_ok = g.experts_on_tensor_cores([&gt, &gt, &dt], k);
+    let (ms_tc, ms_tc40, ms_tc_graph40) = {
+        let layer = |s: usize| {
+            g.moe_experts(
+                [&gt, &gt, &dt],
+                [tab(s, 0), tab(s, 1), tab(s, 2)],
+                xrow.ptr,
+                x.ptr,
+                hbuf.ptr,
+                wts.ptr,
+                k,
+                (0, 0),
+                res.ptr,
+                1,
+            )
+            .unwrap()
+        };
+        let one = time_ms(&g, reps * 4, |i| layer(i % sets));
+        let forty = time_ms(&g, 3, |_| (0..40).for_each(layer)) / 40.0;
+        g.stream
+            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+            .unwrap();
+        (0..40).for_each(layer);
+        let graph = g
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .unwrap()
+            .unwrap();
+        let graphed = time_ms(&g, reps, |_| graph.launch().unwrap()) / 40.0;
+        (one, forty, graphed)
+    };
+    g.fused = true;
+    g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
+    let g = g;
+    println!(
+        "experts on tensor cores: {tc_ok}; dense rows on tensor cores: {}",
+        g.tensor_cores
+    );
     // The same layer as one launch of the fused kernel.
     let fused = |s: usize| {
         g.moe_experts(
@@ -297,6 +338,26 @@ fn main() {
     rows.push(Row {
         name: "layer's routed experts, 40 layers queued".into(),
         ms: ms_40,
+        bytes: (3 * k * part) as f64,
+    });
+    let tc_name = if tc_ok {
+        "tensor cores"
+    } else {
+        "default path"
+    };
+    rows.push(Row {
+        name: format!("layer's routed experts, {tc_name} (2 launches)"),
+        ms: ms_tc,
+        bytes: (3 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: format!("{tc_name}, 40 layers queued"),
+        ms: ms_tc40,
+        bytes: (3 * k * part) as f64,
+    });
+    rows.push(Row {
+        name: format!("{tc_name}, 40 layers in one CUDA graph"),
+        ms: ms_tc_graph40,
         bytes: (3 * k * part) as f64,
     });
     rows.push(Row {

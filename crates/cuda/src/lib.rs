@@ -309,7 +309,11 @@ struct Funcs {
     matvec_a4: CudaFunction,
     /// Wide 4-bit kernels for 1, 2 and 4 chunks per lane.
     matvec_a4v: [CudaFunction; 3],
+    matvec_a4v_multi: [CudaFunction; 3],
     moe_gate_up_a4v: [CudaFunction; 3],
+    moe_gate_up_tc: CudaFunction,
+    matvec_tc: CudaFunction,
+    moe_down_tc: CudaFunction,
     moe_down_a4v: CudaFunction,
     /// Gate/up and down of every routed expert in one launch.
     moe_fused_a4v: [CudaFunction; 3],
@@ -372,6 +376,10 @@ pub struct Gpu {
     fused_sync: DBuf,
     /// Whether [`Gpu::moe_experts`] may use the fused kernel.
     pub fused: bool,
+    /// Whether the tensor-core kernels run where they apply (affine 4-bit,
+    /// group 64): off unless `SLIPSTREAM_CUDA_TC=1`, since they measured
+    /// slower than the a4v kernels on the H200 (docs/BENCHMARKS.md).
+    pub tensor_cores: bool,
     /// The kernels were built with `A4V_SPLIT=1` (grid shapes follow it).
     split: bool,
 }
@@ -398,6 +406,7 @@ impl Gpu {
         let split = std::env::var("SLIPSTREAM_CUDA_A4V_SPLIT").map_or(true, |v| v != "0");
         let mut g = Gpu::build(ordinal, minb, split)?;
         g.fused = std::env::var("SLIPSTREAM_CUDA_FUSED").is_ok_and(|v| v == "1");
+        g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
         Ok(g)
     }
 
@@ -451,6 +460,14 @@ impl Gpu {
                 lf("matvec_a4v_c2")?,
                 lf("matvec_a4v_c4")?,
             ],
+            matvec_a4v_multi: [
+                lf("matvec_a4v_multi_c1")?,
+                lf("matvec_a4v_multi_c2")?,
+                lf("matvec_a4v_multi_c4")?,
+            ],
+            moe_gate_up_tc: lf("moe_gate_up_tc")?,
+            matvec_tc: lf("matvec_tc")?,
+            moe_down_tc: lf("moe_down_tc")?,
             moe_gate_up_a4v: [
                 lf("moe_gate_up_a4v_c1")?,
                 lf("moe_gate_up_a4v_c2")?,
@@ -499,6 +516,7 @@ impl Gpu {
             sms,
             fused_sync,
             fused: true,
+            tensor_cores: false,
             split,
         })
     }
@@ -673,6 +691,9 @@ impl Gpu {
     /// `y[t, :] = W x[t, :]` for `n` tokens; `x` holds `n * cols` f32 at
     /// address `x`, `y` `n * rows`.
     pub fn matvec(&self, w: &WDesc, x: u64, y: u64, n: usize) -> Result<()> {
+        if n == 1 && self.matvec_on_tensor_cores(w) {
+            return self.matvec_tc(&[w], x, &[y]);
+        }
         if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_multiple_of(16)) {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
             let grid = (
@@ -689,6 +710,100 @@ impl Gpu {
         }
         let grid = (w.rows().div_ceil(8) as u32, n as u32, 1);
         self.go(&self.f.matvec, grid, 256, &mut args!(w, &x, &y))
+    }
+
+    /// `ys[i] = ws[i] x` for one token: matrices of the same column count
+    /// and wide 4-bit layout (up to 4) in one launch, each block computing
+    /// exactly what its own [`Gpu::matvec`] launch would (same bits);
+    /// otherwise one launch per matrix.
+    pub fn matvec_many(&self, ws: &[&WDesc], x: u64, ys: &[u64]) -> Result<()> {
+        if ws.len() != ys.len() {
+            return Err(CudaError::Invalid(
+                "matvec_many: one output per matrix".into(),
+            ));
+        }
+        if (1..=4).contains(&ws.len())
+            && ws
+                .iter()
+                .all(|w| self.matvec_on_tensor_cores(w) && w.cols() == ws[0].cols())
+        {
+            return self.matvec_tc(ws, x, ys);
+        }
+        let chunks = ws.first().and_then(|w| w.a4v_chunks());
+        let fused = ws.len() >= 2
+            && ws.len() <= 4
+            && ws.iter().all(|w| {
+                w.a4v_chunks() == chunks && w.codes.is_multiple_of(16) && w.cols() == ws[0].cols()
+            });
+        let Some(c) = chunks.filter(|_| fused) else {
+            for (w, &y) in ws.iter().zip(ys) {
+                self.matvec(w, x, y, 1)?;
+            }
+            return Ok(());
+        };
+        let brows = ws[0].a4v_block_rows(8 / c);
+        // Block boundaries b1..b3; absent matrices get empty ranges.
+        let mut bounds = [0i32; 4];
+        let mut total = 0usize;
+        for (i, w) in ws.iter().enumerate() {
+            bounds[i] = total as i32;
+            total += w.rows().div_ceil(brows);
+        }
+        for b in bounds.iter_mut().skip(ws.len()) {
+            *b = total as i32;
+        }
+        let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
+        let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+        let f = &self.f.matvec_a4v_multi[c.trailing_zeros() as usize];
+        self.go_smem(
+            f,
+            (total as u32, 1, 1),
+            256,
+            ws[0].a4v_smem(1),
+            &mut args!(
+                wd[0], wd[1], wd[2], wd[3], &bounds[1], &bounds[2], &bounds[3], &x, &yd[0], &yd[1],
+                &yd[2], &yd[3]
+            ),
+        )
+    }
+
+    /// Whether [`Gpu::matvec`] runs `w` (one token) on the tensor-core
+    /// kernel: `tensor_cores` on, affine 4-bit with groups of 64, rows a
+    /// multiple of 256 columns, staged x within 48 KiB of shared memory.
+    pub fn matvec_on_tensor_cores(&self, w: &WDesc) -> bool {
+        self.tensor_cores
+            && w.qt == QKind::Affine4 as i32
+            && w.group == 64
+            && w.cols().is_multiple_of(256)
+            && w.cols() / 64 * 388 + 4096 <= 48 * 1024
+            && w.codes.is_multiple_of(8)
+    }
+
+    /// One launch of `matvec_tc` over up to 4 matrices of the same columns
+    /// (each checked by [`Gpu::matvec_on_tensor_cores`]).
+    fn matvec_tc(&self, ws: &[&WDesc], x: u64, ys: &[u64]) -> Result<()> {
+        let mut bounds = [0i32; 4];
+        let mut total = 0usize;
+        for (i, w) in ws.iter().enumerate() {
+            bounds[i] = total as i32;
+            total += w.rows().div_ceil(32);
+        }
+        for b in bounds.iter_mut().skip(ws.len()) {
+            *b = total as i32;
+        }
+        let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
+        let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+        let smem = (ws[0].cols() / 64 * 388 + 4096) as u32;
+        self.go_smem(
+            &self.f.matvec_tc,
+            (total as u32, 1, 1),
+            256,
+            smem,
+            &mut args!(
+                wd[0], wd[1], wd[2], wd[3], &bounds[1], &bounds[2], &bounds[3], &x, &yd[0], &yd[1],
+                &yd[2], &yd[3]
+            ),
+        )
     }
 
     /// Routed experts' gate/up for `pairs` pairs; `gbase`/`ubase` hold
@@ -842,8 +957,49 @@ impl Gpu {
                 ),
             );
         }
+        if self.tensor_cores && self.experts_on_tensor_cores(parts, k) {
+            let smem_gu = (gt.cols() / 64 * 388 + 4096) as u32;
+            let grid = (gt.rows().div_ceil(16) as u32, pairs as u32, 1);
+            self.go_smem(
+                &self.f.moe_gate_up_tc,
+                grid,
+                256,
+                smem_gu,
+                &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xn, &h),
+            )?;
+            let smem_d = (k * dt.cols() / 64 * 388 + 512) as u32;
+            let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
+            let ki = k as i32;
+            return self.go_smem(
+                &self.f.moe_down_tc,
+                grid,
+                256,
+                smem_d,
+                &mut args!(dt, &bases[2], &h, &wts, &ki, &shared.0, &shared.1, &x),
+            );
+        }
         self.moe_gate_up(gt, ut, bases[0], bases[1], xrow, xn, h, pairs)?;
         self.moe_down(dt, bases[2], h, wts, k, shared.0, shared.1, x, tokens)
+    }
+
+    /// Whether [`Gpu::moe_experts`] runs these parts (gate, up, down) with
+    /// `k` ranks on the tensor-core kernels (when `tensor_cores` is on and
+    /// the fused kernel is off): affine 4-bit with groups of 64, gate/up
+    /// rows a multiple of 256 columns, at most 8 ranks, and the staged
+    /// inputs within 48 KiB of shared memory.
+    pub fn experts_on_tensor_cores(&self, parts: [&WDesc; 3], k: usize) -> bool {
+        let [gt, ut, dt] = parts;
+        let a4g64 = |w: &WDesc| w.qt == QKind::Affine4 as i32 && w.group == 64;
+        same_layout(gt, ut)
+            && a4g64(gt)
+            && a4g64(dt)
+            && gt.scale_bf16 == dt.scale_bf16
+            && gt.cols().is_multiple_of(256)
+            && gt.cols() / 64 * 388 + 4096 <= 48 * 1024
+            && dt.cols().is_multiple_of(64)
+            && (1..=8).contains(&k)
+            && k * dt.cols() / 64 * 388 + 512 <= 48 * 1024
+            && dt.cols() == gt.rows()
     }
 
     /// RMS norm of `rows` rows of `dim` values.
@@ -856,12 +1012,28 @@ impl Gpu {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
+        self.add_rms_norm(x, 0, w, out, rows, dim, eps)
+    }
+
+    /// [`Gpu::add`] of `add` (`[rows, dim]`; 0 for none) into `x`, then
+    /// [`Gpu::rms_norm`] of the sum, in one launch with the same bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        x: u64,
+        add: u64,
+        w: u64,
+        out: u64,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
         let dim = dim as i32;
         self.go(
             &self.f.rms_norm,
             (rows as u32, 1, 1),
             256,
-            &mut args!(&x, &w, &out, &dim, &eps),
+            &mut args!(&x, &w, &out, &dim, &eps, &add),
         )
     }
 

@@ -223,6 +223,8 @@ pub struct CudaModel {
     graphs: bool,
     graph: Option<PassGraph>,
     mode: PassMode,
+    /// A mixer output (in `s_mixed`) not yet added into this residual.
+    pending_residual: Option<DAct>,
     copy_done: Option<CudaEvent>,
     /// Expert part templates (base 0) and their offsets in a record.
     parts: [(WDesc, u64, usize); 3],
@@ -429,6 +431,7 @@ impl CudaModel {
             graphs: !std::env::var("SLIPSTREAM_CUDA_GRAPH").is_ok_and(|v| v == "0"),
             graph: None,
             mode: PassMode::Plain,
+            pending_residual: None,
             s_route_all: f(2 * k * m.layers.len().max(1))?,
             routes_pending: false,
             copy_done: None,
@@ -618,9 +621,11 @@ impl CudaModel {
         // The position comes from device memory (so the launches replay in
         // a graph); the attention grid covers the cache's capacity.
         let at = self.device_pos(a.cap);
-        g.matvec(&a.q.desc, xn, self.s_q_all.ptr, 1)?;
-        g.matvec(&a.k.desc, xn, self.s_k_all.ptr, 1)?;
-        g.matvec(&a.v.desc, xn, self.s_v_all.ptr, 1)?;
+        g.matvec_many(
+            &[&a.q.desc, &a.k.desc, &a.v.desc],
+            xn,
+            &[self.s_q_all.ptr, self.s_k_all.ptr, self.s_v_all.ptr],
+        )?;
         g.qk_prep(
             self.s_q_all.ptr,
             self.s_k_all.ptr,
@@ -651,7 +656,8 @@ impl CudaModel {
             self.s_attn.ptr,
         )?;
         g.matvec(&a.o.desc, self.s_attn.ptr, self.s_mixed.ptr, 1)?;
-        g.add(self.act(x).ptr, self.s_mixed.ptr, self.hidden)
+        self.defer_residual(x);
+        Ok(())
     }
 
     fn gdn(&mut self, l: usize, x: DAct, xn: DAct) -> Result<()> {
@@ -660,10 +666,11 @@ impl CudaModel {
             unreachable!()
         };
         let xn = self.act(xn).ptr;
-        g.matvec(&d.qkv.desc, xn, self.s_qkv.ptr, 1)?;
-        g.matvec(&d.z.desc, xn, self.s_z.ptr, 1)?;
-        g.matvec(&d.b.desc, xn, self.s_b.ptr, 1)?;
-        g.matvec(&d.a.desc, xn, self.s_a.ptr, 1)?;
+        g.matvec_many(
+            &[&d.qkv.desc, &d.z.desc, &d.b.desc, &d.a.desc],
+            xn,
+            &[self.s_qkv.ptr, self.s_z.ptr, self.s_b.ptr, self.s_a.ptr],
+        )?;
         g.gdn_conv(
             self.s_qkv.ptr,
             1,
@@ -688,7 +695,24 @@ impl CudaModel {
             self.s_core.ptr,
         )?;
         g.matvec(&d.out.desc, self.s_core.ptr, self.s_mixed.ptr, 1)?;
-        g.add(self.act(x).ptr, self.s_mixed.ptr, self.hidden)
+        self.defer_residual(x);
+        Ok(())
+    }
+
+    /// The mixer's output in `s_mixed` is added into the residual `x` by
+    /// the norm that follows (one launch for add + norm, same bits);
+    /// [`CudaModel::flush_residual`] adds it on its own when anything else
+    /// comes first.
+    fn defer_residual(&mut self, x: DAct) {
+        self.pending_residual = Some(x);
+    }
+
+    /// Adds a deferred mixer output into its residual now.
+    fn flush_residual(&mut self) -> Result<()> {
+        match self.pending_residual.take() {
+            Some(x) => self.gpu.add(self.act(x).ptr, self.s_mixed.ptr, self.hidden),
+            None => Ok(()),
+        }
     }
 
     /// The MoE of layer `l` for one token: router on the device, ids to
@@ -1213,6 +1237,8 @@ impl Backend for CudaModel {
 
     fn begin_pass(&mut self, position: usize, n: usize) -> std::result::Result<(), ModelError> {
         self.abort_capture();
+        // A residual left by a pass that failed midway belongs to no pass.
+        self.pending_residual = None;
         self.collect_device_routes().map_err(err)?;
         if position == 0 {
             self.reset().map_err(err)?;
@@ -1288,14 +1314,29 @@ impl Backend for CudaModel {
         if self.mode == PassMode::Replay && which != NormKind::Final {
             return Ok(out);
         }
-        let r = self.gpu.rms_norm(
-            self.act(*x).ptr,
-            w,
-            self.act(out).ptr,
-            1,
-            self.hidden,
-            self.eps,
-        );
+        let r = if self.pending_residual == Some(*x) {
+            self.pending_residual = None;
+            self.gpu.add_rms_norm(
+                self.act(*x).ptr,
+                self.s_mixed.ptr,
+                w,
+                self.act(out).ptr,
+                1,
+                self.hidden,
+                self.eps,
+            )
+        } else {
+            self.flush_residual().and_then(|()| {
+                self.gpu.rms_norm(
+                    self.act(*x).ptr,
+                    w,
+                    self.act(out).ptr,
+                    1,
+                    self.hidden,
+                    self.eps,
+                )
+            })
+        };
         self.guard(r)?;
         Ok(out)
     }
@@ -1335,6 +1376,8 @@ impl Backend for CudaModel {
             // The graph's router kernels leave the ids for the counters.
             PassMode::Replay => self.routes_pending = true,
             _ => {
+                let r = self.flush_residual();
+                self.guard(r)?;
                 let r = self.moe(l, *x, *xn, experts, routes, times);
                 if let Err(e) = self.guard(r)? {
                     self.abort_capture();
@@ -1379,6 +1422,8 @@ impl Backend for CudaModel {
         _n: usize,
         _rows: usize,
     ) -> std::result::Result<DAct, ModelError> {
+        let r = self.flush_residual();
+        self.guard(r)?;
         let g = &self.gpu;
         let (src, dst) = (self.act(*x).ptr, self.act(DAct::T).ptr);
         g.ctx.bind_to_thread().map_err(|e| err(e.into()))?;

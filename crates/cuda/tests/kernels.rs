@@ -106,7 +106,16 @@ fn matvec_matches_scalar_on_every_type() {
 
 #[test]
 fn wide_a4_matvec_matches_scalar() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
+    // With the tensor-core kernel where it applies (group 64, one token),
+    // then with the a4v kernels everywhere.
+    for tc in [true, false] {
+        g.tensor_cores = tc;
+        wide_a4_case(&g);
+    }
+}
+
+fn wide_a4_case(g: &Gpu) {
     let mut rng = Rng64::seed_from_u64(9);
     // Columns 32 * S for S = 1..32 (powers of two) and 32, 64, 128 chunks
     // per row of 32 lanes; ragged row counts; 1 to 3 tokens.
@@ -145,6 +154,67 @@ fn wide_a4_matvec_matches_scalar() {
             let got = g.read_f32(&dy, 0, n * rows).unwrap();
             let e = rel_err(&got, &want);
             assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+        }
+    }
+}
+
+/// A layer's projections in one launch (`matvec_many`: 2 to 4 matrices of
+/// the same columns, ragged rows down to one block's worth and less) give
+/// the bits of one launch per matrix.
+#[test]
+fn many_matvecs_in_one_launch_match_single_launches() {
+    let Some(mut g) = gpu() else { return };
+    for tc in [true, false] {
+        // Tensor-core kernel, then the a4v one.
+        g.tensor_cores = tc;
+        many_matvecs_case(&g, tc);
+    }
+}
+
+fn many_matvecs_case(g: &Gpu, tc: bool) {
+    let mut rng = Rng64::seed_from_u64(13);
+    let q = QuantType::Affine {
+        bits: 4,
+        group: 64,
+        scale: ScaleType::Bf16,
+    };
+    for (cols, rows) in [
+        (2048usize, vec![8192usize, 4096, 32, 32]),
+        (2048, vec![4096, 512, 512]),
+        (512, vec![3, 77]),
+        (4096, vec![1000, 1, 300, 9]),
+    ] {
+        let bufs: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|&r| rand_weight(&mut rng, q, r, cols))
+            .collect();
+        let ws: Vec<_> = rows
+            .iter()
+            .zip(&bufs)
+            .map(|(&r, b)| {
+                g.upload_weight(&TensorView::new(q, r, cols, b).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        let x = rvec(&mut rng, cols, 1.0);
+        let dx = g.upload_f32(&x).unwrap();
+        let ys: Vec<_> = rows
+            .iter()
+            .map(|&r| g.upload_f32(&vec![f32::NAN; r]).unwrap())
+            .collect();
+        let descs: Vec<_> = ws.iter().map(|w| &w.desc).collect();
+        let yp: Vec<u64> = ys.iter().map(|y| y.ptr).collect();
+        g.matvec_many(&descs, dx.ptr, &yp).unwrap();
+        for ((w, y), &r) in ws.iter().zip(&ys).zip(&rows) {
+            let got = g.read_f32(y, 0, r).unwrap();
+            g.matvec(&w.desc, dx.ptr, y.ptr, 1).unwrap();
+            let want = g.read_f32(y, 0, r).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "matvec_many [{r}, {cols}] of {rows:?} differs from its own launch (tensor cores: {tc})"
+            );
         }
     }
 }
@@ -208,6 +278,19 @@ fn routed_experts_in_one_launch_match_scalar() {
             256,
             32,
             3,
+            true,
+        ),
+        // Tensor-core shapes (group 64): bf16 scales, 5 ranks, 3 groups
+        // per down row.
+        (
+            QuantType::Affine {
+                bits: 4,
+                group: 64,
+                scale: ScaleType::Bf16,
+            },
+            768,
+            192,
+            5,
             true,
         ),
     ] {
@@ -294,6 +377,7 @@ fn routed_experts_in_one_launch_match_scalar() {
         // The one-launch path (fused kernel where the shapes allow it) gives
         // the same bits as the two launches, launch after launch (its block
         // counters reset themselves).
+        g.tensor_cores = false;
         for rep in 0..3 {
             let dres2 = g.upload_f32(&x0).unwrap();
             let dh2 = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
@@ -319,6 +403,51 @@ fn routed_experts_in_one_launch_match_scalar() {
                 q.name()
             );
         }
+        // The tensor-core kernels, where they take the shape: within the
+        // same bound of the scalar reference, and the same bits every time.
+        g.fused = false;
+        g.tensor_cores = true;
+        let tc = g.experts_on_tensor_cores([&gt, &gt, &dtl], k);
+        if (q, h, inter, k) == (QuantType::Q4, 2048, 512, 8) {
+            assert!(
+                tc,
+                "the 35B layer shape must run on the tensor-core kernels"
+            );
+        }
+        let mut first: Option<Vec<f32>> = None;
+        for _ in 0..2 {
+            let dres3 = g.upload_f32(&x0).unwrap();
+            let dh3 = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
+            g.moe_experts(
+                [&gt, &gt, &dtl],
+                [dt.ptr, dt.ptr + 8 * k as u64, dt.ptr + 16 * k as u64],
+                xrow.ptr,
+                dx.ptr,
+                dh3.ptr,
+                dw.ptr,
+                k,
+                (s, sgp),
+                dres3.ptr,
+                1,
+            )
+            .unwrap();
+            let got3 = g.read_f32(&dres3, 0, h).unwrap();
+            let e = rel_err(&got3, &want);
+            assert!(
+                e < 5e-5,
+                "{} h={h} i={inter} k={k} (tensor cores: {tc}): rel err {e}",
+                q.name()
+            );
+            if let Some(f) = &first {
+                assert!(
+                    f.iter().zip(&got3).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{} h={h} i={inter} k={k}: tensor-core experts not deterministic",
+                    q.name()
+                );
+            }
+            first = Some(got3);
+        }
+        g.fused = true;
     }
 }
 
@@ -338,8 +467,33 @@ fn rms_norm_and_rope_match_cpu() {
         let out = g.upload_f32(&vec![f32::NAN; rows * dim]).unwrap();
         g.rms_norm(dx.ptr, dw.ptr, out.ptr, rows, dim, 1e-6)
             .unwrap();
-        let e = rel_err(&g.read_f32(&out, 0, rows * dim).unwrap(), &want);
+        let norm = g.read_f32(&out, 0, rows * dim).unwrap();
+        let e = rel_err(&norm, &want);
         assert!(e < 1e-5, "rms_norm dim {dim}: {e}");
+        // The residual add fused into the norm: the same bits as the add
+        // kernel followed by the norm, and the same sum left in x.
+        let r = rvec(&mut rng, rows * dim, 3.0);
+        let dr = g.upload_f32(&r).unwrap();
+        let (dx2, out2) = (g.upload_f32(&x).unwrap(), g.upload_f32(&x).unwrap());
+        g.add(dx.ptr, dr.ptr, rows * dim).unwrap();
+        g.rms_norm(dx.ptr, dw.ptr, out.ptr, rows, dim, 1e-6)
+            .unwrap();
+        g.add_rms_norm(dx2.ptr, dr.ptr, dw.ptr, out2.ptr, rows, dim, 1e-6)
+            .unwrap();
+        let bits = |b: &slipstream_cuda::DBuf| -> Vec<u32> {
+            let v = g.read_f32(b, 0, rows * dim).unwrap();
+            v.iter().map(|f| f.to_bits()).collect()
+        };
+        assert_eq!(
+            bits(&out),
+            bits(&out2),
+            "add + rms_norm dim {dim}: norms differ"
+        );
+        assert_eq!(
+            bits(&dx),
+            bits(&dx2),
+            "add + rms_norm dim {dim}: sums differ"
+        );
     }
     for (hd, rot, pos) in [
         (64usize, 64usize, 0usize),

@@ -86,7 +86,9 @@ __device__ __forceinline__ float row_dot(const W& w, int r, const float* __restr
         const u16* s = w.scales + (size_t)r * ng;
         const u16* b = w.biases + (size_t)r * ng;
         const int nw = cols / 8;
-#pragma unroll 4
+        // Unrolled so a 2048-column row's loads are all in flight at once
+        // (the summation order is the loop's either way).
+#pragma unroll 8
         for (int i = lane; i < nw; i += 32) {
             u32 q = __ldg(c + i);
             int j = i * 8;
@@ -106,7 +108,8 @@ __device__ __forceinline__ float row_dot(const W& w, int r, const float* __restr
         const u16* s = w.scales + (size_t)r * ng;
         const u16* b = w.biases + (size_t)r * ng;
         const int nw = cols / 4;
-#pragma unroll 4
+        // 16: a 2048-column row (the router) in one round of loads.
+#pragma unroll 16
         for (int i = lane; i < nw; i += 32) {
             u32 q = __ldg(c + i);
             int j = i * 4;
@@ -466,14 +469,15 @@ __device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x
 // Affine 4-bit matvec, wide form: grid (ceil(rows / (8 * RW * R)), n),
 // 256 threads, dynamic shared memory 37 * cols / 32 floats.
 template <int C, int R>
-__device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restrict__ x, float* __restrict__ y) {
+__device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restrict__ x, float* __restrict__ y,
+                                                int blk) {
     float* xs = (float*)a4v_dyn;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = w.cols >> 5;
     const int L = S < 32 ? S : 32;
     const int RW = 32 / L;
     const int sub = lane / L, li = lane % L;
-    const int base = (blockIdx.x * (blockDim.x >> 5) + warp) * RW * R;
+    const int base = (blk * (blockDim.x >> 5) + warp) * RW * R;
     const int t = blockIdx.y;
     float o[1][R];
     tile_a4v<C, R, 1>(&w, x + (size_t)t * w.cols, xs, base, sub, li, L, RW, o);
@@ -486,14 +490,32 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
     }
 }
 extern "C" __global__ void matvec_a4v_c1(W w, const float* __restrict__ x, float* __restrict__ y) {
-    matvec_a4v_body<1, 8>(w, x, y);
+    matvec_a4v_body<1, 8>(w, x, y, blockIdx.x);
 }
 extern "C" __global__ void matvec_a4v_c2(W w, const float* __restrict__ x, float* __restrict__ y) {
-    matvec_a4v_body<2, 4>(w, x, y);
+    matvec_a4v_body<2, 4>(w, x, y, blockIdx.x);
 }
 extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float* __restrict__ y) {
-    matvec_a4v_body<4, 2>(w, x, y);
+    matvec_a4v_body<4, 2>(w, x, y, blockIdx.x);
 }
+
+// Up to 4 matrices of the same column count sharing the input x in one
+// launch (the projections of one layer): blocks [0, b1) compute w0 into
+// y0, [b1, b2) w1 into y1, [b2, b3) w2, [b3, grid) w3; each block exactly
+// as its own matvec_a4v launch would (same bits, fewer launches).
+#define MULTI_ARGS W w0, W w1, W w2, W w3, int b1, int b2, int b3, const float* __restrict__ x, \
+    float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3
+template <int C, int R>
+__device__ __forceinline__ void matvec_a4v_multi(MULTI_ARGS) {
+    const int b = blockIdx.x;
+    if (b < b1) matvec_a4v_body<C, R>(w0, x, y0, b);
+    else if (b < b2) matvec_a4v_body<C, R>(w1, x, y1, b - b1);
+    else if (b < b3) matvec_a4v_body<C, R>(w2, x, y2, b - b2);
+    else matvec_a4v_body<C, R>(w3, x, y3, b - b3);
+}
+extern "C" __global__ void matvec_a4v_multi_c1(MULTI_ARGS) { matvec_a4v_multi<1, 8>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
+extern "C" __global__ void matvec_a4v_multi_c2(MULTI_ARGS) { matvec_a4v_multi<2, 4>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
+extern "C" __global__ void matvec_a4v_multi_c4(MULTI_ARGS) { matvec_a4v_multi<4, 2>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
 
 // Routed experts' gate and up, wide form (same result as moe_gate_up):
 // grid (ceil(I / (8 * RW * R)), pairs), 256 threads, dynamic shared memory
@@ -774,6 +796,290 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c1(FU_
 extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c2(FU_ARGS) { fused_a4v_body<2, 2>(FU_CALL); }
 extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_ARGS) { fused_a4v_body<4, 1>(FU_CALL); }
 
+// ---- Routed experts on tensor cores (affine 4-bit, group 64) ----
+// One mma.m16n8k16 (bf16 in, f32 accumulate) takes 16 weight rows x 16
+// columns. The codes enter as bf16 128 + c (exact: OR into 0x4300, one LOP3
+// per two codes; the 128 is folded into the group's bias term, as the a4v
+// kernels fold their 0.5), and x as three bf16 parts p0 + p1 + p2 (the f32
+// value to its last bit for normal numbers) in the B operand's columns
+// 0-2, so one mma yields the three partial dot products, summed in f32
+// after the scale. Per group of 64 columns the four lanes of a row each
+// take 16 contiguous columns (8 code bytes, one 8-byte load): in step s
+// (0..3) a lane's k pairs are its nibbles (s, s+4) of the first and of the
+// second 4 bytes, and the staged x parts are laid out to match. About one
+// instruction per code against ~6 for the a4v kernels' PRMT + FFMA form.
+
+// bf16 (round to nearest even) of f, as the low 16 bits.
+__device__ __forceinline__ u32 bf16_rn(float f) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+}
+__device__ __forceinline__ float bf16_f(u32 b) { return __uint_as_float(b << 16); }
+
+// Nibbles s and s + 4 of w as bf16 128 + c in the low and high halves.
+__device__ __forceinline__ u32 tc_nib2(u32 w, int s) { return ((w >> (4 * s)) & 0x000F000Fu) | 0x43004300u; }
+
+// d += A (16 x 16, rows lane/4 and lane/4 + 8) x B (16 x 8).
+__device__ __forceinline__ void tc_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Stages one x row of `cols` (a multiple of 64) for the tensor-core
+// kernels: xp[((g * 4 + s) * 4 + c) * 3 + n] (two u32 each) holds part n
+// of x at group g's columns (16c + s, 16c + s + 4) and (16c + 8 + s,
+// 16c + 12 + s) as bf16 pairs; gs[g] = the group's sum of x in f32 (a
+// fixed shuffle tree). All threads of the block call it; a barrier must
+// follow.
+__device__ __forceinline__ void tc_stage(const float* __restrict__ x, int cols, uint2* xp, float* gs) {
+    const int ng = cols >> 6;
+    for (int i = threadIdx.x; i < ng * 16; i += blockDim.x) {
+        const int g = i >> 4, st = (i >> 2) & 3, c = i & 3;
+        const float* xg = x + g * 64 + 16 * c + st;
+        u32 part[3][4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float v = xg[4 * j];
+            const u32 p0 = bf16_rn(v);
+            const float r1 = v - bf16_f(p0);
+            const u32 p1 = bf16_rn(r1);
+            part[0][j] = p0;
+            part[1][j] = p1;
+            part[2][j] = bf16_rn(r1 - bf16_f(p1));
+        }
+#pragma unroll
+        for (int n = 0; n < 3; n++)
+            xp[i * 3 + n] = make_uint2(part[n][0] | (part[n][1] << 16), part[n][2] | (part[n][3] << 16));
+    }
+    // Group sums: one warp per group, a fixed shuffle tree.
+    const int lane = threadIdx.x & 31;
+    for (int g = threadIdx.x >> 5; g < ng; g += blockDim.x >> 5) {
+        const float a = warp_sum(x[g * 64 + lane] + x[g * 64 + 32 + lane]);
+        if (lane == 0) gs[g] = a;
+    }
+}
+
+// The B fragment of step st of group g for this lane: part lane / 4 (zero
+// for lanes 12-31: columns 3-7 of B are unused).
+__device__ __forceinline__ uint2 tc_b(const uint2* xp, int g, int st, int lane) {
+    const int n = lane >> 2, c = lane & 3;
+    return n < 3 ? xp[((g * 4 + st) * 4 + c) * 3 + n] : make_uint2(0u, 0u);
+}
+
+#define TC_GCHUNK 8
+// One warp's 16-row tile over groups [g0, g0 + gn) of the staged x (xp,
+// gs): mma rows 0-7 are row `ra` of `wa` (this lane's row lane / 4), rows
+// 8-15 row `rb` of `wb`. Adds into acc the scaled partial sums of x part
+// columns 2c and 2c + 1 (c = lane % 4) for row a (acc[0], acc[1]) and row
+// b (acc[2], acc[3]), the group's bias term in column 0 (lanes c = 0).
+// Loads go out a chunk of TC_GCHUNK groups at a time; `stage` (staging x,
+// ending with a barrier) runs once, after the first chunk's loads are
+// issued, so every thread of the block must call this with the same gn.
+template <typename Stage>
+__device__ __forceinline__ void tc_tile(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
+                                        const uint2* xp, const float* gs, int lane, float* acc, Stage stage) {
+    const int c = lane & 3, cols = wa.cols, ng = cols >> 6;
+    const uint2* ca = (const uint2*)(wa.codes + (size_t)ra * cols / 2) + c;
+    const uint2* cb = (const uint2*)(wb.codes + (size_t)rb * cols / 2) + c;
+    const u16* sa = wa.scales + (size_t)ra * ng;
+    const u16* ba = wa.biases + (size_t)ra * ng;
+    const u16* sb = wb.scales + (size_t)rb * ng;
+    const u16* bb = wb.biases + (size_t)rb * ng;
+    const int bf = wa.scale_bf16;
+    bool staged = false;
+    for (int k0 = 0; k0 < gn; k0 += TC_GCHUNK) {
+        uint2 qa[TC_GCHUNK], qb[TC_GCHUNK];
+        u16 ssa[TC_GCHUNK], sba[TC_GCHUNK], ssb[TC_GCHUNK], sbb[TC_GCHUNK];
+#pragma unroll
+        for (int j = 0; j < TC_GCHUNK; j++) {
+            const int g = g0 + min(k0 + j, gn - 1);
+            qa[j] = __ldg(ca + g * 4);
+            qb[j] = __ldg(cb + g * 4);
+            ssa[j] = __ldg(sa + g);
+            sba[j] = __ldg(ba + g);
+            ssb[j] = __ldg(sb + g);
+            sbb[j] = __ldg(bb + g);
+        }
+        if (!staged) {
+            stage();
+            staged = true;
+        }
+#pragma unroll
+        for (int j = 0; j < TC_GCHUNK; j++) {
+            if (k0 + j >= gn) break;
+            const int g = g0 + k0 + j;
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int st = 0; st < 4; st++) {
+                const uint2 b = tc_b(xp, g, st, lane);
+                tc_mma(d, tc_nib2(qa[j].x, st), tc_nib2(qb[j].x, st), tc_nib2(qa[j].y, st), tc_nib2(qb[j].y, st),
+                       b.x, b.y);
+            }
+            const float fa = half_val(ssa[j], bf), fb = half_val(ssb[j], bf);
+            acc[0] = fmaf(fa, d[0], acc[0]);
+            acc[1] = fmaf(fa, d[1], acc[1]);
+            acc[2] = fmaf(fb, d[2], acc[2]);
+            acc[3] = fmaf(fb, d[3], acc[3]);
+            if (c == 0) {
+                acc[0] = fmaf(fmaf(-128.0f, fa, half_val(sba[j], bf)), gs[g], acc[0]);
+                acc[2] = fmaf(fmaf(-128.0f, fb, half_val(sbb[j], bf)), gs[g], acc[2]);
+            }
+        }
+    }
+    if (!staged) stage();
+}
+
+// The dot products of a tile's rows a and b (lanes c = 0) from tc_tile's
+// accumulators: x part columns (0 + 1) + 2. Every lane of the warp calls it.
+__device__ __forceinline__ void tc_rows_out(const float* acc, float* va, float* vb) {
+    const float a2 = __shfl_down_sync(0xffffffffu, acc[0], 1);
+    const float b2 = __shfl_down_sync(0xffffffffu, acc[2], 1);
+    *va = (acc[0] + acc[1]) + a2;
+    *vb = (acc[2] + acc[3]) + b2;
+}
+
+// Routed experts' gate and up on tensor cores (same role as
+// moe_gate_up_a4v): grid (ceil(I / 16), pairs), 256 threads. Warp w takes
+// 8 intermediate rows (w / 4: the block's first or second 8) over a
+// quarter of the columns (w % 4); its tile's rows 0-7 are the gate rows,
+// 8-15 the up rows, so a lane ends with both of its row. The quarters are
+// summed in order through shared memory. Requires cols % 256 == 0.
+// Dynamic shared memory: cols / 64 * 388 + 4096 bytes.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, const u64* __restrict__ gbase,
+                                                                 const u64* __restrict__ ubase,
+                                                                 const int* __restrict__ xrow,
+                                                                 const float* __restrict__ x, float* __restrict__ h) {
+    const int p = blockIdx.y;
+    const int cols = gt.cols, ng = cols >> 6, I = gt.rows;
+    uint2* xp = (uint2*)a4v_dyn;
+    float* gs = (float*)(xp + ng * 48);
+    float* red = gs + ng;  // [2 tiles][4 quarters][32 lanes][4]
+    const W g = at_base_a4(gt, (const u8*)gbase[p]);
+    const W u = at_base_a4(ut, (const u8*)ubase[p]);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = warp >> 2, quarter = warp & 3;
+    const int row_raw = blockIdx.x * 16 + tile * 8 + (lane >> 2);
+    const int row = min(row_raw, I - 1);
+    const int gpq = ng >> 2;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_tile(g, row, u, row, quarter * gpq, gpq, xp, gs, lane, acc, [&]() {
+        tc_stage(x + (size_t)xrow[p] * cols, cols, xp, gs);
+        __syncthreads();
+    });
+    float* my = red + ((tile * 4 + quarter) * 32 + lane) * 4;
+#pragma unroll
+    for (int e = 0; e < 4; e++) my[e] = acc[e];
+    __syncthreads();
+    if (quarter == 0) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float a = 0.0f;
+            for (int q = 0; q < 4; q++) a += red[((tile * 4 + q) * 32 + lane) * 4 + e];
+            v[e] = a;
+        }
+        float gv, uv;
+        tc_rows_out(v, &gv, &uv);
+        if ((lane & 3) == 0 && row_raw < I) h[(size_t)p * I + row_raw] = siluf_(gv) * uv;
+    }
+}
+
+// Routed experts' down projections on tensor cores (same role as
+// moe_down_a4v): grid (ceil(H / 16), tokens), 256 threads; warp k takes
+// expert rank k (K <= 8; warps past K run rank 0's rows and drop them) for
+// the block's 16 output rows over all columns (cols = I, a multiple of
+// 64); the ranks are then summed in order with their weights, the gated
+// shared expert added, into the residual x. Dynamic shared memory:
+// K * I / 64 * 388 + 512 bytes.
+extern "C" __global__ void __launch_bounds__(256) moe_down_tc(W dt, const u64* __restrict__ dbase,
+                                                              const float* __restrict__ h,
+                                                              const float* __restrict__ wts, int K,
+                                                              const float* __restrict__ shared,
+                                                              const float* __restrict__ sgate, float* __restrict__ x) {
+    const int t = blockIdx.y;
+    const int cols = dt.cols, ng = cols >> 6, H = dt.rows;
+    uint2* xp = (uint2*)a4v_dyn;
+    float* gs = (float*)(xp + K * ng * 48);
+    float* red = gs + K * ng;  // [8 ranks][16 rows]
+    const int k = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kr = k < K ? k : 0;
+    const int r0 = min(blockIdx.x * 16 + (lane >> 2), H - 1), r1 = min(blockIdx.x * 16 + (lane >> 2) + 8, H - 1);
+    const W d = at_base_a4(dt, (const u8*)dbase[(size_t)t * K + kr]);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_tile(d, r0, d, r1, 0, ng, xp + kr * ng * 48, gs + kr * ng, lane, acc, [&]() {
+        for (int kk = 0; kk < K; kk++)
+            tc_stage(h + ((size_t)t * K + kk) * cols, cols, xp + kk * ng * 48, gs + kk * ng);
+        __syncthreads();
+    });
+    float v0, v1;
+    tc_rows_out(acc, &v0, &v1);
+    if (k < K && (lane & 3) == 0) {
+        red[k * 16 + (lane >> 2)] = v0;
+        red[k * 16 + (lane >> 2) + 8] = v1;
+    }
+    __syncthreads();
+    const int row = blockIdx.x * 16 + threadIdx.x;
+    if (threadIdx.x < 16 && row < H) {
+        float a = 0.0f;
+        for (int kk = 0; kk < K; kk++) a += wts[(size_t)t * K + kk] * red[kk * 16 + threadIdx.x];
+        float sh = 0.0f;
+        if (shared) sh = sigmoidf_(sgate[t]) * shared[(size_t)t * H + row];
+        x[(size_t)t * H + row] += a + sh;
+    }
+}
+
+// Dense affine 4-bit matvec on tensor cores (group 64, cols % 256 == 0),
+// one token, up to 4 matrices of the same columns sharing x in one launch
+// (blocks [0, b1) compute w0 into y0, [b1, b2) w1, [b2, b3) w2, the rest
+// w3: as matvec_a4v_multi). 256 threads per block; warp w takes 16 rows
+// (w / 4: rows r and r + 8 of the block's first or second 16) over a
+// quarter of the columns (w % 4), the quarters summed in order. Dynamic
+// shared memory as moe_gate_up_tc.
+extern "C" __global__ void __launch_bounds__(256) matvec_tc(MULTI_ARGS) {
+    const int b = blockIdx.x;
+    const int m = b < b1 ? 0 : b < b2 ? 1 : b < b3 ? 2 : 3;
+    const W& w = m == 0 ? w0 : m == 1 ? w1 : m == 2 ? w2 : w3;
+    float* y = m == 0 ? y0 : m == 1 ? y1 : m == 2 ? y2 : y3;
+    const int blk = b - (m == 0 ? 0 : m == 1 ? b1 : m == 2 ? b2 : b3);
+    const int cols = w.cols, ng = cols >> 6, rows = w.rows;
+    uint2* xp = (uint2*)a4v_dyn;
+    float* gs = (float*)(xp + ng * 48);
+    float* red = gs + ng;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = warp >> 2, quarter = warp & 3;
+    const int ra_raw = blk * 32 + tile * 16 + (lane >> 2);
+    const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
+    const int gpq = ng >> 2;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    tc_tile(w, ra, w, rb, quarter * gpq, gpq, xp, gs, lane, acc, [&]() {
+        tc_stage(x, cols, xp, gs);
+        __syncthreads();
+    });
+    float* my = red + ((tile * 4 + quarter) * 32 + lane) * 4;
+#pragma unroll
+    for (int e = 0; e < 4; e++) my[e] = acc[e];
+    __syncthreads();
+    if (quarter == 0) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float a = 0.0f;
+            for (int q = 0; q < 4; q++) a += red[((tile * 4 + q) * 32 + lane) * 4 + e];
+            v[e] = a;
+        }
+        float va, vb;
+        tc_rows_out(v, &va, &vb);
+        if ((lane & 3) == 0) {
+            if (ra_raw < rows) y[ra_raw] = va;
+            if (ra_raw + 8 < rows) y[ra_raw + 8] = vb;
+        }
+    }
+}
+
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
 // per row; grid (ceil(rows / 8), n).
 extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __restrict__ y) {
@@ -845,12 +1151,23 @@ __device__ double block_sum_d(double v) {
 }
 
 // out[row] = x[row] * rsqrt(mean(x^2) + eps) * w; grid rows, 256 threads.
-extern "C" __global__ void rms_norm(const float* __restrict__ x, const float* __restrict__ w,
-                                   float* __restrict__ out, int dim, float eps) {
-    const float* xr = x + (size_t)blockIdx.x * dim;
+// With `add` (not null) the residual add comes first, x[row] += add[row]
+// (stored; the same bits as add_inplace then rms_norm, one launch fewer).
+extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ w,
+                                   float* __restrict__ out, int dim, float eps, const float* __restrict__ add) {
+    float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
     double ss = 0.0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    if (add) {
+        const float* ar = add + (size_t)blockIdx.x * dim;
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            const float v = xr[i] + ar[i];
+            xr[i] = v;
+            ss += (double)v * (double)v;
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += (double)xr[i] * (double)xr[i];
+    }
     ss = block_sum_d(ss);
     float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = (xr[i] * inv) * w[i];
