@@ -41,6 +41,25 @@ fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut(usize)) -> f64 {
     median(t)
 }
 
+/// Milliseconds per layer of `layer(s)` (the routed experts of layer set
+/// `s`): one layer per call, 40 queued in one timed region, and 40
+/// captured in one CUDA graph and replayed.
+fn time_layers(g: &Gpu, reps: usize, sets: usize, layer: impl Fn(usize)) -> (f64, f64, f64) {
+    let one = time_ms(g, reps * 4, |i| layer(i % sets));
+    let forty = time_ms(g, 3, |_| (0..40).for_each(&layer)) / 40.0;
+    g.stream
+        .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .unwrap();
+    (0..40).for_each(&layer);
+    let graph = g
+        .stream
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .unwrap()
+        .unwrap();
+    let graphed = time_ms(g, reps, |_| graph.launch().unwrap()) / 40.0;
+    (one, forty, graphed)
+}
+
 fn fill_random(g: &Gpu, b: &DBuf, seed: u64) {
     // Random bytes (never zeros: they can run faster than real data).
     let mut x = seed | 1;
@@ -171,50 +190,10 @@ fn main() {
                 .unwrap();
         }
     }) / 40.0;
-    // The same layer on the tensor-core kernels (opt-in:
-    // `SLIPSTREAM_CUDA_TC=1`; `moe_experts` with the fused kernel off).
-    g.fused = false;
-    g.tensor_cores = true;
-    let tc_ok = g.experts_on_tensor_cores([&gt, &gt, &dt], k);
-    let (ms_tc, ms_tc40, ms_tc_graph40) = {
-        let layer = |s: usize| {
-            g.moe_experts(
-                [&gt, &gt, &dt],
-                [tab(s, 0), tab(s, 1), tab(s, 2)],
-                xrow.ptr,
-                x.ptr,
-                hbuf.ptr,
-                wts.ptr,
-                k,
-                (0, 0),
-                res.ptr,
-                1,
-            )
-            .unwrap()
-        };
-        let one = time_ms(&g, reps * 4, |i| layer(i % sets));
-        let forty = time_ms(&g, 3, |_| (0..40).for_each(layer)) / 40.0;
-        g.stream
-            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .unwrap();
-        (0..40).for_each(layer);
-        let graph = g
-            .stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-            .unwrap()
-            .unwrap();
-        let graphed = time_ms(&g, reps, |_| graph.launch().unwrap()) / 40.0;
-        (one, forty, graphed)
-    };
-    g.fused = true;
-    g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
-    let g = g;
-    println!(
-        "experts on tensor cores: {tc_ok}; dense rows on tensor cores: {}",
-        g.tensor_cores
-    );
-    // The same layer as one launch of the fused kernel.
-    let fused = |s: usize| {
+    // A layer's routed experts through `moe_experts`: first on the
+    // tensor-core kernels (opt-in: `SLIPSTREAM_CUDA_TC=1`; fused kernel
+    // off), then as one launch of the fused kernel.
+    let experts = |g: &Gpu, s: usize| {
         g.moe_experts(
             [&gt, &gt, &dt],
             [tab(s, 0), tab(s, 1), tab(s, 2)],
@@ -229,26 +208,18 @@ fn main() {
         )
         .unwrap()
     };
-    let ms_fused = time_ms(&g, reps * 4, |i| fused(i % sets));
-    let ms_fused40 = time_ms(&g, 3, |_| {
-        for s in 0..40 {
-            fused(s)
-        }
-    }) / 40.0;
-    let ms_graph40 = {
-        g.stream
-            .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .unwrap();
-        for s in 0..40 {
-            fused(s)
-        }
-        let graph = g
-            .stream
-            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-            .unwrap()
-            .unwrap();
-        time_ms(&g, reps, |_| graph.launch().unwrap()) / 40.0
-    };
+    g.fused = false;
+    g.tensor_cores = true;
+    let tc_ok = g.experts_on_tensor_cores([&gt, &gt, &dt], k);
+    let (ms_tc, ms_tc40, ms_tc_graph40) = time_layers(&g, reps, sets, |s| experts(&g, s));
+    g.fused = true;
+    g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
+    let g = g;
+    println!(
+        "experts on tensor cores: {tc_ok}; dense rows on tensor cores: {}",
+        g.tensor_cores
+    );
+    let (ms_fused, ms_fused40, ms_graph40) = time_layers(&g, reps, sets, |s| experts(&g, s));
     // Launch cost: host submission vs GPU timeline, and graph replay.
     {
         let n = 2000;

@@ -374,11 +374,8 @@ fn routed_experts_in_one_launch_match_scalar() {
         let got = g.read_f32(&dres, 0, h).unwrap();
         let e = rel_err(&got, &want);
         assert!(e < 5e-5, "{} h={h} i={inter} k={k}: rel err {e}", q.name());
-        // The one-launch path (fused kernel where the shapes allow it) gives
-        // the same bits as the two launches, launch after launch (its block
-        // counters reset themselves).
-        g.tensor_cores = false;
-        for rep in 0..3 {
+        // `moe_experts` on a fresh residual: the layer's output.
+        let one_launch = |g: &Gpu| {
             let dres2 = g.upload_f32(&x0).unwrap();
             let dh2 = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
             g.moe_experts(
@@ -394,11 +391,17 @@ fn routed_experts_in_one_launch_match_scalar() {
                 1,
             )
             .unwrap();
-            let got2 = g.read_f32(&dres2, 0, h).unwrap();
+            g.read_f32(&dres2, 0, h).unwrap()
+        };
+        let same_bits =
+            |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        // The one-launch path (fused kernel where the shapes allow it) gives
+        // the same bits as the two launches, launch after launch (its block
+        // counters reset themselves).
+        g.tensor_cores = false;
+        for rep in 0..3 {
             assert!(
-                got2.iter()
-                    .zip(&got)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&one_launch(&g), &got),
                 "{} h={h} i={inter} k={k}: one launch differs from two (rep {rep})",
                 q.name()
             );
@@ -414,39 +417,18 @@ fn routed_experts_in_one_launch_match_scalar() {
                 "the 35B layer shape must run on the tensor-core kernels"
             );
         }
-        let mut first: Option<Vec<f32>> = None;
-        for _ in 0..2 {
-            let dres3 = g.upload_f32(&x0).unwrap();
-            let dh3 = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
-            g.moe_experts(
-                [&gt, &gt, &dtl],
-                [dt.ptr, dt.ptr + 8 * k as u64, dt.ptr + 16 * k as u64],
-                xrow.ptr,
-                dx.ptr,
-                dh3.ptr,
-                dw.ptr,
-                k,
-                (s, sgp),
-                dres3.ptr,
-                1,
-            )
-            .unwrap();
-            let got3 = g.read_f32(&dres3, 0, h).unwrap();
-            let e = rel_err(&got3, &want);
-            assert!(
-                e < 5e-5,
-                "{} h={h} i={inter} k={k} (tensor cores: {tc}): rel err {e}",
-                q.name()
-            );
-            if let Some(f) = &first {
-                assert!(
-                    f.iter().zip(&got3).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} h={h} i={inter} k={k}: tensor-core experts not deterministic",
-                    q.name()
-                );
-            }
-            first = Some(got3);
-        }
+        let first = one_launch(&g);
+        let e = rel_err(&first, &want);
+        assert!(
+            e < 5e-5,
+            "{} h={h} i={inter} k={k} (tensor cores: {tc}): rel err {e}",
+            q.name()
+        );
+        assert!(
+            same_bits(&one_launch(&g), &first),
+            "{} h={h} i={inter} k={k}: tensor-core experts not deterministic",
+            q.name()
+        );
         g.fused = true;
     }
 }

@@ -942,6 +942,28 @@ __device__ __forceinline__ void tc_rows_out(const float* acc, float* va, float* 
     *vb = (acc[2] + acc[3]) + b2;
 }
 
+// The column quarters of a block's two tiles (warp = tile * 4 + quarter)
+// summed in order through shared memory `red` ([2][4][32][4] floats), then
+// tc_rows_out: true in the quarter-0 warps, whose lanes c = 0 then hold
+// their rows' dot products in *va, *vb. Every thread of the block calls it.
+__device__ __forceinline__ bool tc_quarters(float* red, int tile, int quarter, int lane, const float* acc,
+                                            float* va, float* vb) {
+    float* my = red + ((tile * 4 + quarter) * 32 + lane) * 4;
+#pragma unroll
+    for (int e = 0; e < 4; e++) my[e] = acc[e];
+    __syncthreads();
+    if (quarter != 0) return false;
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        float a = 0.0f;
+        for (int q = 0; q < 4; q++) a += red[((tile * 4 + q) * 32 + lane) * 4 + e];
+        v[e] = a;
+    }
+    tc_rows_out(v, va, vb);
+    return true;
+}
+
 // Routed experts' gate and up on tensor cores (same role as
 // moe_gate_up_a4v): grid (ceil(I / 16), pairs), 256 threads. Warp w takes
 // 8 intermediate rows (w / 4: the block's first or second 8) over a
@@ -970,22 +992,9 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, con
         tc_stage(x + (size_t)xrow[p] * cols, cols, xp, gs);
         __syncthreads();
     });
-    float* my = red + ((tile * 4 + quarter) * 32 + lane) * 4;
-#pragma unroll
-    for (int e = 0; e < 4; e++) my[e] = acc[e];
-    __syncthreads();
-    if (quarter == 0) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float a = 0.0f;
-            for (int q = 0; q < 4; q++) a += red[((tile * 4 + q) * 32 + lane) * 4 + e];
-            v[e] = a;
-        }
-        float gv, uv;
-        tc_rows_out(v, &gv, &uv);
-        if ((lane & 3) == 0 && row_raw < I) h[(size_t)p * I + row_raw] = siluf_(gv) * uv;
-    }
+    float gv, uv;
+    if (tc_quarters(red, tile, quarter, lane, acc, &gv, &uv) && (lane & 3) == 0 && row_raw < I)
+        h[(size_t)p * I + row_raw] = siluf_(gv) * uv;
 }
 
 // Routed experts' down projections on tensor cores (same role as
@@ -1059,24 +1068,10 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc(MULTI_ARGS) {
         tc_stage(x, cols, xp, gs);
         __syncthreads();
     });
-    float* my = red + ((tile * 4 + quarter) * 32 + lane) * 4;
-#pragma unroll
-    for (int e = 0; e < 4; e++) my[e] = acc[e];
-    __syncthreads();
-    if (quarter == 0) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float a = 0.0f;
-            for (int q = 0; q < 4; q++) a += red[((tile * 4 + q) * 32 + lane) * 4 + e];
-            v[e] = a;
-        }
-        float va, vb;
-        tc_rows_out(v, &va, &vb);
-        if ((lane & 3) == 0) {
-            if (ra_raw < rows) y[ra_raw] = va;
-            if (ra_raw + 8 < rows) y[ra_raw + 8] = vb;
-        }
+    float va, vb;
+    if (tc_quarters(red, tile, quarter, lane, acc, &va, &vb) && (lane & 3) == 0) {
+        if (ra_raw < rows) y[ra_raw] = va;
+        if (ra_raw + 8 < rows) y[ra_raw + 8] = vb;
     }
 }
 
