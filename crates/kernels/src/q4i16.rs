@@ -151,12 +151,15 @@ pub(crate) use avx2::rows as avx2_rows;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::MAX_GROUP;
+    use std::arch::x86_64::*;
+
+    use super::{AffineRow, QuantizedInput, MAX_GROUP};
+    use crate::avx2::{bias_term, hsum, params8};
     use crate::Token;
     use slipstream_core::{QuantType, ScaleType, TensorView};
 
     /// Rows `r0..r1` for all tokens into `out` (`[r1 - r0, toks.len()]`).
-    /// Every token must carry a [`super::QuantizedInput`]. Panics if the CPU lacks
+    /// Every token must carry a [`QuantizedInput`]. Panics if the CPU lacks
     /// AVX2, FMA or F16C.
     pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
         assert!(crate::Isa::Avx2.is_supported(), "CPU lacks AVX2/FMA/F16C");
@@ -180,215 +183,162 @@ mod avx2 {
             assert!(q.xi.len() >= w.cols && q.step.len() >= ng.next_multiple_of(8));
             assert!(q.gsum.len() >= ng.next_multiple_of(8));
         }
-        let bf16 = scale == ScaleType::Bf16;
-        if vnni_supported() {
-            // SAFETY: the CPU supports the features `vnni_supported` checks;
-            // the lengths the kernel reads were asserted above and in `AffineRow`.
-            unsafe { vnni::rows_impl(w, r0, r1, toks, out, group, bf16) }
+        // SAFETY: the CPU supports avx2, fma and f16c (checked above); the
+        // lengths the kernel reads were asserted above and in `AffineRow`.
+        unsafe { rows_impl(w, r0, r1, toks, out, group, scale == ScaleType::Bf16) }
+    }
+
+    /// Rows per block for one token (measured on the 2-core dev box: 2 beats 1 and 4).
+    const DECODE_ROWS: usize = 2;
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn rows_impl(
+        w: &TensorView,
+        r0: usize,
+        r1: usize,
+        toks: &[Token],
+        out: &mut [f32],
+        group: usize,
+        bf16: bool,
+    ) {
+        let (c, s, b) = w.affine_parts();
+        let row = |r: usize| AffineRow::from_parts(c, s, b, w.cols, 4, group, r);
+        fn inp<'t>(t: &'t Token<'_>) -> &'t QuantizedInput {
+            t.qx.as_ref().expect("checked")
+        }
+        let ntok = toks.len();
+        let cols = w.cols;
+        if ntok >= 4 {
+            for r in r0..r1 {
+                let o = &mut out[(r - r0) * ntok..(r - r0 + 1) * ntok];
+                let mut t = 0;
+                while t + 4 <= ntok {
+                    let tk: [_; 4] = std::array::from_fn(|i| inp(&toks[t + i]));
+                    let res = block::<1, 4>([row(r)], tk, bf16, group, cols);
+                    o[t..t + 4].copy_from_slice(&res[0]);
+                    t += 4;
+                }
+                while t < ntok {
+                    let res = block::<1, 1>([row(r)], [inp(&toks[t])], bf16, group, cols);
+                    o[t] = res[0][0];
+                    t += 1;
+                }
+            }
         } else {
-            // SAFETY: the CPU supports avx2, fma and f16c (checked above);
-            // the lengths the kernel reads were asserted above and in `AffineRow`.
-            unsafe { plain::rows_impl(w, r0, r1, toks, out, group, bf16) }
+            for (ti, tok) in toks.iter().enumerate() {
+                let mut r = r0;
+                while r + DECODE_ROWS <= r1 {
+                    let rs: [_; DECODE_ROWS] = std::array::from_fn(|i| row(r + i));
+                    let res = block::<DECODE_ROWS, 1>(rs, [inp(tok)], bf16, group, cols);
+                    for (i, v) in res.iter().enumerate() {
+                        out[(r - r0 + i) * ntok + ti] = v[0];
+                    }
+                    r += DECODE_ROWS;
+                }
+                while r < r1 {
+                    let res = block::<1, 1>([row(r)], [inp(tok)], bf16, group, cols);
+                    out[(r - r0) * ntok + ti] = res[0][0];
+                    r += 1;
+                }
+            }
         }
     }
 
-    /// Whether this CPU has AVX-512 VNNI (with VL) on top of AVX2: then the
-    /// integer steps use `vpdpwssd` (multiply-add-accumulate in one
-    /// instruction) instead of `vpmaddwd` + `vpaddd`, the same integers.
-    pub(crate) fn vnni_supported() -> bool {
-        crate::Isa::Avx2.is_supported()
-            && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512vl")
-            && is_x86_feature_detected!("avx512vnni")
-    }
-
-    /// The row loops and blocks, compiled once per instruction set: `$step`
-    /// adds the products of 16 low-nibble codes `$lo` with inputs `$xe` and
-    /// of 16 high-nibble codes `$hi` with `$xo` (pairs summed into i32
-    /// lanes) to the accumulator `$acc`. Integer sums are exact, so both
-    /// forms give the same results.
-    macro_rules! int16_kernels {
-        ($name:ident, $features:literal, |$acc:ident, $lo:ident, $xe:ident, $hi:ident, $xo:ident| $step:expr) => {
-            pub(crate) mod $name {
-                use std::arch::x86_64::*;
-
-                use super::super::{AffineRow, QuantizedInput};
-                use crate::avx2::{bias_term, hsum, params8};
-                use crate::Token;
-                use slipstream_core::TensorView;
-
-                /// Rows per block for one token (measured on the 2-core dev box: 2 beats 1 and 4).
-                const DECODE_ROWS: usize = 2;
-
-                #[target_feature(enable = $features)]
-                pub(crate) fn rows_impl(
-                    w: &TensorView,
-                    r0: usize,
-                    r1: usize,
-                    toks: &[Token],
-                    out: &mut [f32],
-                    group: usize,
-                    bf16: bool,
-                ) {
-                    let (c, s, b) = w.affine_parts();
-                    let row = |r: usize| AffineRow::from_parts(c, s, b, w.cols, 4, group, r);
-                    fn inp<'t>(t: &'t Token<'_>) -> &'t QuantizedInput {
-                        t.qx.as_ref().expect("checked")
-                    }
-                    let ntok = toks.len();
-                    let cols = w.cols;
-                    if ntok >= 4 {
-                        for r in r0..r1 {
-                            let o = &mut out[(r - r0) * ntok..(r - r0 + 1) * ntok];
-                            let mut t = 0;
-                            while t + 4 <= ntok {
-                                let tk: [_; 4] = std::array::from_fn(|i| inp(&toks[t + i]));
-                                let res = block::<1, 4>([row(r)], tk, bf16, group, cols);
-                                o[t..t + 4].copy_from_slice(&res[0]);
-                                t += 4;
-                            }
-                            while t < ntok {
-                                let res =
-                                    block::<1, 1>([row(r)], [inp(&toks[t])], bf16, group, cols);
-                                o[t] = res[0][0];
-                                t += 1;
-                            }
-                        }
-                    } else {
-                        for (ti, tok) in toks.iter().enumerate() {
-                            let mut r = r0;
-                            while r + DECODE_ROWS <= r1 {
-                                let rs: [_; DECODE_ROWS] = std::array::from_fn(|i| row(r + i));
-                                let res =
-                                    block::<DECODE_ROWS, 1>(rs, [inp(tok)], bf16, group, cols);
-                                for (i, v) in res.iter().enumerate() {
-                                    out[(r - r0 + i) * ntok + ti] = v[0];
-                                }
-                                r += DECODE_ROWS;
-                            }
-                            while r < r1 {
-                                let res = block::<1, 1>([row(r)], [inp(tok)], bf16, group, cols);
-                                out[(r - r0) * ntok + ti] = res[0][0];
-                                r += 1;
-                            }
-                        }
-                    }
-                }
-
-                /// Dot products of `R` rows with `T` quantized tokens.
-                ///
-                /// Per (row, token) and group: per 32 elements the 16 low and 16 high
-                /// nibbles widened to i16 and multiplied with the inputs by `vpmaddwd`
-                /// into an i32 accumulator (exact: at most 4096 x 15 x 32767 < 2^31),
-                /// converted to f32 and folded as `acc = fma(isum, s_g * d_g, acc)`.
-                /// Bias term: an 8-lane FMA chain of `b_g * gsum_g`. Result
-                /// `hsum(acc) + hsum(bias chain)`. The sequence is the same for every `R`
-                /// and `T`, so blocking never changes a result.
-                #[target_feature(enable = $features)]
-                #[inline]
-                #[allow(clippy::needless_range_loop)]
-                fn block<const R: usize, const T: usize>(
-                    rows: [AffineRow; R],
-                    xs: [&QuantizedInput; T],
-                    bf16: bool,
-                    group: usize,
-                    cols: usize,
-                ) -> [[f32; T]; R] {
-                    let ng = cols / group;
-                    let gbytes = group / 2;
-                    let steps = group / 32;
-                    for r in &rows {
-                        assert!(r.codes.len() >= ng * gbytes && r.scales.len() >= ng * 2);
-                    }
-                    let nib = _mm_set1_epi8(0x0F);
-                    let mut acc = [[_mm256_setzero_ps(); T]; R];
-                    let mut gb = 0;
-                    while gb < ng {
-                        // Combined scales s_g * d_g of groups gb..gb+8 for each pair.
-                        let mut comb = [[[0f32; 8]; T]; R];
-                        for r in 0..R {
-                            let sv = params8(rows[r].scales, gb, ng, bf16);
-                            for t in 0..T {
-                                // SAFETY: `step` holds a multiple of 8 entries >= ng.
-                                let dv = unsafe { _mm256_loadu_ps(xs[t].step.as_ptr().add(gb)) };
-                                // SAFETY: `comb[r][t]` is 8 writable f32.
-                                unsafe {
-                                    _mm256_storeu_ps(comb[r][t].as_mut_ptr(), _mm256_mul_ps(sv, dv))
-                                };
-                            }
-                        }
-                        for gi in 0..(ng - gb).min(8) {
-                            let g = gb + gi;
-                            // Plain loops, not `array::from_fn`: its iterator machinery
-                            // is not inlined into this hot path.
-                            let mut cp = [std::ptr::null::<u8>(); R];
-                            for r in 0..R {
-                                cp[r] = rows[r].codes[g * gbytes..].as_ptr();
-                            }
-                            let mut xp = [std::ptr::null::<i16>(); T];
-                            for t in 0..T {
-                                xp[t] = xs[t].xi[g * group..].as_ptr();
-                            }
-                            for p in cp {
-                                // Next row block's same group; prefetches never fault.
-                                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(R * cols / 2).cast());
-                            }
-                            for r in 0..R {
-                                let mut isum = [_mm256_setzero_si256(); T];
-                                for k in 0..steps {
-                                    // SAFETY: k * 16 + 16 <= gbytes bytes remain at cp[r].
-                                    let b = unsafe { _mm_loadu_si128(cp[r].add(k * 16).cast()) };
-                                    let lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, nib));
-                                    let hi = _mm256_cvtepu8_epi16(_mm_and_si128(
-                                        _mm_srli_epi16::<4>(b),
-                                        nib,
-                                    ));
-                                    for t in 0..T {
-                                        // SAFETY: k * 32 + 32 <= group inputs remain at xp[t].
-                                        let (xe, xo) = unsafe {
-                                            (
-                                                _mm256_loadu_si256(xp[t].add(k * 32).cast()),
-                                                _mm256_loadu_si256(xp[t].add(k * 32 + 16).cast()),
-                                            )
-                                        };
-                                        let $acc = isum[t];
-                                        let ($lo, $xe, $hi, $xo) = (lo, xe, hi, xo);
-                                        isum[t] = $step;
-                                    }
-                                }
-                                for t in 0..T {
-                                    let f = _mm256_cvtepi32_ps(isum[t]);
-                                    let c = _mm256_set1_ps(comb[r][t][gi]);
-                                    acc[r][t] = _mm256_fmadd_ps(f, c, acc[r][t]);
-                                }
-                            }
-                        }
-                        gb += 8;
-                    }
-                    let mut out = [[0f32; T]; R];
-                    for r in 0..R {
-                        for t in 0..T {
-                            out[r][t] =
-                                hsum(acc[r][t]) + bias_term(rows[r].biases, &xs[t].gsum, ng, bf16);
-                        }
-                    }
-                    out
+    /// Dot products of `R` rows with `T` quantized tokens.
+    ///
+    /// Per (row, token) and group: per 32 elements the 16 low and 16 high
+    /// nibbles widened to i16 and multiplied with the inputs by `vpmaddwd`
+    /// into an i32 accumulator (exact: at most 4096 x 15 x 32767 < 2^31),
+    /// converted to f32 and folded as `acc = fma(isum, s_g * d_g, acc)`.
+    /// Bias term: an 8-lane FMA chain of `b_g * gsum_g`. Result
+    /// `hsum(acc) + hsum(bias chain)`. The sequence is the same for every `R`
+    /// and `T`, so blocking never changes a result.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)]
+    fn block<const R: usize, const T: usize>(
+        rows: [AffineRow; R],
+        xs: [&QuantizedInput; T],
+        bf16: bool,
+        group: usize,
+        cols: usize,
+    ) -> [[f32; T]; R] {
+        let ng = cols / group;
+        let gbytes = group / 2;
+        let steps = group / 32;
+        for r in &rows {
+            assert!(r.codes.len() >= ng * gbytes && r.scales.len() >= ng * 2);
+        }
+        let nib = _mm_set1_epi8(0x0F);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut gb = 0;
+        while gb < ng {
+            // Combined scales s_g * d_g of groups gb..gb+8 for each pair.
+            let mut comb = [[[0f32; 8]; T]; R];
+            for r in 0..R {
+                let sv = params8(rows[r].scales, gb, ng, bf16);
+                for t in 0..T {
+                    // SAFETY: `step` holds a multiple of 8 entries >= ng.
+                    let dv = unsafe { _mm256_loadu_ps(xs[t].step.as_ptr().add(gb)) };
+                    // SAFETY: `comb[r][t]` is 8 writable f32.
+                    unsafe { _mm256_storeu_ps(comb[r][t].as_mut_ptr(), _mm256_mul_ps(sv, dv)) };
                 }
             }
-        };
+            for gi in 0..(ng - gb).min(8) {
+                let g = gb + gi;
+                // Plain loops, not `array::from_fn`: its iterator machinery
+                // is not inlined into this hot path.
+                let mut cp = [std::ptr::null::<u8>(); R];
+                for r in 0..R {
+                    cp[r] = rows[r].codes[g * gbytes..].as_ptr();
+                }
+                let mut xp = [std::ptr::null::<i16>(); T];
+                for t in 0..T {
+                    xp[t] = xs[t].xi[g * group..].as_ptr();
+                }
+                for p in cp {
+                    // Next row block's same group; prefetches never fault.
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(R * cols / 2).cast());
+                }
+                for r in 0..R {
+                    let mut isum = [_mm256_setzero_si256(); T];
+                    for k in 0..steps {
+                        // SAFETY: k * 16 + 16 <= gbytes bytes remain at cp[r].
+                        let b = unsafe { _mm_loadu_si128(cp[r].add(k * 16).cast()) };
+                        let lo = _mm256_cvtepu8_epi16(_mm_and_si128(b, nib));
+                        let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(b), nib));
+                        for t in 0..T {
+                            // SAFETY: k * 32 + 32 <= group inputs remain at xp[t].
+                            let (xe, xo) = unsafe {
+                                (
+                                    _mm256_loadu_si256(xp[t].add(k * 32).cast()),
+                                    _mm256_loadu_si256(xp[t].add(k * 32 + 16).cast()),
+                                )
+                            };
+                            let p = _mm256_add_epi32(
+                                _mm256_madd_epi16(lo, xe),
+                                _mm256_madd_epi16(hi, xo),
+                            );
+                            isum[t] = _mm256_add_epi32(isum[t], p);
+                        }
+                    }
+                    for t in 0..T {
+                        let f = _mm256_cvtepi32_ps(isum[t]);
+                        let c = _mm256_set1_ps(comb[r][t][gi]);
+                        acc[r][t] = _mm256_fmadd_ps(f, c, acc[r][t]);
+                    }
+                }
+            }
+            gb += 8;
+        }
+        let mut out = [[0f32; T]; R];
+        for r in 0..R {
+            for t in 0..T {
+                out[r][t] = hsum(acc[r][t]) + bias_term(rows[r].biases, &xs[t].gsum, ng, bf16);
+            }
+        }
+        out
     }
-
-    int16_kernels!(plain, "avx2,fma,f16c", |acc, lo, xe, hi, xo| {
-        _mm256_add_epi32(
-            acc,
-            _mm256_add_epi32(_mm256_madd_epi16(lo, xe), _mm256_madd_epi16(hi, xo)),
-        )
-    });
-    int16_kernels!(
-        vnni,
-        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
-        |acc, lo, xe, hi, xo| _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(acc, lo, xe), hi, xo)
-    );
 }
 
 #[cfg(test)]
@@ -487,44 +437,6 @@ mod tests {
                             "r={} int16={} exact={} bound={}", r, refv, exact, bound);
                     }
                 }
-            }
-        }
-    }
-
-    proptest! {
-        /// The VNNI form (`vpdpwssd`) gives the plain AVX2 form's bits, for
-        /// one token (row blocks) and for batches (token blocks).
-        #[cfg(target_arch = "x86_64")]
-        #[test]
-        fn vnni_equals_plain(
-            rows in 1usize..21,
-            ngroups in 1usize..4,
-            group in proptest::sample::select(vec![32u32, 64, 128]),
-            bf16 in any::<bool>(),
-            n in 1usize..7,
-            seed in any::<u64>(),
-        ) {
-            if !super::avx2::vnni_supported() {
-                return Ok(());
-            }
-            let cols = group as usize * ngroups;
-            let (q, bytes) = weights(rows, cols, group, bf16, seed);
-            let w = TensorView::new(q, rows, cols, &bytes).unwrap();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 11);
-            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0f32..2.0)).collect();
-            let toks: Vec<crate::Token> = x
-                .chunks_exact(cols)
-                .map(|xt| crate::Token::new(&w, xt, Activations::Int16))
-                .collect();
-            let (mut plain, mut vnni) = (vec![0f32; n * rows], vec![0f32; n * rows]);
-            // SAFETY: the CPU has AVX2/FMA/F16C and AVX-512 VNNI + VL
-            // (`vnni_supported`); every token carries its int16 input.
-            unsafe {
-                super::avx2::plain::rows_impl(&w, 0, rows, &toks, &mut plain, group as usize, bf16);
-                super::avx2::vnni::rows_impl(&w, 0, rows, &toks, &mut vnni, group as usize, bf16);
-            }
-            for (a, b) in plain.iter().zip(&vnni) {
-                prop_assert_eq!(a.to_bits(), b.to_bits());
             }
         }
     }
