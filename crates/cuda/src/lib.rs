@@ -775,7 +775,7 @@ impl Gpu {
             && w.qt == QKind::Affine4 as i32
             && w.group == 64
             && w.cols().is_multiple_of(256)
-            && w.cols() / 64 * 388 + 4096 <= 48 * 1024
+            && tc_smem(w.cols(), 1, TC_QUARTER_SUMS) <= TC_SMEM_MAX
             && w.codes.is_multiple_of(8)
     }
 
@@ -793,7 +793,7 @@ impl Gpu {
         }
         let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
         let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
-        let smem = (ws[0].cols() / 64 * 388 + 4096) as u32;
+        let smem = tc_smem(ws[0].cols(), 1, TC_QUARTER_SUMS) as u32;
         self.go_smem(
             &self.f.matvec_tc,
             (total as u32, 1, 1),
@@ -958,7 +958,7 @@ impl Gpu {
             );
         }
         if self.tensor_cores && self.experts_on_tensor_cores(parts, k) {
-            let smem_gu = (gt.cols() / 64 * 388 + 4096) as u32;
+            let smem_gu = tc_smem(gt.cols(), 1, TC_QUARTER_SUMS) as u32;
             let grid = (gt.rows().div_ceil(16) as u32, pairs as u32, 1);
             self.go_smem(
                 &self.f.moe_gate_up_tc,
@@ -967,7 +967,7 @@ impl Gpu {
                 smem_gu,
                 &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xn, &h),
             )?;
-            let smem_d = (k * dt.cols() / 64 * 388 + 512) as u32;
+            let smem_d = tc_smem(dt.cols(), k, TC_RANK_SUMS) as u32;
             let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
             let ki = k as i32;
             return self.go_smem(
@@ -995,10 +995,10 @@ impl Gpu {
             && a4g64(dt)
             && gt.scale_bf16 == dt.scale_bf16
             && gt.cols().is_multiple_of(256)
-            && gt.cols() / 64 * 388 + 4096 <= 48 * 1024
+            && tc_smem(gt.cols(), 1, TC_QUARTER_SUMS) <= TC_SMEM_MAX
             && dt.cols().is_multiple_of(64)
             && (1..=8).contains(&k)
-            && k * dt.cols() / 64 * 388 + 512 <= 48 * 1024
+            && tc_smem(dt.cols(), k, TC_RANK_SUMS) <= TC_SMEM_MAX
             && dt.cols() == gt.rows()
     }
 
@@ -1376,6 +1376,21 @@ fn alloc_on(stream: &Arc<CudaStream>, bytes: usize) -> Result<DBuf> {
 
 /// Whether two weight templates have the same shape and quantisation (the
 /// wide gate/up kernel reads both with one layout).
+/// Shared memory the tensor-core kernels may take (the default 48 KiB).
+const TC_SMEM_MAX: usize = 48 * 1024;
+/// Bytes of `moe_gate_up_tc`'s / `matvec_tc`'s column-quarter sums
+/// (`[2 tiles][4 quarters][32 lanes][4]` f32).
+const TC_QUARTER_SUMS: usize = 2 * 4 * 32 * 4 * 4;
+/// Bytes of `moe_down_tc`'s per-rank row sums (`[8 ranks][16 rows]` f32).
+const TC_RANK_SUMS: usize = 8 * 16 * 4;
+
+/// Dynamic shared memory of a tensor-core kernel staging `inputs` rows of
+/// `cols` values: per group of 64, 48 bf16-pair entries (384 bytes) and
+/// the group's sum (4 bytes), then `sums` bytes of partial sums.
+fn tc_smem(cols: usize, inputs: usize, sums: usize) -> usize {
+    inputs * (cols / 64) * (48 * 8 + 4) + sums
+}
+
 fn same_layout(a: &WDesc, b: &WDesc) -> bool {
     (a.rows, a.cols, a.qt, a.group, a.scale_bf16) == (b.rows, b.cols, b.qt, b.group, b.scale_bf16)
 }

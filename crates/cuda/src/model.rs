@@ -478,7 +478,8 @@ impl CudaModel {
     }
 
     /// The position of the current pass in device memory (written with the
-    /// token id in `embed`), for kernels of layer `l`'s attention.
+    /// token id in `embed`), for an attention layer whose KV cache holds
+    /// `cap` rows.
     fn device_pos(&self, cap: usize) -> Position {
         Position::Device {
             ptr: self.s_ids.ptr + 4,

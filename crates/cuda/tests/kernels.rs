@@ -729,42 +729,24 @@ fn router_topk_and_argmax_match_cpu() {
             let er = rel_err(&gw[t * k..][..k], &w);
             assert!(er < 1e-5, "router weights e={e}: {er}");
         }
+        // The router over `n` tokens with an optional publication into
+        // mapped memory and an optional bases table.
+        let route = |n: usize, publish, bases| {
+            g.router_topk(dl.ptr, e, k, renorm, ids.ptr, wts.ptr, n, publish, bases)
+        };
         // Published into mapped host memory: token 0's ids and weights (the
         // same bits as in device memory), then the sequence number, on
         // every launch.
         let m = g.alloc_mapped(2 * k + 1).unwrap();
         for seq in [7u32, 8] {
-            g.router_topk(
-                dl.ptr,
-                e,
-                k,
-                renorm,
-                ids.ptr,
-                wts.ptr,
-                tokens,
-                Some((&m, seq)),
-                None,
-            )
-            .unwrap();
+            route(tokens, Some((&m, seq)), None).unwrap();
             m.wait_for(2 * k, seq, &g.stream).unwrap();
             for r in 0..k {
                 assert_eq!(m.read(r), gi[r] as u32, "published id e={e} rank {r}");
                 assert_eq!(m.read(k + r), gw[r].to_bits(), "published weight e={e}");
             }
         }
-        assert!(g
-            .router_topk(
-                dl.ptr,
-                e,
-                k,
-                renorm,
-                ids.ptr,
-                wts.ptr,
-                1,
-                Some((&m, 9)),
-                None
-            )
-            .is_ok());
+        assert!(route(1, Some((&m, 9)), None).is_ok());
         g.sync().unwrap();
         // Device routing: token 0's bases table from an expert -> address
         // table (addresses spaced apart so a wrong id or part shows).
@@ -777,18 +759,7 @@ fn router_topk_and_argmax_match_cpu() {
             offsets: [0, 0x100, 0x2000],
             out: dbases.ptr,
         };
-        g.router_topk(
-            dl.ptr,
-            e,
-            k,
-            renorm,
-            ids.ptr,
-            wts.ptr,
-            tokens,
-            None,
-            Some(&rb),
-        )
-        .unwrap();
+        route(tokens, None, Some(&rb)).unwrap();
         let words = g.read_i32(&dbases, 6 * k).unwrap();
         let got: Vec<u64> = words
             .chunks_exact(2)
