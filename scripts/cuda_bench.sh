@@ -26,6 +26,10 @@ mark() { echo "$(date +%Y/%m/%d\ %H:%M:%S.%3N), $*" >> "$OUT/marks.csv"; }
 
 mark kernels
 $B/cuda_bench --json "$OUT/kernels.json" 2>&1 | tee "$OUT/bench.txt"
+# The experts' rows again with kernels strictly in turn (no programmatic
+# dependent launch), for the ratio.
+echo "--- experts, SLIPSTREAM_CUDA_PDL=0" | tee -a "$OUT/bench.txt"
+SLIPSTREAM_CUDA_PDL=0 $B/cuda_bench --experts-only 2>&1 | tee -a "$OUT/bench.txt"
 
 M=/tmp/m.slip
 if [ ! -d $M ]; then
@@ -44,6 +48,8 @@ decode() { # name, args...
 decode resident --resident
 # The same without the CUDA graph per pass (each kernel launched on its own).
 SLIPSTREAM_CUDA_GRAPH=0 decode resident_nograph --resident
+# The same with kernels strictly in turn (no programmatic dependent launch).
+SLIPSTREAM_CUDA_PDL=0 decode resident_nopdl --resident
 # The same with the (opt-in) tensor-core 4-bit kernels.
 SLIPSTREAM_CUDA_TC=1 decode resident_tc --resident
 # The same with the host routing round trip per layer (device routing off).

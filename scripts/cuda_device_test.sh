@@ -61,21 +61,23 @@ for spec in qwen3_5_moe_mlx4:q4 qwen3_moe:q4 qwen3_5_moe_fused:f32 qwen3_5_moe_s
     toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('tests/fixtures/$fx/reference.json'))['prompt_tokens'])))")
     run() { $B/slipstream run --model $m --prompt-tokens "$toks" --max-new 8 --resident --print-ids "$@"; }
     run --backend cpu --dump-logits /tmp/$fx.cpu.npy > /tmp/$fx.cpu.ids 2>>"$OUT/model.stderr" || fail=1
-    for s in 1 2 all ram alt nograph tc; do
-        case $s in all|alt|nograph|tc) extra="";; ram) extra="--vram-slots 1 --ram-cache-slots 3";; *) extra="--vram-slots $s";; esac
+    for s in 1 2 all ram alt nograph nopdl tc; do
+        case $s in all|alt|nograph|nopdl|tc) extra="";; ram) extra="--vram-slots 1 --ram-cache-slots 3";; *) extra="--vram-slots $s";; esac
         # all: every expert resident, so routing runs on the device (no host
         # round trip) and each pass's layers replay as one CUDA graph.
-        # nograph: the same without graphs. alt: the fused experts kernel
+        # nograph: the same without graphs. nopdl: the same without
+        # programmatic dependent launches (kernels strictly in turn). alt: the fused experts kernel
         # and host routing through the copy + event path (all off the
         # default path). These and the slot counts must give the same
         # bits. tc: the opt-in tensor-core 4-bit kernels (other sums, so
         # other bits; same bound against the CPU, same tokens).
         if [ $s = alt ]; then export SLIPSTREAM_CUDA_FUSED=1 SLIPSTREAM_CUDA_ROUTE_MAPPED=0 SLIPSTREAM_CUDA_DEVICE_ROUTING=0; fi
         if [ $s = nograph ]; then export SLIPSTREAM_CUDA_GRAPH=0; fi
+        if [ $s = nopdl ]; then export SLIPSTREAM_CUDA_PDL=0; fi
         if [ $s = tc ]; then export SLIPSTREAM_CUDA_TC=1; fi
         run --backend cuda $extra --dump-logits /tmp/$fx.cuda$s.npy > /tmp/$fx.cuda$s.ids 2> /tmp/$fx.cuda$s.err || fail=1
         cat /tmp/$fx.cuda$s.err >> "$OUT/model.stderr"
-        unset SLIPSTREAM_CUDA_FUSED SLIPSTREAM_CUDA_ROUTE_MAPPED SLIPSTREAM_CUDA_DEVICE_ROUTING SLIPSTREAM_CUDA_GRAPH SLIPSTREAM_CUDA_TC
+        unset SLIPSTREAM_CUDA_FUSED SLIPSTREAM_CUDA_ROUTE_MAPPED SLIPSTREAM_CUDA_DEVICE_ROUTING SLIPSTREAM_CUDA_GRAPH SLIPSTREAM_CUDA_PDL SLIPSTREAM_CUDA_TC
     done
     # The device-routed run must really have replayed graphs.
     grep -q "passes replayed" /tmp/$fx.cudaall.err && ! grep -q " 0 passes replayed" /tmp/$fx.cudaall.err \
@@ -85,7 +87,7 @@ import sys, numpy as np
 fx, q = sys.argv[1], sys.argv[2]
 cpu = np.load(f"/tmp/{fx}.cpu.npy")
 ok = True
-cases = ["1", "2", "all", "ram", "alt", "nograph", "tc"]
+cases = ["1", "2", "all", "ram", "alt", "nograph", "nopdl", "tc"]
 ids = {s: open(f"/tmp/{fx}.cuda{s}.ids").read().split() for s in cases}
 cpu_ids = open(f"/tmp/{fx}.cpu.ids").read().split()
 for s in cases:
@@ -98,7 +100,7 @@ for s in cases:
     print(f"{fx} ({q}) slots={s}: rows {g.shape[0]} max rel logit err vs cpu {rel:.2e} {'ok' if good else 'FAIL'}; "
           f"logits bit-identical to slots={ref}: {bits}; tokens {' '.join(ids[s])}")
 same = all(ids[s] == ids["all"] for s in cases)
-print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RAM tier of 3; all = device routing + CUDA graphs; nograph = device routing without graphs; alt = fused experts kernel + host copy/event routing; tc = tensor-core 4-bit kernels): {same}; cpu tokens {' '.join(cpu_ids)} (same as cuda: {cpu_ids == ids['all']})")
+print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RAM tier of 3; all = device routing + CUDA graphs; nograph = device routing without graphs; nopdl = without programmatic dependent launch; alt = fused experts kernel + host copy/event routing; tc = tensor-core 4-bit kernels): {same}; cpu tokens {' '.join(cpu_ids)} (same as cuda: {cpu_ids == ids['all']})")
 sys.exit(0 if ok and same else 1)
 PY
 done
@@ -109,7 +111,7 @@ $B/slipstream run --max-new 16 --print-ids --resident --backend cuda --vram-slot
 # 300 tokens: the KV caches grow past their first 256 rows, so the pass
 # graph is captured again; graphs on and off must give the same bits.
 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.long.npy > /tmp/demo.long.ids 2>/tmp/demo.long.err || fail=1
-SLIPSTREAM_CUDA_GRAPH=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_GRAPH=0 SLIPSTREAM_CUDA_PDL=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
 cat /tmp/demo.long.err >> "$OUT/model.stderr"
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
 import re, sys, numpy as np
@@ -120,7 +122,7 @@ print(f"demo: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL
 m = re.search(r"CUDA graphs: (\d+) captured, (\d+) passes replayed", open("/tmp/demo.long.err").read())
 caps, reps = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 lb = bool(np.array_equal(np.load("/tmp/demo.long.npy"), np.load("/tmp/demo.longng.npy")))
-print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs off: {lb}; tokens: {t[3] == t[4]}")
+print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs and programmatic launches off: {lb}; tokens: {t[3] == t[4]}")
 sys.exit(0 if rel < 1e-3 and t[1] == t[2] and lb and t[3] == t[4] and caps >= 2 and reps > 0 else 1)
 PY
 cat "$OUT/model.log"

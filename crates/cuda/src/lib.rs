@@ -382,6 +382,12 @@ pub struct Gpu {
     pub tensor_cores: bool,
     /// The kernels were built with `A4V_SPLIT=1` (grid shapes follow it).
     split: bool,
+    /// Kernels on `stream` launch with programmatic stream serialization
+    /// (sm_90+): each may start while the previous one finishes, issuing
+    /// its weight loads before it waits (`PDL_WAIT` in decode.cu). On by
+    /// default where supported; `SLIPSTREAM_CUDA_PDL=0` turns it off. The
+    /// results are the same bits either way.
+    pub pdl: bool,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -407,6 +413,7 @@ impl Gpu {
         let mut g = Gpu::build(ordinal, minb, split)?;
         g.fused = std::env::var("SLIPSTREAM_CUDA_FUSED").is_ok_and(|v| v == "1");
         g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
+        g.pdl &= std::env::var("SLIPSTREAM_CUDA_PDL").map_or(true, |v| v != "0");
         Ok(g)
     }
 
@@ -518,6 +525,7 @@ impl Gpu {
             fused: true,
             tensor_cores: false,
             split,
+            pdl: maj >= 9,
         })
     }
 
@@ -662,13 +670,7 @@ impl Gpu {
         smem: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        // SAFETY: as in `go_on`; `smem` is within the default 48 KiB limit
-        // (the callers size it from shapes the a4v kernels accept).
-        unsafe {
-            let cf: CUfunction = f.cu_function();
-            result::launch_kernel(cf, grid, (block, 1, 1), smem, self.stream.cu_stream(), args)?;
-        }
-        Ok(())
+        self.launch(&self.stream, f, grid, block, smem, args)
     }
 
     fn go_on(
@@ -679,11 +681,55 @@ impl Gpu {
         block: u32,
         args: &mut [*mut c_void],
     ) -> Result<()> {
-        // SAFETY: `cu_function` is a function of the module we loaded; the
-        // callers checked every buffer size the kernel reads or writes.
+        self.launch(s, f, grid, block, 0, args)
+    }
+
+    /// Launches `f` on `s`; on the compute stream with [`Gpu::pdl`] set, as
+    /// a programmatic dependent launch.
+    fn launch(
+        &self,
+        s: &CudaStream,
+        f: &CudaFunction,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        let cf: CUfunction = f.cu_function();
+        if !(self.pdl && std::ptr::eq(s, &*self.stream)) {
+            // SAFETY: `cf` is a function of the module we loaded; the
+            // callers checked every buffer size the kernel reads or writes
+            // and size `smem` within the default 48 KiB.
+            unsafe {
+                result::launch_kernel(cf, grid, (block, 1, 1), smem, s.cu_stream(), args)?;
+            }
+            return Ok(());
+        }
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: s.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as above; `cfg` and `attr` outlive the call, and every
+        // kernel waits (`PDL_WAIT`) before it touches memory another kernel
+        // writes, which is what the attribute requires.
         unsafe {
-            let cf: CUfunction = f.cu_function();
-            result::launch_kernel(cf, grid, (block, 1, 1), 0, s.cu_stream(), args)?;
+            sys::cuLaunchKernelEx(&cfg, cf, args.as_mut_ptr(), std::ptr::null_mut()).result()?;
         }
         Ok(())
     }

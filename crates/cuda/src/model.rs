@@ -470,10 +470,12 @@ impl CudaModel {
                 format!("{} pinned RAM slots per layer", r.0.capacity())
             });
         format!(
-            "cuda on {}: {} VRAM expert slots per layer ({:.1} MB each), {ram}",
+            "cuda on {}: {} VRAM expert slots per layer ({:.1} MB each), {ram}; \
+             programmatic dependent launch {}",
             self.gpu.name,
             self.slots(),
-            self.rec_bytes as f64 / 1e6
+            self.rec_bytes as f64 / 1e6,
+            if self.gpu.pdl { "on" } else { "off" }
         )
     }
 

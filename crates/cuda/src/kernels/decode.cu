@@ -9,6 +9,23 @@ typedef unsigned short u16;
 typedef unsigned char u8;
 typedef unsigned long long u64;
 
+// Programmatic dependent launch (sm_90+; the host sets the launch
+// attribute): every kernel lets the next one launch as soon as all its
+// blocks run (PDL_TRIGGER), and waits for the previous kernel to finish and
+// its writes to be visible (PDL_WAIT) before it reads anything a kernel
+// wrote or writes anything. The weight matvecs issue their weight loads
+// (read-only data no kernel writes) before that wait, so those loads overlap
+// the previous kernel's tail and the launch gap. Without the attribute the
+// wait returns at once and the stream orders kernels as usual.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_TRIGGER() do {} while (0)
+#define PDL_WAIT() do {} while (0)
+#endif
+#define PDL_START() do { PDL_TRIGGER(); PDL_WAIT(); } while (0)
+
 // Weight kinds (must match `QKind` in src/lib.rs).
 #define INFINITY __int_as_float(0x7f800000)
 #define QT_F32 0
@@ -224,6 +241,7 @@ __device__ __forceinline__ void rows_a4_any(const W& w, int r0, const float* __r
 // Affine 4-bit matvec: 128 threads, A4_R rows per warp (16 per block);
 // grid (ceil(rows / 16), n).
 extern "C" __global__ void matvec_a4(W w, const float* __restrict__ x, float* __restrict__ y, int nw) {
+    PDL_START();
     int lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
     int t = blockIdx.y;
@@ -243,6 +261,7 @@ extern "C" __global__ void matvec_a4(W w, const float* __restrict__ x, float* __
 extern "C" __global__ void moe_gate_up_a4(W gt, W ut, const u64* __restrict__ gbase, const u64* __restrict__ ubase,
                                           const int* __restrict__ xrow, const float* __restrict__ x,
                                           float* __restrict__ h, int nw) {
+    PDL_START();
     int lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
     int p = blockIdx.y;
@@ -269,6 +288,7 @@ extern "C" __global__ void moe_gate_up_a4(W gt, W ut, const u64* __restrict__ gb
 extern "C" __global__ void moe_down_a4(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
                                        const float* __restrict__ wts, int K, const float* __restrict__ shared,
                                        const float* __restrict__ sg, float* __restrict__ x, int nw) {
+    PDL_START();
     int lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
     int t = blockIdx.y;
@@ -463,6 +483,7 @@ __device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x
     uint4 q[M * R * C];
     u16 sr[M * R * C], br[M * R * C];
     tile_a4v_load<C, R, M>(w, base, sub, li, L, RW, q, sr, br);
+    PDL_WAIT();
     tile_a4v_dot<C, R, M>(w, x, xs, li, L, q, sr, br, out);
 }
 
@@ -490,12 +511,15 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
     }
 }
 extern "C" __global__ void matvec_a4v_c1(W w, const float* __restrict__ x, float* __restrict__ y) {
+    PDL_TRIGGER();
     matvec_a4v_body<1, 8>(w, x, y, blockIdx.x);
 }
 extern "C" __global__ void matvec_a4v_c2(W w, const float* __restrict__ x, float* __restrict__ y) {
+    PDL_TRIGGER();
     matvec_a4v_body<2, 4>(w, x, y, blockIdx.x);
 }
 extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float* __restrict__ y) {
+    PDL_TRIGGER();
     matvec_a4v_body<4, 2>(w, x, y, blockIdx.x);
 }
 
@@ -513,9 +537,9 @@ __device__ __forceinline__ void matvec_a4v_multi(MULTI_ARGS) {
     else if (b < b3) matvec_a4v_body<C, R>(w2, x, y2, b - b2);
     else matvec_a4v_body<C, R>(w3, x, y3, b - b3);
 }
-extern "C" __global__ void matvec_a4v_multi_c1(MULTI_ARGS) { matvec_a4v_multi<1, 8>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
-extern "C" __global__ void matvec_a4v_multi_c2(MULTI_ARGS) { matvec_a4v_multi<2, 4>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
-extern "C" __global__ void matvec_a4v_multi_c4(MULTI_ARGS) { matvec_a4v_multi<4, 2>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
+extern "C" __global__ void matvec_a4v_multi_c1(MULTI_ARGS) { PDL_TRIGGER(); matvec_a4v_multi<1, 8>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
+extern "C" __global__ void matvec_a4v_multi_c2(MULTI_ARGS) { PDL_TRIGGER(); matvec_a4v_multi<2, 4>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
+extern "C" __global__ void matvec_a4v_multi_c4(MULTI_ARGS) { PDL_TRIGGER(); matvec_a4v_multi<4, 2>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
 
 // Routed experts' gate and up, wide form (same result as moe_gate_up):
 // grid (ceil(I / (8 * RW * R)), pairs), 256 threads, dynamic shared memory
@@ -560,6 +584,7 @@ __device__ __forceinline__ void gate_up_a4v_unit(W gt, W ut, const u64* __restri
     float* xs = (float*)a4v_dyn;
     const GuGeom g = gu_geom<R>(gt, ut, gbase, ubase, bx, p);
     if (!loaded) tile_a4v_load<C, R, 2>(g.w, g.base, g.sub, g.li, g.L, g.RW, q, sr, br);
+    PDL_WAIT();
     float o[2][R];
     tile_a4v_dot<C, R, 2>(g.w, x + (size_t)xrow[p] * gt.cols, xs, g.li, g.L, q, sr, br, o);
     if (g.li == 0) {
@@ -594,12 +619,14 @@ __device__ __forceinline__ void gate_up_a4v_kernel(W gt, W ut, const u64* __rest
 #define MOE_GU_MINB 4
 #endif
 extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c1(GU_ARGS) {
+    PDL_TRIGGER();
     gate_up_a4v_kernel<1, A4V_SPLIT ? 2 : 4>(GU_CALL);
 }
 extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c2(GU_ARGS) {
+    PDL_TRIGGER();
     gate_up_a4v_kernel<2, A4V_SPLIT ? 1 : 2>(GU_CALL);
 }
-extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { gate_up_a4v_kernel<4, 1>(GU_CALL); }
+extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { PDL_TRIGGER(); gate_up_a4v_kernel<4, 1>(GU_CALL); }
 
 #define DOWN_KB 8
 // Routed experts' down projections, wide form (same result as moe_down;
@@ -680,6 +707,7 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
     float acc = 0.0f;
     for (int k0 = 0; k0 < K; k0 += DOWN_KB) {
         if (k0 > 0 || !loaded) down_a4v_load(g, dbase, K, t, k0, q, sr, br);
+        if (k0 == 0) PDL_WAIT();
         const int nb = min(DOWN_KB, K - k0);
         if (k0 == 0 && ready) {
             if (threadIdx.x == 0) {
@@ -727,6 +755,7 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
 extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_down_a4v(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
                                         const float* __restrict__ wts, int K, const float* __restrict__ shared,
                                         const float* __restrict__ sg, float* __restrict__ x) {
+    PDL_TRIGGER();
     uint4 q[DOWN_KH];
     u16 sr[DOWN_KH], br[DOWN_KH];
     down_a4v_unit(dt, dbase, h, wts, K, shared, sg, x, blockIdx.x, blockIdx.y, nullptr, 0, false, q, sr, br);
@@ -763,6 +792,7 @@ __device__ __forceinline__ void fused_a4v_body(W gt, W ut, W dt, const u64* __re
         const u32 u = guess - na;
         down_a4v_load(dn_geom(dt, u % gb), dbase, K, u / gb, 0, q, sr, br);
     }
+    PDL_WAIT();
     if (threadIdx.x == 0) ticket = atomicAdd(&sync[0], 1u);
     __syncthreads();
     const u32 tk = ticket;
@@ -792,9 +822,9 @@ __device__ __forceinline__ void fused_a4v_body(W gt, W ut, W dt, const u64* __re
         const float *__restrict__ wts, int K, const float *__restrict__ shared, const float *__restrict__ sg, \
         float *__restrict__ xout, int ga, int pairs, int gb, int tokens, u32 *sync
 #define FU_CALL gt, ut, dt, gbase, ubase, dbase, xrow, x, h, wts, K, shared, sg, xout, ga, pairs, gb, tokens, sync
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c1(FU_ARGS) { fused_a4v_body<1, 4>(FU_CALL); }
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c2(FU_ARGS) { fused_a4v_body<2, 2>(FU_CALL); }
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_ARGS) { fused_a4v_body<4, 1>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c1(FU_ARGS) { PDL_TRIGGER(); fused_a4v_body<1, 4>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c2(FU_ARGS) { PDL_TRIGGER(); fused_a4v_body<2, 2>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_ARGS) { PDL_TRIGGER(); fused_a4v_body<4, 1>(FU_CALL); }
 
 // ---- Routed experts on tensor cores (affine 4-bit, group 64) ----
 // One mma.m16n8k16 (bf16 in, f32 accumulate) takes 16 weight rows x 16
@@ -975,6 +1005,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, con
                                                                  const u64* __restrict__ ubase,
                                                                  const int* __restrict__ xrow,
                                                                  const float* __restrict__ x, float* __restrict__ h) {
+    PDL_START();
     const int p = blockIdx.y;
     const int cols = gt.cols, ng = cols >> 6, I = gt.rows;
     uint2* xp = (uint2*)a4v_dyn;
@@ -1009,6 +1040,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tc(W dt, const u64* _
                                                               const float* __restrict__ wts, int K,
                                                               const float* __restrict__ shared,
                                                               const float* __restrict__ sgate, float* __restrict__ x) {
+    PDL_START();
     const int t = blockIdx.y;
     const int cols = dt.cols, ng = cols >> 6, H = dt.rows;
     uint2* xp = (uint2*)a4v_dyn;
@@ -1049,6 +1081,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tc(W dt, const u64* _
 // quarter of the columns (w % 4), the quarters summed in order. Dynamic
 // shared memory as moe_gate_up_tc.
 extern "C" __global__ void __launch_bounds__(256) matvec_tc(MULTI_ARGS) {
+    PDL_START();
     const int b = blockIdx.x;
     const int m = b < b1 ? 0 : b < b2 ? 1 : b < b3 ? 2 : 3;
     const W& w = m == 0 ? w0 : m == 1 ? w1 : m == 2 ? w2 : w3;
@@ -1078,6 +1111,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc(MULTI_ARGS) {
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
 // per row; grid (ceil(rows / 8), n).
 extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __restrict__ y) {
+    PDL_START();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     int t = blockIdx.y;
@@ -1093,6 +1127,7 @@ extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __res
 extern "C" __global__ void moe_gate_up(W gt, W ut, const u64* __restrict__ gbase, const u64* __restrict__ ubase,
                                        const int* __restrict__ xrow, const float* __restrict__ x,
                                        float* __restrict__ h) {
+    PDL_START();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     int p = blockIdx.y;
@@ -1112,6 +1147,7 @@ extern "C" __global__ void moe_gate_up(W gt, W ut, const u64* __restrict__ gbase
 extern "C" __global__ void moe_down(W dt, const u64* __restrict__ dbase, const float* __restrict__ h,
                                     const float* __restrict__ wts, int K, const float* __restrict__ shared,
                                     const float* __restrict__ sg, float* __restrict__ x) {
+    PDL_START();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     int t = blockIdx.y;
@@ -1150,6 +1186,7 @@ __device__ double block_sum_d(double v) {
 // (stored; the same bits as add_inplace then rms_norm, one launch fewer).
 extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ w,
                                    float* __restrict__ out, int dim, float eps, const float* __restrict__ add) {
+    PDL_START();
     float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
     double ss = 0.0;
@@ -1181,6 +1218,7 @@ __device__ void rope_apply(float* v, const float* inv_freq, int half, int pos) {
 
 // Stand-alone RoPE on `[heads, hd]` rows at `pos` (test entry point).
 extern "C" __global__ void rope(float* v, const float* inv_freq, int half, int hd, int pos) {
+    PDL_START();
     rope_apply(v + (size_t)blockIdx.x * hd, inv_freq, half, pos);
 }
 
@@ -1197,6 +1235,7 @@ extern "C" __global__ void qk_prep(const float* __restrict__ q_all, const float*
                                   float* __restrict__ q_out, float* __restrict__ gate_out,
                                   float* __restrict__ kcache, float* __restrict__ vcache,
                                   const int* __restrict__ dpos) {
+    PDL_START();
     __shared__ float buf[1024];
     if (dpos) pos0 = dpos[0];
     int t = blockIdx.y, hh = blockIdx.x;
@@ -1245,6 +1284,7 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
                                        const float* __restrict__ vc, int keys, int nh, int nkv, int hd,
                                        float scale, int nsplit, float* __restrict__ pm, float* __restrict__ pl,
                                        float* __restrict__ pacc, const int* __restrict__ dpos) {
+    PDL_START();
     if (dpos) {
         keys = dpos[0] + 1;
         nsplit = att_splits(keys);
@@ -1326,6 +1366,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ pm, const floa
                                        const float* __restrict__ pacc, int nsplit, int hd,
                                        const float* __restrict__ gate, float* __restrict__ out,
                                        const int* __restrict__ dpos) {
+    PDL_START();
     if (dpos) nsplit = att_splits(dpos[0] + 1);
     int h = blockIdx.x;
     float m = -INFINITY;
@@ -1348,6 +1389,7 @@ extern "C" __global__ void attn_combine(const float* __restrict__ pm, const floa
 // K-1 rows. conv_w is `[C, K]`, state `[K-1, C]`.
 extern "C" __global__ void gdn_conv(const float* __restrict__ x, int n, const float* __restrict__ cw, int C,
                                    int K, float* __restrict__ state, float* __restrict__ out) {
+    PDL_START();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     float win[8];
@@ -1374,6 +1416,7 @@ extern "C" __global__ void gdn_step(const float* __restrict__ conv_out, const fl
                                    const float* __restrict__ a_log, const float* __restrict__ dt_bias,
                                    const float* __restrict__ nw, float* __restrict__ S, int n, int nk, int dk,
                                    int nv, int dv, float eps, float* __restrict__ core) {
+    PDL_START();
     __shared__ float qs[256];
     __shared__ float ks[256];
     int j = blockIdx.x;
@@ -1452,6 +1495,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
     const float* __restrict__ a, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
     const float* __restrict__ nw, float* __restrict__ S, int n, int nk, int dk, int nv, int dv, float eps,
     float* __restrict__ core) {
+    PDL_START();
     __shared__ float qs[128];
     __shared__ float ks[128];
     __shared__ float red[GDN_RG][128];
@@ -1545,6 +1589,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
                                       int* __restrict__ ids, float* __restrict__ wts, u32* pub, u32 seq,
                                       const u64* __restrict__ addr, u64 off0, u64 off1, u64 off2,
                                       u64* __restrict__ bases) {
+    PDL_START();
     __shared__ float p[1024];
     __shared__ float rv[32];
     __shared__ int ri[32];
@@ -1639,6 +1684,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
 // Index of the largest of n values (ties to the lower index), one block of
 // 1024 threads.
 extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* __restrict__ out) {
+    PDL_START();
     __shared__ float rv[32];
     __shared__ int ri[32];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -1677,6 +1723,7 @@ extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* __res
 // Row `ids[t]` of `w` dequantized into out[t, :] (embedding lookup);
 // grid (ceil(cols / 256), tokens).
 extern "C" __global__ void embed_rows(W w, const int* __restrict__ ids, float* __restrict__ out) {
+    PDL_START();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     int t = blockIdx.y;
     if (c >= w.cols) return;
@@ -1698,6 +1745,7 @@ extern "C" __global__ void embed_rows(W w, const int* __restrict__ ids, float* _
 
 // x += y, n elements.
 extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __restrict__ y, int n) {
+    PDL_START();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];
 }
@@ -1705,9 +1753,11 @@ extern "C" __global__ void add_inplace(float* __restrict__ x, const float* __res
 // HBM bandwidth probes: a float4 copy and a float4 read (sum kept so the
 // loads are not removed).
 extern "C" __global__ void bw_copy(const float4* __restrict__ src, float4* __restrict__ dst, u64 n) {
+    PDL_START();
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) dst[i] = src[i];
 }
 extern "C" __global__ void bw_read(const float4* __restrict__ src, u64 n, float* __restrict__ out) {
+    PDL_START();
     float s = 0.0f;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         float4 v = __ldg(src + i);
@@ -1719,10 +1769,11 @@ extern "C" __global__ void bw_read(const float4* __restrict__ src, u64 n, float*
 
 // Spins for `cycles` clock cycles (a clock-hold probe on a second stream).
 extern "C" __global__ void spin(long long cycles) {
+    PDL_START();
     long long t0 = clock64();
     while (clock64() - t0 < cycles) {
     }
 }
 
 // An empty kernel (launch-cost probe).
-extern "C" __global__ void nop() {}
+extern "C" __global__ void nop() { PDL_START(); }
