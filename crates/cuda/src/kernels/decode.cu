@@ -15,7 +15,8 @@ typedef unsigned long long u64;
 // its writes to be visible (PDL_WAIT) before it reads anything a kernel
 // wrote or writes anything. The weight matvecs issue their weight loads
 // (read-only data no kernel writes) before that wait, so those loads overlap
-// the previous kernel's tail and the launch gap. Without the attribute the
+// the previous kernel's tail and the launch gap (the expert kernels: see
+// PDL_EXPERTS_START). Without the attribute the
 // wait returns at once and the stream orders kernels as usual.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
@@ -25,6 +26,11 @@ typedef unsigned long long u64;
 #define PDL_WAIT() do {} while (0)
 #endif
 #define PDL_START() do { PDL_TRIGGER(); PDL_WAIT(); } while (0)
+// The routed experts' gate/up (and fused) kernels read the expert bases the
+// router kernel just wrote (device routing), so they wait before any load
+// and only then let the down kernel launch: that one may then read the bases
+// and issue its weight loads before its own wait (for h).
+#define PDL_EXPERTS_START() do { PDL_WAIT(); PDL_TRIGGER(); } while (0)
 
 // Weight kinds (must match `QKind` in src/lib.rs).
 #define INFINITY __int_as_float(0x7f800000)
@@ -619,14 +625,14 @@ __device__ __forceinline__ void gate_up_a4v_kernel(W gt, W ut, const u64* __rest
 #define MOE_GU_MINB 4
 #endif
 extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c1(GU_ARGS) {
-    PDL_TRIGGER();
+    PDL_EXPERTS_START();
     gate_up_a4v_kernel<1, A4V_SPLIT ? 2 : 4>(GU_CALL);
 }
 extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c2(GU_ARGS) {
-    PDL_TRIGGER();
+    PDL_EXPERTS_START();
     gate_up_a4v_kernel<2, A4V_SPLIT ? 1 : 2>(GU_CALL);
 }
-extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { PDL_TRIGGER(); gate_up_a4v_kernel<4, 1>(GU_CALL); }
+extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { PDL_EXPERTS_START(); gate_up_a4v_kernel<4, 1>(GU_CALL); }
 
 #define DOWN_KB 8
 // Routed experts' down projections, wide form (same result as moe_down;
@@ -822,9 +828,9 @@ __device__ __forceinline__ void fused_a4v_body(W gt, W ut, W dt, const u64* __re
         const float *__restrict__ wts, int K, const float *__restrict__ shared, const float *__restrict__ sg, \
         float *__restrict__ xout, int ga, int pairs, int gb, int tokens, u32 *sync
 #define FU_CALL gt, ut, dt, gbase, ubase, dbase, xrow, x, h, wts, K, shared, sg, xout, ga, pairs, gb, tokens, sync
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c1(FU_ARGS) { PDL_TRIGGER(); fused_a4v_body<1, 4>(FU_CALL); }
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c2(FU_ARGS) { PDL_TRIGGER(); fused_a4v_body<2, 2>(FU_CALL); }
-extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_ARGS) { PDL_TRIGGER(); fused_a4v_body<4, 1>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c1(FU_ARGS) { PDL_EXPERTS_START(); fused_a4v_body<1, 4>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c2(FU_ARGS) { PDL_EXPERTS_START(); fused_a4v_body<2, 2>(FU_CALL); }
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_ARGS) { PDL_EXPERTS_START(); fused_a4v_body<4, 1>(FU_CALL); }
 
 // ---- Routed experts on tensor cores (affine 4-bit, group 64) ----
 // One mma.m16n8k16 (bf16 in, f32 accumulate) takes 16 weight rows x 16
