@@ -26,10 +26,10 @@ typedef unsigned long long u64;
 #define PDL_WAIT() do {} while (0)
 #endif
 #define PDL_START() do { PDL_TRIGGER(); PDL_WAIT(); } while (0)
-// The routed experts' gate/up (and fused) kernels read the expert bases the
-// router kernel just wrote (device routing), so they wait before any load
-// and only then let the down kernel launch: that one may then read the bases
-// and issue its weight loads before its own wait (for h).
+// Every routed experts' gate/up kernel (and the fused one) waits before it
+// lets the next kernel launch: moe_down_a4v, which always follows one, reads
+// the expert bases the router kernel wrote (device routing) before its own
+// wait, so the router must be done by the time it launches.
 #define PDL_EXPERTS_START() do { PDL_WAIT(); PDL_TRIGGER(); } while (0)
 
 // Weight kinds (must match `QKind` in src/lib.rs).
@@ -267,7 +267,7 @@ extern "C" __global__ void matvec_a4(W w, const float* __restrict__ x, float* __
 extern "C" __global__ void moe_gate_up_a4(W gt, W ut, const u64* __restrict__ gbase, const u64* __restrict__ ubase,
                                           const int* __restrict__ xrow, const float* __restrict__ x,
                                           float* __restrict__ h, int nw) {
-    PDL_START();
+    PDL_EXPERTS_START();
     int lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * 4 + (threadIdx.x >> 5)) * A4_R;
     int p = blockIdx.y;
@@ -1011,7 +1011,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, con
                                                                  const u64* __restrict__ ubase,
                                                                  const int* __restrict__ xrow,
                                                                  const float* __restrict__ x, float* __restrict__ h) {
-    PDL_START();
+    PDL_EXPERTS_START();
     const int p = blockIdx.y;
     const int cols = gt.cols, ng = cols >> 6, I = gt.rows;
     uint2* xp = (uint2*)a4v_dyn;
@@ -1133,7 +1133,7 @@ extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __res
 extern "C" __global__ void moe_gate_up(W gt, W ut, const u64* __restrict__ gbase, const u64* __restrict__ ubase,
                                        const int* __restrict__ xrow, const float* __restrict__ x,
                                        float* __restrict__ h) {
-    PDL_START();
+    PDL_EXPERTS_START();
     int lane = threadIdx.x & 31;
     int r = blockIdx.x * 8 + (threadIdx.x >> 5);
     int p = blockIdx.y;
