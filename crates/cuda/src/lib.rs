@@ -286,10 +286,11 @@ impl Mapped {
 }
 
 /// Device routing for [`Gpu::router_topk`]: `addr` holds one u64 device
-/// address per expert (its VRAM record); for the routed experts in rank
-/// order the kernel writes `out[r] = addr[id] + offsets[0]`,
-/// `out[k + r] = addr[id] + offsets[1]`, `out[2k + r] = addr[id] +
-/// offsets[2]` (gate, up, down: the table [`Gpu::moe_experts`] reads).
+/// address per expert (its VRAM record); for token t's routed experts in
+/// rank order r the kernel writes, with `p = t k + r` over `T` tokens,
+/// `out[p] = addr[id] + offsets[0]`, `out[T k + p] = addr[id] + offsets[1]`,
+/// `out[2 T k + p] = addr[id] + offsets[2]` (gate, up, down: the table
+/// [`Gpu::moe_experts`] reads).
 #[derive(Debug, Clone, Copy)]
 pub struct RouteBases {
     pub addr: u64,
@@ -1281,9 +1282,9 @@ impl Gpu {
     /// k <= 64): `ids`/`wts` receive `[tokens, k]`. With `publish` =
     /// (a [`Mapped`] buffer of at least 2k + 1 words, seq), token 0's ids and
     /// weights are also written there, then `seq` in word 2k
-    /// ([`Mapped::wait_for`]). With `bases`, token 0's experts' bases table
-    /// is written on the device too ([`RouteBases`]), so the routed experts
-    /// can run without the host.
+    /// ([`Mapped::wait_for`]). With `bases`, every token's experts' bases
+    /// table is written on the device too ([`RouteBases`]), so the routed
+    /// experts can run without the host.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk(
         &self,

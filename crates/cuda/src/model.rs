@@ -12,8 +12,11 @@
 //! address table and the host queues a whole token without waiting
 //! (device routing; the ids are read back once per pass for the counters).
 //!
-//! The device runs one token per pass ([`Backend::max_pass_tokens`] = 1);
-//! [`Transformer::run`] splits prompts into such passes.
+//! With device routing a pass holds up to [`PASS_TOKENS`] tokens (a
+//! prompt runs in passes of that many: every weight is read once per pass
+//! instead of once per token, attention runs per query over the KV cache
+//! the pass appended to); with host routing (experts streaming into VRAM)
+//! one token per pass. [`Transformer::run`] splits prompts into passes.
 
 use std::time::Instant;
 
@@ -28,6 +31,10 @@ use slipstream_store::policy::{LayerCache, Outcome};
 use slipstream_store::PolicyKind;
 
 use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases, WDesc};
+
+/// The most tokens of a pass with device routing (prefill); the scratch
+/// buffers are sized for it.
+pub const PASS_TOKENS: usize = 64;
 
 /// Settings of the CUDA backend.
 #[derive(Debug, Clone, Default)]
@@ -141,7 +148,8 @@ enum DMixer {
 }
 
 struct DShared {
-    /// `[gate, up]` device addresses, the bases table of a one-expert launch.
+    /// `[gate; PASS_TOKENS]` then `[up; PASS_TOKENS]` device addresses: the
+    /// bases table of a launch with one pair per token of a pass.
     bases: DBuf,
     gate: DWeight,
     up: DWeight,
@@ -193,8 +201,14 @@ pub struct CudaModel {
     s_sh_out: DBuf,
     s_sg: DBuf,
     s_bases: DBuf,
+    /// `[PASS_TOKENS * k]` i32: pair p's token row, p / k.
     s_xrow: DBuf,
+    /// `[PASS_TOKENS]` i32: 0, 1, 2, ... (the shared expert's one pair per token).
+    s_xrow_id: DBuf,
+    /// The token id, then its position (one-token passes; graphs read both).
     s_ids: DBuf,
+    /// `[PASS_TOKENS]` i32: the token ids of a longer pass.
+    s_pass_ids: DBuf,
     s_vocab: DBuf,
     /// Scratch expert records for misses that take no slot (top_k of them).
     s_spill: DBuf,
@@ -213,8 +227,9 @@ pub struct CudaModel {
     /// experts' bases table itself and the host queues the whole token
     /// without waiting for routing decisions.
     device_routing: bool,
-    /// With device routing: `[layers, 2k]` words, each layer's ids then
-    /// weights of the last pass, read back once per pass for the counters.
+    /// With device routing: `[layers, 2 n k]` words for a pass of n tokens,
+    /// each layer's ids `[n, k]` then weights `[n, k]`, read back once per
+    /// pass for the counters.
     s_route_all: DBuf,
     /// The last pass routed on the device and its ids are not counted yet.
     routes_pending: bool,
@@ -237,6 +252,10 @@ pub struct CudaModel {
     renorm: bool,
     /// Tokens the device state holds.
     pos: usize,
+    /// Tokens of the current pass.
+    pass_n: usize,
+    /// Tokens of the pass whose device routes are still to be counted.
+    routes_n: usize,
     pub stats: CudaStats,
 }
 
@@ -336,8 +355,11 @@ impl CudaModel {
                     shared_inter = shared_inter.max(mlp.gate_proj.out_dim());
                     let gate = up_w(&mlp.gate_proj)?;
                     let up = up_w(&mlp.up_proj)?;
-                    let pair = [gate.desc.codes, up.desc.codes];
-                    let bytes: Vec<u8> = pair.iter().flat_map(|a| a.to_le_bytes()).collect();
+                    let table: Vec<u64> = [gate.desc.codes; PASS_TOKENS]
+                        .into_iter()
+                        .chain([up.desc.codes; PASS_TOKENS])
+                        .collect();
+                    let bytes: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
                     Some(DShared {
                         bases: gpu.upload(&bytes)?,
                         gate,
@@ -370,6 +392,11 @@ impl CudaModel {
             });
         }
         let f = |n: usize| gpu.alloc(n.max(1) * 4);
+        // Scratch for a pass of up to PASS_TOKENS tokens.
+        let fp = |n: usize| f(n * PASS_TOKENS);
+        let i32s = |v: Vec<i32>| -> Result<DBuf> {
+            gpu.upload(&v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>())
+        };
         let nh_max = m
             .layers
             .iter()
@@ -388,31 +415,37 @@ impl CudaModel {
             )
         };
         Ok(CudaModel {
-            acts: [f(h)?, f(h)?, f(h)?, f(h)?],
-            s_q_all: f(max_q)?,
-            s_k_all: f(max_kv)?,
-            s_v_all: f(max_kv)?,
-            s_q: f(max_q)?,
-            s_gate: f(max_q)?,
-            s_attn: f(max_q)?,
+            acts: [fp(h)?, fp(h)?, fp(h)?, fp(h)?],
+            s_q_all: fp(max_q)?,
+            s_k_all: fp(max_kv)?,
+            s_v_all: fp(max_kv)?,
+            s_q: fp(max_q)?,
+            s_gate: fp(max_q)?,
+            s_attn: fp(max_q)?,
             s_att_scratch: f(Gpu::attn_scratch_f32(nh_max.0, nh_max.1, 256))?,
-            s_mixed: f(h)?,
-            s_qkv: f(max_c)?,
-            s_z: f(max_core)?,
-            s_b: f(max_nv)?,
-            s_a: f(max_nv)?,
-            s_conv: f(max_c)?,
-            s_core: f(max_core)?,
-            s_logits: f(e)?,
+            s_mixed: fp(h)?,
+            s_qkv: fp(max_c)?,
+            s_z: fp(max_core)?,
+            s_b: fp(max_nv)?,
+            s_a: fp(max_nv)?,
+            s_conv: fp(max_c)?,
+            s_core: fp(max_core)?,
+            s_logits: fp(e)?,
             s_route: f(2 * k)?,
-            s_h: f(k * inter)?,
-            s_sh_h: f(shared_inter)?,
-            s_sh_out: f(h)?,
-            s_sg: f(1)?,
-            s_bases: gpu.alloc(3 * k * 8)?,
-            s_xrow: gpu.alloc(k.max(1) * 4)?,
+            s_h: fp(k * inter)?,
+            s_sh_h: fp(shared_inter)?,
+            s_sh_out: fp(h)?,
+            s_sg: fp(1)?,
+            s_bases: gpu.alloc(3 * k * PASS_TOKENS * 8)?,
+            s_xrow: i32s(
+                (0..k * PASS_TOKENS)
+                    .map(|p| (p / k.max(1)) as i32)
+                    .collect(),
+            )?,
+            s_xrow_id: i32s((0..PASS_TOKENS as i32).collect())?,
             s_ids: gpu.alloc(16)?,
-            s_vocab: f(c.vocab_size)?,
+            s_pass_ids: gpu.alloc(PASS_TOKENS * 4)?,
+            s_vocab: fp(c.vocab_size)?,
             s_spill: gpu.alloc(k * rec_bytes)?,
             embed: gpu.upload_weight(&m.embed.view())?,
             lm_head: gpu.upload_weight(&m.lm_head.view())?,
@@ -432,7 +465,7 @@ impl CudaModel {
             graph: None,
             mode: PassMode::Plain,
             pending_residual: None,
-            s_route_all: f(2 * k * m.layers.len().max(1))?,
+            s_route_all: fp(2 * k * m.layers.len().max(1))?,
             routes_pending: false,
             copy_done: None,
             parts: tmpl,
@@ -444,6 +477,8 @@ impl CudaModel {
             eps: c.rms_norm_eps,
             renorm: c.norm_topk_prob,
             pos: 0,
+            pass_n: 1,
+            routes_n: 0,
             stats: CudaStats::default(),
             layers,
             gpu,
@@ -615,24 +650,37 @@ impl CudaModel {
     }
 
     fn attention(&mut self, l: usize, x: DAct, xn: DAct) -> Result<()> {
-        self.ensure_kv(l, self.pos + 1)?;
+        let n = self.pass_n;
+        self.ensure_kv(l, self.pos + n)?;
         let g = &self.gpu;
         let DMixer::Attn(a) = &self.layers[l].mixer else {
             unreachable!()
         };
         let xn = self.act(xn).ptr;
-        // The position comes from device memory (so the launches replay in
-        // a graph); the attention grid covers the cache's capacity.
-        let at = self.device_pos(a.cap);
-        g.matvec_many(
-            &[&a.q.desc, &a.k.desc, &a.v.desc],
-            xn,
-            &[self.s_q_all.ptr, self.s_k_all.ptr, self.s_v_all.ptr],
-        )?;
+        let (q_all, k_all, v_all) = (self.s_q_all.ptr, self.s_k_all.ptr, self.s_v_all.ptr);
+        // One token: the position comes from device memory (so the
+        // launches replay in a graph) and the attention grid covers the
+        // cache's capacity. A longer pass: the host's positions.
+        let at = if n == 1 {
+            self.device_pos(a.cap)
+        } else {
+            Position::Host(self.pos)
+        };
+        if n == 1 {
+            g.matvec_many(
+                &[&a.q.desc, &a.k.desc, &a.v.desc],
+                xn,
+                &[q_all, k_all, v_all],
+            )?;
+        } else {
+            g.matvec(&a.q.desc, xn, q_all, n)?;
+            g.matvec(&a.k.desc, xn, k_all, n)?;
+            g.matvec(&a.v.desc, xn, v_all, n)?;
+        }
         g.qk_prep(
-            self.s_q_all.ptr,
-            self.s_k_all.ptr,
-            self.s_v_all.ptr,
+            q_all,
+            k_all,
+            v_all,
             a.q_norm.ptr,
             a.k_norm.ptr,
             a.inv_freq.ptr,
@@ -641,42 +689,59 @@ impl CudaModel {
             a.gated,
             a.eps,
             at,
-            1,
+            n,
             self.s_q.ptr,
             self.s_gate.ptr,
             a.kc.ptr,
             a.vc.ptr,
         )?;
-        let gate = if a.gated { self.s_gate.ptr } else { 0 };
-        g.attention(
-            self.s_q.ptr,
-            a.kc.ptr,
-            a.vc.ptr,
-            at,
-            a.dims,
-            gate,
-            &self.s_att_scratch,
-            self.s_attn.ptr,
-        )?;
-        g.matvec(&a.o.desc, self.s_attn.ptr, self.s_mixed.ptr, 1)?;
+        // Each query over the keys up to its own position (causal): the
+        // pass's keys are all in the cache already.
+        let row = (a.dims.0 * a.dims.2 * 4) as u64;
+        for t in 0..n {
+            let off = t as u64 * row;
+            let gate = if a.gated { self.s_gate.ptr + off } else { 0 };
+            let at_t = match at {
+                Position::Host(p) => Position::Host(p + t),
+                device => device,
+            };
+            g.attention(
+                self.s_q.ptr + off,
+                a.kc.ptr,
+                a.vc.ptr,
+                at_t,
+                a.dims,
+                gate,
+                &self.s_att_scratch,
+                self.s_attn.ptr + off,
+            )?;
+        }
+        g.matvec(&a.o.desc, self.s_attn.ptr, self.s_mixed.ptr, n)?;
         self.defer_residual(x);
         Ok(())
     }
 
     fn gdn(&mut self, l: usize, x: DAct, xn: DAct) -> Result<()> {
+        let n = self.pass_n;
         let g = &self.gpu;
         let DMixer::Gdn(d) = &self.layers[l].mixer else {
             unreachable!()
         };
         let xn = self.act(xn).ptr;
-        g.matvec_many(
-            &[&d.qkv.desc, &d.z.desc, &d.b.desc, &d.a.desc],
-            xn,
-            &[self.s_qkv.ptr, self.s_z.ptr, self.s_b.ptr, self.s_a.ptr],
-        )?;
+        let (ws, ys) = (
+            [&d.qkv.desc, &d.z.desc, &d.b.desc, &d.a.desc],
+            [self.s_qkv.ptr, self.s_z.ptr, self.s_b.ptr, self.s_a.ptr],
+        );
+        if n == 1 {
+            g.matvec_many(&ws, xn, &ys)?;
+        } else {
+            for (w, y) in ws.iter().zip(ys) {
+                g.matvec(w, xn, y, n)?;
+            }
+        }
         g.gdn_conv(
             self.s_qkv.ptr,
-            1,
+            n,
             d.conv.ptr,
             d.c,
             d.kernel,
@@ -692,12 +757,12 @@ impl CudaModel {
             d.dt_bias.ptr,
             d.norm.ptr,
             d.rec_state.ptr,
-            1,
+            n,
             d.dims,
             d.eps,
             self.s_core.ptr,
         )?;
-        g.matvec(&d.out.desc, self.s_core.ptr, self.s_mixed.ptr, 1)?;
+        g.matvec(&d.out.desc, self.s_core.ptr, self.s_mixed.ptr, n)?;
         self.defer_residual(x);
         Ok(())
     }
@@ -713,7 +778,9 @@ impl CudaModel {
     /// Adds a deferred mixer output into its residual now.
     fn flush_residual(&mut self) -> Result<()> {
         match self.pending_residual.take() {
-            Some(x) => self.gpu.add(self.act(x).ptr, self.s_mixed.ptr, self.hidden),
+            Some(x) => self
+                .gpu
+                .add(self.act(x).ptr, self.s_mixed.ptr, self.hidden * self.pass_n),
             None => Ok(()),
         }
     }
@@ -776,7 +843,7 @@ impl CudaModel {
             ),
         };
         // The shared expert runs on the device while the host settles the cache.
-        self.shared_expert(l, xn_p)?;
+        self.shared_expert(l, xn_p, 1)?;
         let t_wait = Instant::now();
         let (ids, wts): (Vec<u32>, Vec<f32>) = match (&self.route_pub, routed) {
             (Some(m), _) => {
@@ -870,16 +937,16 @@ impl CudaModel {
             // SAFETY: 3k u64 into `s_bases` (3k + 3 u64).
             unsafe { result::memcpy_htod_async(self.s_bases.ptr, &b[..], g.stream.cu_stream())? };
         }
-        self.routed_experts(l, xn_p, x_p, self.s_route.f32_at(k))?;
+        self.routed_experts(l, xn_p, x_p, self.s_route.f32_at(k), 1)?;
         times.router_ns += router_ns;
         times.wait_ns += fetch_ns;
         times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns - fetch_ns;
         Ok(Ok(()))
     }
 
-    /// Launches layer `l`'s shared expert (if any) on `xn_p` into
-    /// `s_sh_out` and its gate into `s_sg`.
-    fn shared_expert(&self, l: usize, xn_p: u64) -> Result<()> {
+    /// Launches layer `l`'s shared expert (if any) on the `n` rows at
+    /// `xn_p` into `s_sh_out` and its gate into `s_sg`.
+    fn shared_expert(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
         let Some(sh) = &self.layers[l].shared else {
             return Ok(());
         };
@@ -889,20 +956,21 @@ impl CudaModel {
             &sh.gate.desc,
             &sh.up.desc,
             sb,
-            sb + 8,
-            self.s_xrow.ptr,
+            sb + 8 * PASS_TOKENS as u64,
+            self.s_xrow_id.ptr,
             xn_p,
             self.s_sh_h.ptr,
-            1,
+            n,
         )?;
-        g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, 1)?;
-        g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, 1)
+        g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, n)?;
+        g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, n)
     }
 
-    /// Launches the routed experts of layer `l` over the bases table in
-    /// `s_bases` with the routing weights at `wts`, adding their (and the
+    /// Launches the routed experts of layer `l` for `n` tokens over the
+    /// bases table in `s_bases` (`[gate; n k]`, `[up; n k]`, `[down; n k]`)
+    /// with the routing weights at `wts` (`[n, k]`), adding their (and the
     /// shared expert's) output into the residual at `x_p`.
-    fn routed_experts(&self, l: usize, xn_p: u64, x_p: u64, wts: u64) -> Result<()> {
+    fn routed_experts(&self, l: usize, xn_p: u64, x_p: u64, wts: u64, n: usize) -> Result<()> {
         let k = self.top_k;
         let bp = self.s_bases.ptr;
         let shared = if self.layers[l].shared.is_some() {
@@ -910,9 +978,10 @@ impl CudaModel {
         } else {
             (0, 0)
         };
+        let table = 8 * (k * n) as u64;
         self.gpu.moe_experts(
             [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
-            [bp, bp + 8 * k as u64, bp + 16 * k as u64],
+            [bp, bp + table, bp + 2 * table],
             self.s_xrow.ptr,
             xn_p,
             self.s_h.ptr,
@@ -920,7 +989,7 @@ impl CudaModel {
             k,
             shared,
             x_p,
-            1,
+            n,
         )
     }
 
@@ -932,8 +1001,11 @@ impl CudaModel {
         let t0 = Instant::now();
         let (k, e) = (self.top_k, self.num_experts);
         let (xn_p, x_p) = (self.act(xn).ptr, self.act(x).ptr);
-        let ids = self.s_route_all.f32_at(2 * k * l);
-        let wts = self.s_route_all.f32_at(2 * k * l + k);
+        let n = self.pass_n;
+        // Layer l's ids `[n, k]` then weights `[n, k]` (layers packed for
+        // this pass's n, so the read-back covers only what was written).
+        let ids = self.s_route_all.f32_at(2 * k * n * l);
+        let wts = self.s_route_all.f32_at(2 * k * n * l + n * k);
         let layer = &self.layers[l];
         let Some(addr) = &layer.addr_table else {
             return Err(CudaError::Invalid(format!(
@@ -946,7 +1018,7 @@ impl CudaModel {
             out: self.s_bases.ptr,
         };
         let g = &self.gpu;
-        g.matvec(&layer.router.desc, xn_p, self.s_logits.ptr, 1)?;
+        g.matvec(&layer.router.desc, xn_p, self.s_logits.ptr, n)?;
         g.router_topk(
             self.s_logits.ptr,
             e,
@@ -954,14 +1026,15 @@ impl CudaModel {
             self.renorm,
             ids,
             wts,
-            1,
+            n,
             None,
             Some(&bases),
         )?;
         let router_ns = t0.elapsed().as_nanos() as u64;
-        self.shared_expert(l, xn_p)?;
-        self.routed_experts(l, xn_p, x_p, wts)?;
+        self.shared_expert(l, xn_p, n)?;
+        self.routed_experts(l, xn_p, x_p, wts, n)?;
         self.routes_pending = true;
+        self.routes_n = n;
         times.router_ns += router_ns;
         times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns;
         Ok(())
@@ -975,12 +1048,15 @@ impl CudaModel {
             return Ok(());
         }
         self.routes_pending = false;
-        let (k, e) = (self.top_k, self.num_experts);
+        let (k, e, n) = (self.top_k, self.num_experts, self.routes_n);
+        let per_layer = 2 * k * n;
         let words = self
             .gpu
-            .read_i32(&self.s_route_all, 2 * k * self.layers.len())?;
+            .read_i32(&self.s_route_all, per_layer * self.layers.len())?;
         for (l, layer) in self.layers.iter_mut().enumerate() {
-            let mut ids: Vec<i32> = words[2 * k * l..][..k].to_vec();
+            // The distinct experts of the pass (as a host-routed pass of
+            // these tokens would count its cache accesses).
+            let mut ids: Vec<i32> = words[per_layer * l..][..n * k].to_vec();
             if ids.iter().any(|&i| i < 0 || i as usize >= e) {
                 return Err(CudaError::Invalid(format!(
                     "router returned an expert id outside 0..{e} in layer {l}"
@@ -1235,7 +1311,11 @@ impl Backend for CudaModel {
     type Act = DAct;
 
     fn max_pass_tokens(&self) -> usize {
-        1
+        if self.device_routing {
+            PASS_TOKENS
+        } else {
+            1
+        }
     }
 
     fn begin_pass(&mut self, position: usize, n: usize) -> std::result::Result<(), ModelError> {
@@ -1252,21 +1332,42 @@ impl Backend for CudaModel {
                 self.pos
             )));
         }
-        if n != 1 {
+        if n == 0 || n > self.max_pass_tokens() {
             return Err(ModelError::State(format!(
-                "the CUDA backend runs one token per pass, got {n}"
+                "the CUDA backend runs 1..={} tokens per pass here, got {n}",
+                self.max_pass_tokens()
             )));
+        }
+        self.pass_n = n;
+        if n > 1 {
+            self.mode = PassMode::Plain;
+            return Ok(());
         }
         self.choose_mode(position).map_err(err)
     }
 
     fn embed(&mut self, _m: &Transformer, tokens: &[u32]) -> std::result::Result<DAct, ModelError> {
-        let &[id] = tokens else {
+        if tokens.len() != self.pass_n {
             return Err(ModelError::State(format!(
-                "the CUDA backend runs one token per pass, got {}",
+                "the pass was begun for {} tokens, got {}",
+                self.pass_n,
                 tokens.len()
             )));
-        };
+        }
+        if let &[_, _, ..] = tokens {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let r = self.gpu.write(&self.s_pass_ids, 0, &bytes).and_then(|()| {
+                self.gpu.embed_rows(
+                    &self.embed.desc,
+                    self.s_pass_ids.ptr,
+                    self.act(DAct::X).ptr,
+                    tokens.len(),
+                )
+            });
+            self.guard(r)?;
+            return Ok(DAct::X);
+        }
+        let id = tokens[0];
         // The token id, then its position (read by the attention kernels).
         let words = [f32::from_bits(id), f32::from_bits(self.pos as u32)];
         self.gpu.write_f32(&self.s_ids, &words).map_err(err)?;
@@ -1303,7 +1404,7 @@ impl Backend for CudaModel {
         _m: &Transformer,
         x: &DAct,
         which: NormKind,
-        _n: usize,
+        n: usize,
     ) -> std::result::Result<DAct, ModelError> {
         let w = match which {
             NormKind::Input(l) => self.layers[l].input_norm.ptr,
@@ -1324,7 +1425,7 @@ impl Backend for CudaModel {
                 self.s_mixed.ptr,
                 w,
                 self.act(out).ptr,
-                1,
+                n,
                 self.hidden,
                 self.eps,
             )
@@ -1334,7 +1435,7 @@ impl Backend for CudaModel {
                     self.act(*x).ptr,
                     w,
                     self.act(out).ptr,
-                    1,
+                    n,
                     self.hidden,
                     self.eps,
                 )
@@ -1377,7 +1478,10 @@ impl Backend for CudaModel {
         let last = l + 1 == self.layers.len();
         match self.mode {
             // The graph's router kernels leave the ids for the counters.
-            PassMode::Replay => self.routes_pending = true,
+            PassMode::Replay => {
+                self.routes_pending = true;
+                self.routes_n = 1;
+            }
             _ => {
                 let r = self.flush_residual();
                 self.guard(r)?;
@@ -1394,8 +1498,8 @@ impl Backend for CudaModel {
         }
         if last {
             self.mode = PassMode::Plain;
-            self.pos += 1;
-            self.stats.tokens += 1;
+            self.pos += self.pass_n;
+            self.stats.tokens += self.pass_n as u64;
         }
         Ok(())
     }
@@ -1404,15 +1508,21 @@ impl Backend for CudaModel {
         &mut self,
         _m: &Transformer,
         xn: &DAct,
-        _n: usize,
-        _rows: usize,
+        n: usize,
+        rows: usize,
     ) -> std::result::Result<Vec<f32>, ModelError> {
+        if rows > n || n > PASS_TOKENS {
+            return Err(ModelError::State(format!(
+                "logits of {rows} rows of a {n}-row activation"
+            )));
+        }
+        let xn_p = self.act(*xn).ptr + ((n - rows) * self.hidden * 4) as u64;
         self.gpu
-            .matvec(&self.lm_head.desc, self.act(*xn).ptr, self.s_vocab.ptr, 1)
+            .matvec(&self.lm_head.desc, xn_p, self.s_vocab.ptr, rows)
             .map_err(err)?;
         let logits = self
             .gpu
-            .read_f32(&self.s_vocab, 0, self.vocab)
+            .read_f32(&self.s_vocab, 0, rows * self.vocab)
             .map_err(err)?;
         self.collect_device_routes().map_err(err)?;
         Ok(logits)
@@ -1422,17 +1532,29 @@ impl Backend for CudaModel {
         &mut self,
         _m: &Transformer,
         x: &DAct,
-        _n: usize,
-        _rows: usize,
+        n: usize,
+        rows: usize,
     ) -> std::result::Result<DAct, ModelError> {
+        if rows > n || n > PASS_TOKENS {
+            return Err(ModelError::State(format!(
+                "the last {rows} rows of a {n}-row activation"
+            )));
+        }
         let r = self.flush_residual();
         self.guard(r)?;
         let g = &self.gpu;
-        let (src, dst) = (self.act(*x).ptr, self.act(DAct::T).ptr);
+        let row = (self.hidden * 4) as u64;
+        let (src, dst) = (
+            self.act(*x).ptr + (n - rows) as u64 * row,
+            self.act(DAct::T).ptr,
+        );
         g.ctx.bind_to_thread().map_err(|e| err(e.into()))?;
-        // SAFETY: both buffers hold `hidden` f32.
-        unsafe { result::memcpy_dtod_async(dst, src, self.hidden * 4, g.stream.cu_stream()) }
-            .map_err(|e| err(e.into()))?;
+        // SAFETY: both buffers hold PASS_TOKENS rows of `hidden` f32 and
+        // rows <= n <= PASS_TOKENS (checked above).
+        unsafe {
+            result::memcpy_dtod_async(dst, src, rows * self.hidden * 4, g.stream.cu_stream())
+        }
+        .map_err(|e| err(e.into()))?;
         Ok(DAct::T)
     }
 }

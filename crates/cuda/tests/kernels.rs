@@ -748,29 +748,31 @@ fn router_topk_and_argmax_match_cpu() {
         }
         assert!(route(1, Some((&m, 9)), None).is_ok());
         g.sync().unwrap();
-        // Device routing: token 0's bases table from an expert -> address
-        // table (addresses spaced apart so a wrong id or part shows).
+        // Device routing: every token's bases table from an expert ->
+        // address table (addresses spaced apart so a wrong id, part or
+        // token shows): gate `[tokens, k]`, then up, then down.
         let addr: Vec<u64> = (0..e as u64).map(|i| 0x1000_0000 + i * 0x10_0000).collect();
         let addr_bytes: Vec<u8> = addr.iter().flat_map(|a| a.to_le_bytes()).collect();
         let daddr = g.upload(&addr_bytes).unwrap();
-        let dbases = g.alloc(3 * k * 8).unwrap();
+        let dbases = g.alloc(3 * tokens * k * 8).unwrap();
         let rb = RouteBases {
             addr: daddr.ptr,
             offsets: [0, 0x100, 0x2000],
             out: dbases.ptr,
         };
         route(tokens, None, Some(&rb)).unwrap();
-        let words = g.read_i32(&dbases, 6 * k).unwrap();
+        let words = g.read_i32(&dbases, 6 * tokens * k).unwrap();
         let got: Vec<u64> = words
             .chunks_exact(2)
             .map(|w| w[0] as u32 as u64 | (w[1] as u32 as u64) << 32)
             .collect();
-        for r in 0..k {
-            let a = addr[gi[r] as usize];
+        let tk = tokens * k;
+        for p in 0..tk {
+            let a = addr[gi[p] as usize];
             assert_eq!(
-                [got[r], got[k + r], got[2 * k + r]],
+                [got[p], got[tk + p], got[2 * tk + p]],
                 [a, a + 0x100, a + 0x2000],
-                "device-routed bases e={e} rank {r}"
+                "device-routed bases e={e} pair {p}"
             );
         }
         let small = g.alloc_mapped(2 * k).unwrap();

@@ -1672,16 +1672,17 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
             *(volatile u32*)(pub + 2 * K) = seq;
         }
         // Device routing: the experts' bases table from the expert -> VRAM
-        // record table, in rank order (gate, up, down). An id outside 0..E
-        // (NaN logits) reads record 0 and stays visible in `ids` for the
-        // host to reject.
-        if (addr && blockIdx.x == 0) {
+        // record table, in rank order: gate `[T, K]`, then up, then down
+        // (T = tokens = gridDim.x). An id outside 0..E (NaN logits) reads
+        // record 0 and stays visible in `ids` for the host to reject.
+        if (addr) {
+            const size_t tk = (size_t)gridDim.x * K, r0 = (size_t)blockIdx.x * K;
             for (int k = 0; k < K; k++) {
                 int i = isel[k];
                 u64 a = addr[(i >= 0 && i < E) ? i : 0];
-                bases[k] = a + off0;
-                bases[K + k] = a + off1;
-                bases[2 * K + k] = a + off2;
+                bases[r0 + k] = a + off0;
+                bases[tk + r0 + k] = a + off1;
+                bases[2 * tk + r0 + k] = a + off2;
             }
         }
     }
