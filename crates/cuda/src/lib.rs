@@ -1166,41 +1166,78 @@ impl Gpu {
         scratch: &DBuf,
         out: u64,
     ) -> Result<()> {
+        self.attention_causal(q, kc, vc, at, 1, dims, gate, scratch, out)
+    }
+
+    /// [`Gpu::attention`] of `n` queries in one launch pair: query t (`q`,
+    /// `gate`, `out` `[n, nh, hd]`) sits at position `at + t` and sees the
+    /// keys up to its own position (the pass's keys are in the caches
+    /// already). `scratch` holds `n` times [`Gpu::attn_scratch_f32`] for
+    /// the last query's keys. Each query gets the bits of its own
+    /// one-query launch. [`Position::Device`] takes one query only.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_causal(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        at: Position,
+        n: usize,
+        dims: (usize, usize, usize),
+        gate: u64,
+        scratch: &DBuf,
+        out: u64,
+    ) -> Result<()> {
         let (nh, nkv, hd) = dims;
-        if nh / nkv > ATT_MAXG || hd > 256 || !nh.is_multiple_of(nkv) {
+        if nh / nkv > ATT_MAXG || hd > 256 || !nh.is_multiple_of(nkv) || n == 0 {
             return Err(CudaError::Invalid(format!(
-                "attention with {nh} heads over {nkv} KV heads of {hd} is outside the kernel's limits"
+                "attention of {n} queries with {nh} heads over {nkv} KV heads of {hd} is outside the kernel's limits"
             )));
         }
-        // `keys` sizes the grid and scratch: the real count, or the
-        // capacity when the kernels read the count from device memory.
+        // `keys` (the first query's) and `last` (the last query's) size the
+        // grid and scratch: the real counts, or the capacity when the
+        // kernels read the count from device memory.
         let (keys, dpos) = match at {
             Position::Host(p) => (p + 1, 0u64),
-            Position::Device { ptr, cap } => (cap.max(1), ptr),
+            Position::Device { ptr, cap } if n == 1 => (cap.max(1), ptr),
+            Position::Device { .. } => {
+                return Err(CudaError::Invalid(
+                    "attention reads a device position for one query only".into(),
+                ))
+            }
         };
-        let nsplit = keys.div_ceil(ATT_CHUNK);
-        if scratch.len_f32() < Self::attn_scratch_f32(nh, hd, keys) {
+        let last = keys + n - 1;
+        let nsplit = last.div_ceil(ATT_CHUNK);
+        let per_query = Self::attn_scratch_f32(nh, hd, last);
+        if scratch.len_f32() < n * per_query {
             return Err(CudaError::Invalid("attention scratch too small".into()));
         }
         let pm = scratch.ptr;
         let pl = scratch.f32_at(nh * nsplit);
         let pacc = scratch.f32_at(2 * nh * nsplit);
         let scale = 1.0f32 / (hd as f32).sqrt();
-        let (keys_i, nh_i, nkv_i, hd_i, ns_i) =
-            (keys as i32, nh as i32, nkv as i32, hd as i32, nsplit as i32);
+        let (keys_i, nh_i, nkv_i, hd_i, ns_i, zs) = (
+            keys as i32,
+            nh as i32,
+            nkv as i32,
+            hd as i32,
+            keys.div_ceil(ATT_CHUNK) as i32,
+            per_query as i32,
+        );
         self.go(
             &self.f.attn_partial,
-            (nkv as u32, nsplit as u32, 1),
+            (nkv as u32, nsplit as u32, n as u32),
             256,
             &mut args!(
-                &q, &kc, &vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl, &pacc, &dpos
+                &q, &kc, &vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl, &pacc, &dpos,
+                &zs
             ),
         )?;
         self.go(
             &self.f.attn_combine,
-            (nh as u32, 1, 1),
+            (nh as u32, 1, n as u32),
             256,
-            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos),
+            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos, &keys_i, &zs),
         )
     }
 

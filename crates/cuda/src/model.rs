@@ -36,6 +36,9 @@ use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases,
 /// buffers are sized for it.
 pub const PASS_TOKENS: usize = 64;
 
+/// Largest attention scratch grown for a pass's queries (bytes).
+const QUERY_SCRATCH_MAX: usize = 64 << 20;
+
 /// Settings of the CUDA backend.
 #[derive(Debug, Clone, Default)]
 pub struct CudaOptions {
@@ -649,9 +652,30 @@ impl CudaModel {
         Ok(())
     }
 
+    /// Grows the attention scratch so a pass's `n` queries of layer `l`
+    /// run in one launch pair, up to [`QUERY_SCRATCH_MAX`] bytes (longer
+    /// contexts run the queries in batches). One-token passes never grow
+    /// it, so a captured graph's scratch address stays valid; growing
+    /// drops the graph all the same.
+    fn ensure_query_scratch(&mut self, l: usize, n: usize) -> Result<()> {
+        let DMixer::Attn(a) = &self.layers[l].mixer else {
+            return Ok(());
+        };
+        let per_query = Gpu::attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n);
+        let want = (n * per_query).min((QUERY_SCRATCH_MAX / 4).max(per_query));
+        if self.s_att_scratch.len_f32() < want {
+            self.s_att_scratch = self.gpu.alloc(want * 4)?;
+            self.graph = None;
+        }
+        Ok(())
+    }
+
     fn attention(&mut self, l: usize, x: DAct, xn: DAct) -> Result<()> {
         let n = self.pass_n;
         self.ensure_kv(l, self.pos + n)?;
+        if n > 1 {
+            self.ensure_query_scratch(l, n)?;
+        }
         let g = &self.gpu;
         let DMixer::Attn(a) = &self.layers[l].mixer else {
             unreachable!()
@@ -696,20 +720,25 @@ impl CudaModel {
             a.vc.ptr,
         )?;
         // Each query over the keys up to its own position (causal): the
-        // pass's keys are all in the cache already.
+        // pass's keys are all in the cache already. As many queries per
+        // launch pair as the scratch holds.
         let row = (a.dims.0 * a.dims.2 * 4) as u64;
-        for t in 0..n {
-            let off = t as u64 * row;
+        let per_query = Gpu::attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n);
+        let batch = (self.s_att_scratch.len_f32() / per_query).clamp(1, n);
+        for t0 in (0..n).step_by(batch) {
+            let m = batch.min(n - t0);
+            let off = t0 as u64 * row;
             let gate = if a.gated { self.s_gate.ptr + off } else { 0 };
             let at_t = match at {
-                Position::Host(p) => Position::Host(p + t),
+                Position::Host(p) => Position::Host(p + t0),
                 device => device,
             };
-            g.attention(
+            g.attention_causal(
                 self.s_q.ptr + off,
                 a.kc.ptr,
                 a.vc.ptr,
                 at_t,
+                m,
                 a.dims,
                 gate,
                 &self.s_att_scratch,

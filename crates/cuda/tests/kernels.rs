@@ -589,6 +589,63 @@ fn decode_attention_matches_cpu() {
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
             "attention with the position in device memory differs (keys {keys}, cap {cap})"
         );
+        // A causal batch of the last `n` positions in one launch pair: each
+        // query the bits of its own one-query launch.
+        let n = keys.min(5);
+        let qs = rvec(&mut rng, n * nh * hd, 1.0);
+        let gs = rvec(&mut rng, n * nh * hd, 2.0);
+        let (dqs, dgs) = (g.upload_f32(&qs).unwrap(), g.upload_f32(&gs).unwrap());
+        let outs = g.upload_f32(&vec![f32::NAN; n * nh * hd]).unwrap();
+        let big = g
+            .alloc(4 * n * Gpu::attn_scratch_f32(nh, hd, keys))
+            .unwrap();
+        let p0 = keys - n;
+        g.attention_causal(
+            dqs.ptr,
+            dk.ptr,
+            dv.ptr,
+            Position::Host(p0),
+            n,
+            (nh, nkv, hd),
+            if gated { dgs.ptr } else { 0 },
+            &big,
+            outs.ptr,
+        )
+        .unwrap();
+        let batch = g.read_f32(&outs, 0, n * nh * hd).unwrap();
+        let row = (nh * hd) as u64 * 4;
+        for t in 0..n {
+            g.attention(
+                dqs.ptr + t as u64 * row,
+                dk.ptr,
+                dv.ptr,
+                Position::Host(p0 + t),
+                (nh, nkv, hd),
+                if gated { dgs.ptr + t as u64 * row } else { 0 },
+                &scratch,
+                out.ptr,
+            )
+            .unwrap();
+            let one = g.read_f32(&out, 0, nh * hd).unwrap();
+            let mine = &batch[t * nh * hd..][..nh * hd];
+            assert!(
+                one.iter()
+                    .zip(mine)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "causal batch query {t} of {n} differs from its own launch (keys {keys})"
+            );
+            let want_t = attention_ref(
+                &qs[t * nh * hd..][..nh * hd],
+                &k[..(p0 + t + 1) * nkv * hd],
+                &v[..(p0 + t + 1) * nkv * hd],
+                p0 + t + 1,
+                nh,
+                nkv,
+                hd,
+                gated.then_some(&gs[t * nh * hd..][..nh * hd]),
+            );
+            assert!(rel_err(mine, &want_t) < 1e-4, "causal batch query {t}");
+        }
     }
 }
 

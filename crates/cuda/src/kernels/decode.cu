@@ -1283,17 +1283,29 @@ extern "C" __global__ void qk_prep(const float* __restrict__ q_all, const float*
 // acc[hd]. `dpos`, when not null, replaces keys with dpos[0] + 1 (the
 // position in device memory, for graph replay): nsplit follows from it and
 // the blocks of a grid sized for the cache's capacity past nsplit return at
-// once, so both forms compute the same bits. 256 threads; group <=
-// ATT_MAXG; hd <= 256.
+// once, so both forms compute the same bits. Without `dpos`, grid z runs a
+// causal batch of queries: query z (q + z nh hd) sees keys + z keys and
+// writes its own scratch (pm, pl, pacc + z zs), each with the numbers of
+// its own one-query launch. 256 threads; group <= ATT_MAXG; hd <= 256.
 __device__ __forceinline__ int att_splits(int keys) { return (keys + ATT_CHUNK - 1) / ATT_CHUNK; }
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ kc,
                                        const float* __restrict__ vc, int keys, int nh, int nkv, int hd,
                                        float scale, int nsplit, float* __restrict__ pm, float* __restrict__ pl,
-                                       float* __restrict__ pacc, const int* __restrict__ dpos) {
+                                       float* __restrict__ pacc, const int* __restrict__ dpos, int zs) {
     PDL_START();
     if (dpos) {
         keys = dpos[0] + 1;
         nsplit = att_splits(keys);
+    } else {
+        // Query z of a causal batch: one more key than query z - 1, its
+        // own scratch area of zs floats (z = 0: the arguments as given).
+        const int z = blockIdx.z;
+        keys += z;
+        nsplit = att_splits(keys);
+        q += (size_t)z * nh * hd;
+        pm += (size_t)z * zs;
+        pl += (size_t)z * zs;
+        pacc += (size_t)z * zs;
     }
     if ((int)blockIdx.y >= nsplit) return;
     __shared__ float qs[ATT_MAXG * 256];
@@ -1371,9 +1383,20 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 extern "C" __global__ void attn_combine(const float* __restrict__ pm, const float* __restrict__ pl,
                                        const float* __restrict__ pacc, int nsplit, int hd,
                                        const float* __restrict__ gate, float* __restrict__ out,
-                                       const int* __restrict__ dpos) {
+                                       const int* __restrict__ dpos, int keys, int zs) {
     PDL_START();
-    if (dpos) nsplit = att_splits(dpos[0] + 1);
+    if (dpos) {
+        nsplit = att_splits(dpos[0] + 1);
+    } else {
+        // Query z of a causal batch (see attn_partial).
+        const int z = blockIdx.z;
+        nsplit = att_splits(keys + z);
+        pm += (size_t)z * zs;
+        pl += (size_t)z * zs;
+        pacc += (size_t)z * zs;
+        if (gate) gate += (size_t)z * gridDim.x * hd;
+        out += (size_t)z * gridDim.x * hd;
+    }
     int h = blockIdx.x;
     float m = -INFINITY;
     for (int s = 0; s < nsplit; s++) m = fmaxf(m, pm[(size_t)h * nsplit + s]);
