@@ -310,6 +310,8 @@ struct Funcs {
     matvec_a4: CudaFunction,
     /// Wide 4-bit kernels for 1, 2 and 4 chunks per lane.
     matvec_a4v: [CudaFunction; 3],
+    /// The prefill form: each block over up to A4V_TOKENS_PER_BLOCK tokens.
+    matvec_a4v_t: [CudaFunction; 3],
     matvec_a4v_multi: [CudaFunction; 3],
     moe_gate_up_a4v: [CudaFunction; 3],
     moe_gate_up_tc: CudaFunction,
@@ -345,6 +347,10 @@ struct Funcs {
 /// get one more with the split layout). With 3, 396 blocks of a launch are
 /// resident at once on the H200's 132 SMs.
 pub const MOE_MIN_BLOCKS: u32 = 3;
+
+/// Tokens one block of the wide 4-bit matvec runs its rows over (the
+/// weights are read once per this many tokens of a pass).
+pub const A4V_TOKENS_PER_BLOCK: usize = 16;
 
 /// Keys per attention split (`ATT_CHUNK` in decode.cu).
 pub const ATT_CHUNK: usize = 128;
@@ -467,6 +473,11 @@ impl Gpu {
                 lf("matvec_a4v_c1")?,
                 lf("matvec_a4v_c2")?,
                 lf("matvec_a4v_c4")?,
+            ],
+            matvec_a4v_t: [
+                lf("matvec_a4v_t_c1")?,
+                lf("matvec_a4v_t_c2")?,
+                lf("matvec_a4v_t_c4")?,
             ],
             matvec_a4v_multi: [
                 lf("matvec_a4v_multi_c1")?,
@@ -743,13 +754,25 @@ impl Gpu {
         }
         if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_multiple_of(16)) {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
-            let grid = (
-                w.rows().div_ceil(w.a4v_block_rows(8 / c)) as u32,
-                n as u32,
-                1,
+            let blocks = w.rows().div_ceil(w.a4v_block_rows(8 / c)) as u32;
+            let form = c.trailing_zeros() as usize;
+            if n == 1 {
+                let f = &self.f.matvec_a4v[form];
+                let grid = (blocks, 1, 1);
+                return self.go_smem(f, grid, 256, w.a4v_smem(1), &mut args!(w, &x, &y));
+            }
+            // Each block runs its rows over up to A4V_TOKENS_PER_BLOCK tokens.
+            let tpb = A4V_TOKENS_PER_BLOCK;
+            let grid = (blocks, n.div_ceil(tpb) as u32, 1);
+            let (n_i, tpb_i) = (n as i32, tpb as i32);
+            let f = &self.f.matvec_a4v_t[form];
+            return self.go_smem(
+                f,
+                grid,
+                256,
+                w.a4v_smem(1),
+                &mut args!(w, &x, &y, &n_i, &tpb_i),
             );
-            let f = &self.f.matvec_a4v[c.trailing_zeros() as usize];
-            return self.go_smem(f, grid, 256, w.a4v_smem(1), &mut args!(w, &x, &y));
         }
         if let Some(nw) = w.a4_words() {
             let grid = (w.rows().div_ceil(16) as u32, n as u32, 1);

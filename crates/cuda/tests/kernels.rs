@@ -154,6 +154,32 @@ fn wide_a4_case(g: &Gpu) {
             let got = g.read_f32(&dy, 0, n * rows).unwrap();
             let e = rel_err(&got, &want);
             assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+            if g.tensor_cores {
+                continue;
+            }
+            // A prefill pass (more tokens than one block runs, ragged): each
+            // token the bits of its own one-token launch.
+            let n = 37;
+            let x = rvec(&mut rng, n * cols, 1.0);
+            let dx = g.upload_f32(&x).unwrap();
+            let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
+            g.matvec(&w.desc, dx.ptr, dy.ptr, n).unwrap();
+            let many = g.read_f32(&dy, 0, n * rows).unwrap();
+            let mut want = vec![0.0f32; n * rows];
+            scalar::matmul(&view, &x, n, &mut want);
+            let e = rel_err(&many, &want);
+            assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+            let dy1 = g.alloc(4 * rows).unwrap();
+            for t in 0..n {
+                g.matvec(&w.desc, dx.f32_at(t * cols), dy1.ptr, 1).unwrap();
+                let one = g.read_f32(&dy1, 0, rows).unwrap();
+                assert!(
+                    one.iter()
+                        .zip(&many[t * rows..][..rows])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "[{rows}, {cols}] token {t} of {n} differs from its one-token launch"
+                );
+            }
         }
     }
 }

@@ -483,21 +483,16 @@ __device__ __forceinline__ void tile_a4v_dot(const W* w, const float* __restrict
         for (int rr = 0; rr < R; rr++) out[m][rr] = seg_sum(acc[m][rr], L);
 }
 
-template <int C, int R, int M>
-__device__ __forceinline__ void tile_a4v(const W* w, const float* __restrict__ x, float* xs, int base, int sub,
-                                         int li, int L, int RW, float (*out)[R]) {
-    uint4 q[M * R * C];
-    u16 sr[M * R * C], br[M * R * C];
-    tile_a4v_load<C, R, M>(w, base, sub, li, L, RW, q, sr, br);
-    PDL_WAIT();
-    tile_a4v_dot<C, R, M>(w, x, xs, li, L, q, sr, br, out);
-}
-
-// Affine 4-bit matvec, wide form: grid (ceil(rows / (8 * RW * R)), n),
-// 256 threads, dynamic shared memory 37 * cols / 32 floats.
-template <int C, int R>
+// Affine 4-bit matvec, wide form: 256 threads, dynamic shared memory
+// 37 * cols / 32 floats. A block loads its rows' codes, scales and biases
+// once (before PDL_WAIT) and runs them over tokens [t0, t0 + tn), staging
+// each token's x in turn. MANY = false: one token (grid (ceil(rows /
+// (8 * RW * R)), n), t0 = blockIdx.y); MANY = true: the prefill form, grid
+// y = ceil(n / tpb), the weights read once per tpb tokens. Either way each
+// token gets the same operations in the same order (same bits).
+template <int C, int R, bool MANY>
 __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restrict__ x, float* __restrict__ y,
-                                                int blk) {
+                                                int blk, int t0, int tn) {
     float* xs = (float*)a4v_dyn;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int S = w.cols >> 5;
@@ -505,28 +500,64 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
     const int RW = 32 / L;
     const int sub = lane / L, li = lane % L;
     const int base = (blk * (blockDim.x >> 5) + warp) * RW * R;
-    const int t = blockIdx.y;
-    float o[1][R];
-    tile_a4v<C, R, 1>(&w, x + (size_t)t * w.cols, xs, base, sub, li, L, RW, o);
-    if (li == 0) {
+    uint4 q[R * C];
+    u16 sr[R * C], br[R * C];
+    tile_a4v_load<C, R, 1>(&w, base, sub, li, L, RW, q, sr, br);
+    PDL_WAIT();
+    auto token = [&](int t) {
+        float o[1][R];
+        tile_a4v_dot<C, R, 1>(&w, x + (size_t)t * w.cols, xs, li, L, q, sr, br, o);
+        if (li == 0) {
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            const int r = base + rr * RW + sub;
-            if (r < w.rows) y[(size_t)t * w.rows + r] = o[0][rr];
+            for (int rr = 0; rr < R; rr++) {
+                const int r = base + rr * RW + sub;
+                if (r < w.rows) y[(size_t)t * w.rows + r] = o[0][rr];
+            }
+        }
+    };
+    if constexpr (!MANY) {
+        token(t0);
+    } else {
+#pragma unroll 1
+        for (int t = t0; t < t0 + tn; t++) {
+            // The previous token's staged x is read by every warp before it goes.
+            if (t > t0) __syncthreads();
+            // Opaque to the compiler per token, so it converts the codes in
+            // the loop instead of hoisting R * C * 32 converted floats out.
+#pragma unroll
+            for (int e = 0; e < R * C; e++) {
+                asm volatile("" : "+r"(q[e].x), "+r"(q[e].y), "+r"(q[e].z), "+r"(q[e].w));
+                asm volatile("" : "+h"(sr[e]), "+h"(br[e]));
+            }
+            token(t);
         }
     }
 }
 extern "C" __global__ void matvec_a4v_c1(W w, const float* __restrict__ x, float* __restrict__ y) {
     PDL_TRIGGER();
-    matvec_a4v_body<1, 8>(w, x, y, blockIdx.x);
+    matvec_a4v_body<1, 8, false>(w, x, y, blockIdx.x, blockIdx.y, 1);
 }
 extern "C" __global__ void matvec_a4v_c2(W w, const float* __restrict__ x, float* __restrict__ y) {
     PDL_TRIGGER();
-    matvec_a4v_body<2, 4>(w, x, y, blockIdx.x);
+    matvec_a4v_body<2, 4, false>(w, x, y, blockIdx.x, blockIdx.y, 1);
 }
 extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float* __restrict__ y) {
     PDL_TRIGGER();
-    matvec_a4v_body<4, 2>(w, x, y, blockIdx.x);
+    matvec_a4v_body<4, 2, false>(w, x, y, blockIdx.x, blockIdx.y, 1);
+}
+#define MVT_ARGS W w, const float* __restrict__ x, float* __restrict__ y, int n, int tpb
+#define MVT_TOKENS blockIdx.x, blockIdx.y * tpb, min(tpb, n - (int)blockIdx.y * tpb)
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_a4v_t_c1(MVT_ARGS) {
+    PDL_TRIGGER();
+    matvec_a4v_body<1, 8, true>(w, x, y, MVT_TOKENS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_a4v_t_c2(MVT_ARGS) {
+    PDL_TRIGGER();
+    matvec_a4v_body<2, 4, true>(w, x, y, MVT_TOKENS);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) matvec_a4v_t_c4(MVT_ARGS) {
+    PDL_TRIGGER();
+    matvec_a4v_body<4, 2, true>(w, x, y, MVT_TOKENS);
 }
 
 // Up to 4 matrices of the same column count sharing the input x in one
@@ -538,10 +569,10 @@ extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float
 template <int C, int R>
 __device__ __forceinline__ void matvec_a4v_multi(MULTI_ARGS) {
     const int b = blockIdx.x;
-    if (b < b1) matvec_a4v_body<C, R>(w0, x, y0, b);
-    else if (b < b2) matvec_a4v_body<C, R>(w1, x, y1, b - b1);
-    else if (b < b3) matvec_a4v_body<C, R>(w2, x, y2, b - b2);
-    else matvec_a4v_body<C, R>(w3, x, y3, b - b3);
+    if (b < b1) matvec_a4v_body<C, R, false>(w0, x, y0, b, 0, 1);
+    else if (b < b2) matvec_a4v_body<C, R, false>(w1, x, y1, b - b1, 0, 1);
+    else if (b < b3) matvec_a4v_body<C, R, false>(w2, x, y2, b - b2, 0, 1);
+    else matvec_a4v_body<C, R, false>(w3, x, y3, b - b3, 0, 1);
 }
 extern "C" __global__ void matvec_a4v_multi_c1(MULTI_ARGS) { PDL_TRIGGER(); matvec_a4v_multi<1, 8>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
 extern "C" __global__ void matvec_a4v_multi_c2(MULTI_ARGS) { PDL_TRIGGER(); matvec_a4v_multi<2, 4>(w0, w1, w2, w3, b1, b2, b3, x, y0, y1, y2, y3); }
