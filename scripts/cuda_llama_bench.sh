@@ -11,7 +11,7 @@
 #
 # Builds llama-bench only (CUDA, sm_90, no FlashAttention kernels to cut the
 # build time), generates /tmp/m.gguf with `slipstream synth --format gguf`,
-# then runs decode (-p 0 -n 64) fully offloaded and with the routed experts
+# then runs prefill and decode (-p 512 -n 64) fully offloaded and with the routed experts
 # of all but a few layers on the CPU (--n-cpu-moe), sampling VRAM use.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,7 @@ LB=$W/llama.cpp/build/bin/llama-bench
 for nc in ${NCMOE:-0 35}; do
     nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$OUT/llama_mem_$nc.csv" &
     SMI=$!
-    $LB -m $M -ngl 99 --n-cpu-moe $nc -p 0 -n 64 -r 2 -t 16 2>&1 | tee -a "$OUT/llama.txt" | grep -v "^$"
+    $LB -m $M -ngl 99 --n-cpu-moe $nc -p ${PP:-512} -n 64 -r 2 -t 16 2>&1 | tee -a "$OUT/llama.txt" | grep -v "^$"
     kill $SMI
     echo "n-cpu-moe $nc: peak VRAM used $(sort -n "$OUT/llama_mem_$nc.csv" | tail -1) MiB (whole GPU, nvidia-smi)" | tee -a "$OUT/llama.txt"
 done
