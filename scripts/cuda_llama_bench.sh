@@ -6,7 +6,8 @@
 #           tar the sdist's vendor/llama.cpp (models/docs/tests and other
 #           backends removed) into .llamacpp/llama.tar.xz (git-ignored)
 #           with the slipstream binary as .llamacpp/slipstream.xz (xz of
-#           .devbin/slipstream; the carried tree has a size limit)
+#           .devbin/slipstream; the carried tree has a size limit), or
+#           carry .devbin instead of that file
 #   device: run(command="bash scripts/cuda_llama_bench.sh", carry=[".llamacpp"])
 #
 # Builds llama-bench only (CUDA, sm_90, no FlashAttention kernels to cut the
@@ -32,7 +33,10 @@ t0=$(date +%s)
 ) &
 BPID=$!
 M=/tmp/m.gguf
+# The slipstream binary: .devbin's when carried, else .llamacpp/slipstream.xz.
+if [ -x .devbin/slipstream ]; then cp .devbin/slipstream $W/slipstream; else
 python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" .llamacpp/slipstream.xz $W/slipstream && chmod +x $W/slipstream
+fi
 [ -f $M ] || $W/slipstream synth --preset qwen3.6-35b-a3b --format gguf --output $M > "$OUT/synth_gguf.log" 2>&1 \
     || { echo "gguf synth failed"; tail -5 "$OUT/synth_gguf.log"; }
 ls -la $M | tee -a "$OUT/llama.txt"
