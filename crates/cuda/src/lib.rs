@@ -317,6 +317,9 @@ struct Funcs {
     moe_gate_up_tc: CudaFunction,
     matvec_tc: CudaFunction,
     moe_down_tc: CudaFunction,
+    /// Prefill: pairs grouped by expert, gate/up over each group.
+    group_pairs: CudaFunction,
+    moe_gate_up_grouped: [CudaFunction; 3],
     moe_down_a4v: CudaFunction,
     /// Gate/up and down of every routed expert in one launch.
     moe_fused_a4v: [CudaFunction; 3],
@@ -493,6 +496,12 @@ impl Gpu {
                 lf("moe_gate_up_a4v_c4")?,
             ],
             moe_down_a4v: lf("moe_down_a4v")?,
+            group_pairs: lf("group_pairs")?,
+            moe_gate_up_grouped: [
+                lf("moe_gate_up_grouped_c1")?,
+                lf("moe_gate_up_grouped_c2")?,
+                lf("moe_gate_up_grouped_c4")?,
+            ],
             moe_fused_a4v: [
                 lf("moe_fused_a4v_c1")?,
                 lf("moe_fused_a4v_c2")?,
@@ -1050,6 +1059,84 @@ impl Gpu {
         }
         self.moe_gate_up(gt, ut, bases[0], bases[1], xrow, xn, h, pairs)?;
         self.moe_down(dt, bases[2], h, wts, k, shared.0, shared.1, x, tokens)
+    }
+
+    /// [`Gpu::moe_experts`] for a pass of `tokens` tokens whose routing is
+    /// on the device (prefill), with each expert's gate/up rows loaded once
+    /// per pass: the pairs are grouped by expert (`ids` `[tokens, k]`
+    /// expert ids into `grp_off` `[e + 1]` and `grp_list` `[tokens k]` i32)
+    /// and each group runs its expert (record at `addr[id]`, parts at
+    /// `offsets`) over its pairs; the down projections as in
+    /// [`Gpu::moe_experts`], over the bases table at `dbase`. Every pair
+    /// and token gets the operations of [`Gpu::moe_experts`] (same bits).
+    /// Returns false (nothing launched) where the shapes or settings call
+    /// for another kernel: then [`Gpu::moe_experts`] runs the pass.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_experts_grouped(
+        &self,
+        parts: [&WDesc; 3],
+        route: &RouteBases,
+        ids: u64,
+        e: usize,
+        grp: (&DBuf, &DBuf),
+        xrow: u64,
+        xn: u64,
+        h: u64,
+        wts: u64,
+        k: usize,
+        shared: (u64, u64),
+        x: u64,
+        tokens: usize,
+    ) -> Result<bool> {
+        let [gt, ut, dt] = parts;
+        let pairs = tokens * k;
+        let fused = self.fused && same_layout(gt, ut) && dt.a4v_chunks() == Some(1);
+        let tc = self.tensor_cores && self.experts_on_tensor_cores(parts, k);
+        let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) else {
+            return Ok(false);
+        };
+        if fused || tc || e > 1024 {
+            return Ok(false);
+        }
+        let (off, list) = grp;
+        if off.len_f32() < e + 1 || list.len_f32() < pairs {
+            return Err(CudaError::Invalid("expert group buffers too small".into()));
+        }
+        let (p_i, e_i) = (pairs as i32, e as i32);
+        self.go(
+            &self.f.group_pairs,
+            (1, 1, 1),
+            1024,
+            &mut args!(&ids, &p_i, &e_i, &off.ptr, &list.ptr),
+        )?;
+        let r_lane = if self.split { (2 / c).max(1) } else { 4 / c };
+        let grid = (
+            gt.rows().div_ceil(gt.a4v_block_rows(r_lane)) as u32,
+            e as u32,
+            1,
+        );
+        let (o0, o1) = (route.offsets[0], route.offsets[1]);
+        self.go_smem(
+            &self.f.moe_gate_up_grouped[c.trailing_zeros() as usize],
+            grid,
+            256,
+            gt.a4v_smem(1),
+            &mut args!(
+                gt,
+                ut,
+                &route.addr,
+                &o0,
+                &o1,
+                &off.ptr,
+                &list.ptr,
+                &xrow,
+                &xn,
+                &h
+            ),
+        )?;
+        let dbase = route.out + 16 * pairs as u64;
+        self.moe_down(dt, dbase, h, wts, k, shared.0, shared.1, x, tokens)?;
+        Ok(true)
     }
 
     /// Whether [`Gpu::moe_experts`] runs these parts (gate, up, down) with

@@ -212,6 +212,10 @@ pub struct CudaModel {
     s_ids: DBuf,
     /// `[PASS_TOKENS]` i32: the token ids of a longer pass.
     s_pass_ids: DBuf,
+    /// A longer pass's (token, rank) pairs grouped by expert: offsets
+    /// `[E + 1]` and pairs `[PASS_TOKENS * k]` (i32).
+    s_grp_off: DBuf,
+    s_grp_list: DBuf,
     s_vocab: DBuf,
     /// Scratch expert records for misses that take no slot (top_k of them).
     s_spill: DBuf,
@@ -448,6 +452,8 @@ impl CudaModel {
             s_xrow_id: i32s((0..PASS_TOKENS as i32).collect())?,
             s_ids: gpu.alloc(16)?,
             s_pass_ids: gpu.alloc(PASS_TOKENS * 4)?,
+            s_grp_off: f(e + 1)?,
+            s_grp_list: fp(k)?,
             s_vocab: fp(c.vocab_size)?,
             s_spill: gpu.alloc(k * rec_bytes)?,
             embed: gpu.upload_weight(&m.embed.view())?,
@@ -995,6 +1001,15 @@ impl CudaModel {
         g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, n)
     }
 
+    /// Layer `l`'s shared expert output and gate (0, 0 without one).
+    fn shared_out(&self, l: usize) -> (u64, u64) {
+        if self.layers[l].shared.is_some() {
+            (self.s_sh_out.ptr, self.s_sg.ptr)
+        } else {
+            (0, 0)
+        }
+    }
+
     /// Launches the routed experts of layer `l` for `n` tokens over the
     /// bases table in `s_bases` (`[gate; n k]`, `[up; n k]`, `[down; n k]`)
     /// with the routing weights at `wts` (`[n, k]`), adding their (and the
@@ -1002,11 +1017,7 @@ impl CudaModel {
     fn routed_experts(&self, l: usize, xn_p: u64, x_p: u64, wts: u64, n: usize) -> Result<()> {
         let k = self.top_k;
         let bp = self.s_bases.ptr;
-        let shared = if self.layers[l].shared.is_some() {
-            (self.s_sh_out.ptr, self.s_sg.ptr)
-        } else {
-            (0, 0)
-        };
+        let shared = self.shared_out(l);
         let table = 8 * (k * n) as u64;
         self.gpu.moe_experts(
             [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
@@ -1061,7 +1072,27 @@ impl CudaModel {
         )?;
         let router_ns = t0.elapsed().as_nanos() as u64;
         self.shared_expert(l, xn_p, n)?;
-        self.routed_experts(l, xn_p, x_p, wts, n)?;
+        // A longer pass loads each routed expert's gate/up once for all
+        // its pairs (same bits as the per-pair launch).
+        let grouped = n > 1
+            && g.moe_experts_grouped(
+                [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
+                &bases,
+                ids,
+                e,
+                (&self.s_grp_off, &self.s_grp_list),
+                self.s_xrow.ptr,
+                xn_p,
+                self.s_h.ptr,
+                wts,
+                k,
+                self.shared_out(l),
+                x_p,
+                n,
+            )?;
+        if !grouped {
+            self.routed_experts(l, xn_p, x_p, wts, n)?;
+        }
         self.routes_pending = true;
         self.routes_n = n;
         times.router_ns += router_ns;

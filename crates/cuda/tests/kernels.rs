@@ -459,6 +459,186 @@ fn routed_experts_in_one_launch_match_scalar() {
     }
 }
 
+/// A prefill pass's experts grouped by expert (`moe_experts_grouped`: each
+/// expert's gate/up loaded once for all its pairs) give the bits of the
+/// per-pair launches (`moe_experts`), with experts shared by several
+/// tokens, experts used by none, and ragged token counts.
+#[test]
+fn grouped_experts_match_per_pair_launches() {
+    let Some(mut g) = gpu() else { return };
+    g.fused = false;
+    g.tensor_cores = false;
+    let mut rng = Rng64::seed_from_u64(12);
+    let align = |n: usize| n.div_ceil(256) * 256;
+    for (q, h, inter, k, e, tokens, shared) in [
+        (
+            QuantType::Q4,
+            256usize,
+            128usize,
+            3usize,
+            12usize,
+            7usize,
+            true,
+        ),
+        (QuantType::Q4, 2048, 512, 8, 20, 5, true),
+        (QuantType::Q4, 1024, 1024, 2, 6, 9, false),
+        (
+            QuantType::Affine {
+                bits: 4,
+                group: 128,
+                scale: ScaleType::Bf16,
+            },
+            4096,
+            256,
+            9,
+            16,
+            3,
+            true,
+        ),
+    ] {
+        let (gsz, dsz) = (q.nbytes(inter, h), q.nbytes(h, inter));
+        let offsets = [0u64, align(gsz) as u64, 2 * align(gsz) as u64];
+        let rec = 2 * align(gsz) + align(dsz);
+        let mut records = vec![0u8; e * rec];
+        let mut views = Vec::new();
+        for r in 0..e {
+            let (gb, ub, db) = (
+                rand_weight(&mut rng, q, inter, h),
+                rand_weight(&mut rng, q, inter, h),
+                rand_weight(&mut rng, q, h, inter),
+            );
+            let at = r * rec;
+            records[at..at + gsz].copy_from_slice(&gb);
+            records[at + offsets[1] as usize..][..gsz].copy_from_slice(&ub);
+            records[at + offsets[2] as usize..][..dsz].copy_from_slice(&db);
+            views.push((gb, ub, db));
+        }
+        let drec = g.upload(&records).unwrap();
+        let addr: Vec<u64> = (0..e).map(|r| drec.ptr + (r * rec) as u64).collect();
+        // Distinct experts per token (as top-k gives), drawn from e.
+        let mut ids = Vec::new();
+        for _ in 0..tokens {
+            let mut pick: Vec<i32> = Vec::new();
+            while pick.len() < k {
+                let c = rng.random_range(0..e as i32);
+                if !pick.contains(&c) {
+                    pick.push(c);
+                }
+            }
+            ids.extend(pick);
+        }
+        let pairs = tokens * k;
+        let mut table: Vec<u64> = Vec::new();
+        for part in 0..3 {
+            table.extend(ids.iter().map(|&i| addr[i as usize] + offsets[part]));
+        }
+        let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let dtable = g.upload(&tb).unwrap();
+        let ab: Vec<u8> = addr.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let daddr = g.upload(&ab).unwrap();
+        let idb: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
+        let dids = g.upload(&idb).unwrap();
+        let xrow: Vec<u8> = (0..pairs)
+            .flat_map(|p| ((p / k) as i32).to_le_bytes())
+            .collect();
+        let dxrow = g.upload(&xrow).unwrap();
+        let x = rvec(&mut rng, tokens * h, 1.0);
+        let x0 = rvec(&mut rng, tokens * h, 1.0);
+        let wts = rvec(&mut rng, pairs, 1.0);
+        let sh_out = rvec(&mut rng, tokens * h, 1.0);
+        let sg = rvec(&mut rng, tokens, 2.0);
+        let (dx, dw, dsh, dsg) = (
+            g.upload_f32(&x).unwrap(),
+            g.upload_f32(&wts).unwrap(),
+            g.upload_f32(&sh_out).unwrap(),
+            g.upload_f32(&sg).unwrap(),
+        );
+        let sh = if shared { (dsh.ptr, dsg.ptr) } else { (0, 0) };
+        let gt = WDesc::new(q, inter, h, 0).unwrap();
+        let dtl = WDesc::new(q, h, inter, 0).unwrap();
+        let tp = dtable.ptr;
+        let t8 = 8 * pairs as u64;
+        // Per-pair launches.
+        let dres = g.upload_f32(&x0).unwrap();
+        let dh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
+        g.moe_experts(
+            [&gt, &gt, &dtl],
+            [tp, tp + t8, tp + 2 * t8],
+            dxrow.ptr,
+            dx.ptr,
+            dh.ptr,
+            dw.ptr,
+            k,
+            sh,
+            dres.ptr,
+            tokens,
+        )
+        .unwrap();
+        let want = g.read_f32(&dres, 0, tokens * h).unwrap();
+        // Grouped.
+        let dres2 = g.upload_f32(&x0).unwrap();
+        let dh2 = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
+        let (goff, glist) = (g.alloc(4 * (e + 1)).unwrap(), g.alloc(4 * pairs).unwrap());
+        let route = RouteBases {
+            addr: daddr.ptr,
+            offsets,
+            out: tp,
+        };
+        let took = g
+            .moe_experts_grouped(
+                [&gt, &gt, &dtl],
+                &route,
+                dids.ptr,
+                e,
+                (&goff, &glist),
+                dxrow.ptr,
+                dx.ptr,
+                dh2.ptr,
+                dw.ptr,
+                k,
+                sh,
+                dres2.ptr,
+                tokens,
+            )
+            .unwrap();
+        assert!(
+            took,
+            "{} h={h} i={inter}: the grouped kernel must take the shape",
+            q.name()
+        );
+        let got = g.read_f32(&dres2, 0, tokens * h).unwrap();
+        assert!(
+            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{} h={h} i={inter} k={k} tokens={tokens}: grouped experts differ from per-pair launches",
+            q.name()
+        );
+        // And against the scalar reference, token by token.
+        let mut reference = x0.clone();
+        for t in 0..tokens {
+            for r in 0..k {
+                let (gb, ub, db) = &views[ids[t * k + r] as usize];
+                let gv = TensorView::new(q, inter, h, gb).unwrap();
+                let uv = TensorView::new(q, inter, h, ub).unwrap();
+                let dv = TensorView::new(q, h, inter, db).unwrap();
+                let d = expert_ref(&gv, &uv, &dv, &x[t * h..][..h]);
+                for (o, v) in reference[t * h..][..h].iter_mut().zip(&d) {
+                    *o += v * wts[t * k + r];
+                }
+            }
+            if shared {
+                for (o, v) in reference[t * h..][..h]
+                    .iter_mut()
+                    .zip(&sh_out[t * h..][..h])
+                {
+                    *o += ops::sigmoid(sg[t]) * v;
+                }
+            }
+        }
+        let er = rel_err(&got, &reference);
+        assert!(er < 5e-5, "{} h={h} i={inter}: rel err {er}", q.name());
+    }
+}
+
 #[test]
 fn rms_norm_and_rope_match_cpu() {
     let Some(g) = gpu() else { return };

@@ -665,6 +665,106 @@ extern "C" __global__ void __launch_bounds__(256, MOE_GU_MINB) moe_gate_up_a4v_c
 }
 extern "C" __global__ void moe_gate_up_a4v_c4(GU_ARGS) { PDL_EXPERTS_START(); gate_up_a4v_kernel<4, 1>(GU_CALL); }
 
+// A pass's (token, rank) pairs grouped by expert (prefill): ids `[P]` ->
+// off `[E + 1]` (pairs of expert e at list[off[e] .. off[e + 1]]) and list
+// `[P]`. One block of 1024 threads, E <= 1024. The order inside a group is
+// whatever the atomics give: every pair's gate/up output is computed on its
+// own, so the order changes no bits. Ids outside 0..E are left out (the
+// host rejects them when it counts the pass's routes).
+extern "C" __global__ void group_pairs(const int* __restrict__ ids, int P, int E, int* __restrict__ off,
+                                       int* __restrict__ list) {
+    PDL_START();
+    __shared__ int cnt[1024];
+    __shared__ int at[1024];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) cnt[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int id = ids[p];
+        if (id >= 0 && id < E) atomicAdd(&cnt[id], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int s = 0;
+        for (int e = 0; e < E; e++) {
+            off[e] = s;
+            at[e] = s;
+            s += cnt[e];
+        }
+        off[E] = s;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const int id = ids[p];
+        if (id >= 0 && id < E) list[atomicAdd(&at[id], 1)] = p;
+    }
+}
+
+// Routed experts' gate and up over pairs grouped by expert (prefill): block
+// (bx, e) loads rows bx of expert e's gate and up once (the expert's record
+// at addr[e], parts at off0 / off1) and runs them over every pair of its
+// group, h[p, rows] = silu(gate . x[xrow[p]]) * (up . x[xrow[p]]), each pair
+// with the operations of moe_gate_up_a4v (same bits). Grid (as
+// moe_gate_up_a4v's x, E), 256 threads, the same shared memory.
+template <int C, int R>
+__device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restrict__ addr, u64 off0, u64 off1,
+                                                const int* __restrict__ goff, const int* __restrict__ list,
+                                                const int* __restrict__ xrow, const float* __restrict__ x,
+                                                float* __restrict__ h) {
+    float* xs = (float*)a4v_dyn;
+    const int e = blockIdx.y;
+    const int i0 = goff[e], i1 = goff[e + 1];
+    if (i0 >= i1) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int S = gt.cols >> 5;
+    const int L = S < 32 ? S : 32;
+    const int RW = 32 / L;
+    const int sub = lane / L, li = lane % L;
+    const int base = (blockIdx.x * (blockDim.x >> 5) + warp) * RW * R;
+    W w[2];
+    w[0] = at_base_a4(gt, (const u8*)(addr[e] + off0));
+    w[1] = at_base_a4(ut, (const u8*)(addr[e] + off1));
+    uint4 q[2 * R * C];
+    u16 sr[2 * R * C], br[2 * R * C];
+    tile_a4v_load<C, R, 2>(w, base, sub, li, L, RW, q, sr, br);
+#pragma unroll 1
+    for (int i = i0; i < i1; i++) {
+        if (i > i0) __syncthreads();
+        // Opaque per pair, so the conversions stay in the loop (registers).
+#pragma unroll
+        for (int j = 0; j < 2 * R * C; j++) {
+            asm volatile("" : "+r"(q[j].x), "+r"(q[j].y), "+r"(q[j].z), "+r"(q[j].w));
+            asm volatile("" : "+h"(sr[j]), "+h"(br[j]));
+        }
+        const int p = list[i];
+        float o[2][R];
+        tile_a4v_dot<C, R, 2>(w, x + (size_t)xrow[p] * gt.cols, xs, li, L, q, sr, br, o);
+        if (li == 0) {
+#pragma unroll
+            for (int rr = 0; rr < R; rr++) {
+                const int r = base + rr * RW + sub;
+                if (r < gt.rows) h[(size_t)p * gt.rows + r] = siluf_(o[0][rr]) * o[1][rr];
+            }
+        }
+    }
+}
+#define GG_ARGS                                                                                              \
+    W gt, W ut, const u64 *__restrict__ addr, u64 off0, u64 off1, const int *__restrict__ goff,             \
+        const int *__restrict__ list, const int *__restrict__ xrow, const float *__restrict__ x,            \
+        float *__restrict__ h
+#define GG_CALL gt, ut, addr, off0, off1, goff, list, xrow, x, h
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_grouped_c1(GG_ARGS) {
+    PDL_EXPERTS_START();
+    gate_up_grouped<1, A4V_SPLIT ? 2 : 4>(GG_CALL);
+}
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_grouped_c2(GG_ARGS) {
+    PDL_EXPERTS_START();
+    gate_up_grouped<2, A4V_SPLIT ? 1 : 2>(GG_CALL);
+}
+extern "C" __global__ void moe_gate_up_grouped_c4(GG_ARGS) {
+    PDL_EXPERTS_START();
+    gate_up_grouped<4, 1>(GG_CALL);
+}
+
 #define DOWN_KB 8
 // Routed experts' down projections, wide form (same result as moe_down;
 // requires cols = I <= 1024, so one chunk per lane): each lane owns one
