@@ -529,8 +529,8 @@ fn grouped_experts_match_per_pair_launches() {
         }
         let pairs = tokens * k;
         let mut table: Vec<u64> = Vec::new();
-        for part in 0..3 {
-            table.extend(ids.iter().map(|&i| addr[i as usize] + offsets[part]));
+        for off in offsets {
+            table.extend(ids.iter().map(|&i| addr[i as usize] + off));
         }
         let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
         let dtable = g.upload(&tb).unwrap();
