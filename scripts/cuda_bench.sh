@@ -55,7 +55,8 @@ SLIPSTREAM_CUDA_TC=1 decode resident_tc --resident
 # The same with the host routing round trip per layer (device routing off).
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 decode resident_host_routing --resident
 # Prefill: a 512-token prompt, fully resident. Device routing runs it in
-# passes of up to 64 tokens; host routing (for the ratio) one token per pass.
+# passes of 64 tokens (and of 256); host routing (for the ratio) one token
+# per pass.
 P512=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(512)))")
 prefill() { # name, args...
     local name=$1; shift
@@ -66,6 +67,7 @@ prefill() { # name, args...
     grep -h "^\[stats\]\|^\[cuda\]\|rror" "$OUT/prefill_$name.log" | tee -a "$OUT/bench.txt"
 }
 prefill prefill512_resident --resident
+SLIPSTREAM_CUDA_PASS_TOKENS=256 prefill prefill512_pass256 --resident
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 prefill prefill512_one_token_passes --resident
 cmp -s "$OUT/prefill_prefill512_resident.ids" "$OUT/prefill_prefill512_one_token_passes.ids" \
     && echo "prefill: generated tokens identical between 64-token and one-token passes" | tee -a "$OUT/bench.txt" \

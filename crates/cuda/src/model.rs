@@ -12,11 +12,14 @@
 //! address table and the host queues a whole token without waiting
 //! (device routing; the ids are read back once per pass for the counters).
 //!
-//! With device routing a pass holds up to [`PASS_TOKENS`] tokens (a
-//! prompt runs in passes of that many: every weight is read once per pass
-//! instead of once per token, attention runs per query over the KV cache
-//! the pass appended to); with host routing (experts streaming into VRAM)
-//! one token per pass. [`Transformer::run`] splits prompts into passes.
+//! With device routing a pass holds up to [`DEFAULT_PASS_TOKENS`] tokens
+//! (`SLIPSTREAM_CUDA_PASS_TOKENS`, at most [`PASS_TOKENS`]): a prompt runs
+//! in passes of that many, the dense 4-bit weights read once per 16 tokens
+//! and each routed expert's gate/up once per pass instead of once per
+//! token, the attention queries in one launch pair over the KV cache the
+//! pass appended to; with host routing (experts streaming into VRAM) one
+//! token per pass. Either way each token gets the same operations, so the
+//! same bits. [`Transformer::run`] splits prompts into passes.
 
 use std::time::Instant;
 
@@ -34,7 +37,11 @@ use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases,
 
 /// The most tokens of a pass with device routing (prefill); the scratch
 /// buffers are sized for it.
-pub const PASS_TOKENS: usize = 64;
+pub const PASS_TOKENS: usize = 256;
+
+/// The tokens of a prefill pass by default (`SLIPSTREAM_CUDA_PASS_TOKENS`
+/// picks 1..=[`PASS_TOKENS`]).
+pub const DEFAULT_PASS_TOKENS: usize = 64;
 
 /// Largest attention scratch grown for a pass's queries (bytes).
 const QUERY_SCRATCH_MAX: usize = 64 << 20;
@@ -261,6 +268,8 @@ pub struct CudaModel {
     pos: usize,
     /// Tokens of the current pass.
     pass_n: usize,
+    /// The most tokens of a pass with device routing (<= PASS_TOKENS).
+    pass_tokens: usize,
     /// Tokens of the pass whose device routes are still to be counted.
     routes_n: usize,
     pub stats: CudaStats,
@@ -454,7 +463,8 @@ impl CudaModel {
             s_pass_ids: gpu.alloc(PASS_TOKENS * 4)?,
             s_grp_off: f(e + 1)?,
             s_grp_list: fp(k)?,
-            s_vocab: fp(c.vocab_size)?,
+            // One row; `head` grows it for more (outside any graph).
+            s_vocab: f(c.vocab_size)?,
             s_spill: gpu.alloc(k * rec_bytes)?,
             embed: gpu.upload_weight(&m.embed.view())?,
             lm_head: gpu.upload_weight(&m.lm_head.view())?,
@@ -487,6 +497,11 @@ impl CudaModel {
             renorm: c.norm_topk_prob,
             pos: 0,
             pass_n: 1,
+            pass_tokens: std::env::var("SLIPSTREAM_CUDA_PASS_TOKENS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or(DEFAULT_PASS_TOKENS)
+                .clamp(1, PASS_TOKENS),
             routes_n: 0,
             stats: CudaStats::default(),
             layers,
@@ -1358,7 +1373,8 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Greedy token of the last logits computed on the device (`head`).
+    /// Greedy token of the first row of the last `head` call (the last
+    /// token when that call asked for one row), on the device.
     pub fn argmax_last(&self) -> Result<u32> {
         self.gpu
             .argmax(self.s_vocab.ptr, self.vocab, self.s_ids.ptr)?;
@@ -1372,7 +1388,7 @@ impl Backend for CudaModel {
 
     fn max_pass_tokens(&self) -> usize {
         if self.device_routing {
-            PASS_TOKENS
+            self.pass_tokens
         } else {
             1
         }
@@ -1577,6 +1593,9 @@ impl Backend for CudaModel {
             )));
         }
         let xn_p = self.act(*xn).ptr + ((n - rows) * self.hidden * 4) as u64;
+        if self.s_vocab.len_f32() < rows * self.vocab {
+            self.s_vocab = self.gpu.alloc(rows * self.vocab * 4).map_err(err)?;
+        }
         self.gpu
             .matvec(&self.lm_head.desc, xn_p, self.s_vocab.ptr, rows)
             .map_err(err)?;
