@@ -114,12 +114,14 @@ $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-log
 SLIPSTREAM_CUDA_GRAPH=0 SLIPSTREAM_CUDA_PDL=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
 cat /tmp/demo.long.err >> "$OUT/model.stderr"
 # A 150-token prompt: with device routing it runs in passes of 64, 64 and
-# 22 tokens, with host routing one token per pass; the logits of every
-# position must be the same bits, and within the bound of the CPU's.
+# 22 tokens (one pass with SLIPSTREAM_CUDA_PASS_TOKENS=256), with host
+# routing one token per pass; the logits of every position must be the
+# same bits, and within the bound of the CPU's.
 P150=$(python3 -c "print(','.join(str(1 + (i * 37) % 4000) for i in range(150)))")
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cpu --dump-logits /tmp/demo.p150c.npy > /tmp/demo.p150c.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150.npy > /tmp/demo.p150.ids 2>>"$OUT/model.stderr" || fail=1
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150h.npy > /tmp/demo.p150h.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_PASS_TOKENS=256 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150w.npy > /tmp/demo.p150w.ids 2>>"$OUT/model.stderr" || fail=1
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
 import re, sys, numpy as np
 c, g = np.load("/tmp/demo.cpu.npy"), np.load("/tmp/demo.cuda.npy")
@@ -132,9 +134,9 @@ lb = bool(np.array_equal(np.load("/tmp/demo.long.npy"), np.load("/tmp/demo.longn
 print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs and programmatic launches off: {lb}; tokens: {t[3] == t[4]}")
 pc, pd, ph = (np.load(f"/tmp/demo.p150{k}.npy") for k in ["c", "", "h"])
 prel = float(np.abs(pd - pc).max() / np.abs(pc).max()) if pd.shape == pc.shape else float("inf")
-pbits = bool(np.array_equal(pd, ph))
+pbits = bool(np.array_equal(pd, ph)) and bool(np.array_equal(np.load("/tmp/demo.p150w.npy"), ph))
 pt = [open(f"/tmp/demo.p150{k}.ids").read().split() for k in ["c", "", "h"]]
-print(f"demo, 150-token prompt: rows {pd.shape[0]}; 64-token passes bit-identical to one-token passes: {pbits}; "
+print(f"demo, 150-token prompt: rows {pd.shape[0]}; 64- and 256-token passes bit-identical to one-token passes: {pbits}; "
       f"max rel logit err vs cpu {prel:.2e}; tokens equal (cpu, 64, 1): {pt[0] == pt[1]}, {pt[1] == pt[2]}")
 pok = pbits and prel < 1e-3 and pt[1] == pt[2] and pd.shape[0] >= 150
 sys.exit(0 if rel < 1e-3 and t[1] == t[2] and lb and t[3] == t[4] and caps >= 2 and reps > 0 and pok else 1)
