@@ -469,44 +469,28 @@ impl Gpu {
             .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
         let module = ctx.load_module(ptx)?;
         let lf = |n: &str| module.load_function(n);
+        // The three chunk-per-lane forms `{base}_c1`, `_c2`, `_c4`.
+        let lf3 = |base: &str| -> Result<[CudaFunction; 3]> {
+            Ok([
+                lf(&format!("{base}_c1"))?,
+                lf(&format!("{base}_c2"))?,
+                lf(&format!("{base}_c4"))?,
+            ])
+        };
         let f = Funcs {
             matvec: lf("matvec")?,
             matvec_a4: lf("matvec_a4")?,
-            matvec_a4v: [
-                lf("matvec_a4v_c1")?,
-                lf("matvec_a4v_c2")?,
-                lf("matvec_a4v_c4")?,
-            ],
-            matvec_a4v_t: [
-                lf("matvec_a4v_t_c1")?,
-                lf("matvec_a4v_t_c2")?,
-                lf("matvec_a4v_t_c4")?,
-            ],
-            matvec_a4v_multi: [
-                lf("matvec_a4v_multi_c1")?,
-                lf("matvec_a4v_multi_c2")?,
-                lf("matvec_a4v_multi_c4")?,
-            ],
+            matvec_a4v: lf3("matvec_a4v")?,
+            matvec_a4v_t: lf3("matvec_a4v_t")?,
+            matvec_a4v_multi: lf3("matvec_a4v_multi")?,
             moe_gate_up_tc: lf("moe_gate_up_tc")?,
             matvec_tc: lf("matvec_tc")?,
             moe_down_tc: lf("moe_down_tc")?,
-            moe_gate_up_a4v: [
-                lf("moe_gate_up_a4v_c1")?,
-                lf("moe_gate_up_a4v_c2")?,
-                lf("moe_gate_up_a4v_c4")?,
-            ],
+            moe_gate_up_a4v: lf3("moe_gate_up_a4v")?,
             moe_down_a4v: lf("moe_down_a4v")?,
             group_pairs: lf("group_pairs")?,
-            moe_gate_up_grouped: [
-                lf("moe_gate_up_grouped_c1")?,
-                lf("moe_gate_up_grouped_c2")?,
-                lf("moe_gate_up_grouped_c4")?,
-            ],
-            moe_fused_a4v: [
-                lf("moe_fused_a4v_c1")?,
-                lf("moe_fused_a4v_c2")?,
-                lf("moe_fused_a4v_c4")?,
-            ],
+            moe_gate_up_grouped: lf3("moe_gate_up_grouped")?,
+            moe_fused_a4v: lf3("moe_fused_a4v")?,
             moe_gate_up_a4: lf("moe_gate_up_a4")?,
             moe_down_a4: lf("moe_down_a4")?,
             moe_gate_up: lf("moe_gate_up")?,
