@@ -775,15 +775,22 @@ impl Gpu {
         self.go(&self.f.matvec, grid, 256, &mut args!(w, &x, &y))
     }
 
-    /// `ys[i] = ws[i] x` for one token: matrices of the same column count
-    /// and wide 4-bit layout (up to 4) in one launch, each block computing
-    /// exactly what its own [`Gpu::matvec`] launch would (same bits);
-    /// otherwise one launch per matrix.
-    pub fn matvec_many(&self, ws: &[&WDesc], x: u64, ys: &[u64]) -> Result<()> {
+    /// `ys[i][t] = ws[i] x[t]` for `n` tokens. One token: matrices of the
+    /// same column count and wide 4-bit layout (up to 4) in one launch,
+    /// each block computing exactly what its own [`Gpu::matvec`] launch
+    /// would (same bits); otherwise (and for more tokens) one [`Gpu::matvec`]
+    /// launch per matrix.
+    pub fn matvec_many(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
         if ws.len() != ys.len() {
             return Err(CudaError::Invalid(
                 "matvec_many: one output per matrix".into(),
             ));
+        }
+        if n != 1 {
+            for (w, &y) in ws.iter().zip(ys) {
+                self.matvec(w, x, y, n)?;
+            }
+            return Ok(());
         }
         if (1..=4).contains(&ws.len())
             && ws

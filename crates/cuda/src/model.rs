@@ -711,17 +711,12 @@ impl CudaModel {
         } else {
             Position::Host(self.pos)
         };
-        if n == 1 {
-            g.matvec_many(
-                &[&a.q.desc, &a.k.desc, &a.v.desc],
-                xn,
-                &[q_all, k_all, v_all],
-            )?;
-        } else {
-            g.matvec(&a.q.desc, xn, q_all, n)?;
-            g.matvec(&a.k.desc, xn, k_all, n)?;
-            g.matvec(&a.v.desc, xn, v_all, n)?;
-        }
+        g.matvec_many(
+            &[&a.q.desc, &a.k.desc, &a.v.desc],
+            xn,
+            &[q_all, k_all, v_all],
+            n,
+        )?;
         g.qk_prep(
             q_all,
             k_all,
@@ -778,17 +773,12 @@ impl CudaModel {
             unreachable!()
         };
         let xn = self.act(xn).ptr;
-        let (ws, ys) = (
-            [&d.qkv.desc, &d.z.desc, &d.b.desc, &d.a.desc],
-            [self.s_qkv.ptr, self.s_z.ptr, self.s_b.ptr, self.s_a.ptr],
-        );
-        if n == 1 {
-            g.matvec_many(&ws, xn, &ys)?;
-        } else {
-            for (w, y) in ws.iter().zip(ys) {
-                g.matvec(w, xn, y, n)?;
-            }
-        }
+        g.matvec_many(
+            &[&d.qkv.desc, &d.z.desc, &d.b.desc, &d.a.desc],
+            xn,
+            &[self.s_qkv.ptr, self.s_z.ptr, self.s_b.ptr, self.s_a.ptr],
+            n,
+        )?;
         g.gdn_conv(
             self.s_qkv.ptr,
             n,

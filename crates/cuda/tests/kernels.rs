@@ -230,7 +230,7 @@ fn many_matvecs_case(g: &Gpu, tc: bool) {
             .collect();
         let descs: Vec<_> = ws.iter().map(|w| &w.desc).collect();
         let yp: Vec<u64> = ys.iter().map(|y| y.ptr).collect();
-        g.matvec_many(&descs, dx.ptr, &yp).unwrap();
+        g.matvec_many(&descs, dx.ptr, &yp, 1).unwrap();
         for ((w, y), &r) in ws.iter().zip(&ys).zip(&rows) {
             let got = g.read_f32(y, 0, r).unwrap();
             g.matvec(&w.desc, dx.ptr, y.ptr, 1).unwrap();
