@@ -129,6 +129,28 @@ fn main() {
     let read_gbs = big as f64 / read_ms / 1e6;
     println!("HBM: copy {copy_gbs:.0} GB/s (read+write), read {read_gbs:.0} GB/s");
     drop(dst);
+    // The ceiling at the experts' sizes: the plain read kernel over the
+    // bytes of a layer's down projections, gate/up and both (rotating over
+    // the 2 GiB buffer, so HBM), one launch at a time and 40 in a graph.
+    for mb in [4.72f64, 9.44, 14.16] {
+        let bytes = ((mb * 1e6) as usize).div_ceil(16) * 16;
+        let slots = big / bytes;
+        let at = |i: usize| src.ptr + ((i % slots) * bytes) as u64;
+        let ms = time_ms(&g, reps * 4, |i| g.bw_read(at(i), bytes, sink.ptr).unwrap());
+        let (_, forty, graphed) = time_layers(&g, reps, slots, |i| {
+            g.bw_read(at(i), bytes, sink.ptr).unwrap()
+        });
+        let pct = |ms: f64| 100.0 * bytes as f64 / ms / 1e6 / read_gbs;
+        println!(
+            "probe: read kernel over {mb:.2} MB: {:.2} us ({:.0} %) one launch, {:.2} us ({:.0} %) 40 queued, {:.2} us ({:.0} %) 40 in a graph",
+            ms * 1e3,
+            pct(ms),
+            forty * 1e3,
+            pct(forty),
+            graphed * 1e3,
+            pct(graphed)
+        );
+    }
 
     // 2. A layer's batched routed experts (35B shapes: H 2048, I 512, top 8,
     // q4 g64), rotating over 48 layers' worth of distinct experts (> L2).

@@ -354,6 +354,9 @@ pub const MOE_MIN_BLOCKS: u32 = 3;
 /// Tokens one block of the wide 4-bit matvec runs its rows over (the
 /// weights are read once per this many tokens of a pass).
 pub const A4V_TOKENS_PER_BLOCK: usize = 16;
+/// Tokens the prefill form stages and computes at once
+/// (`A4V_TILE_TOKENS` in decode.cu).
+const A4V_TILE_TOKENS: usize = 2;
 
 /// Keys per attention split (`ATT_CHUNK` in decode.cu).
 pub const ATT_CHUNK: usize = 128;
@@ -763,7 +766,7 @@ impl Gpu {
                 f,
                 grid,
                 256,
-                w.a4v_smem(1),
+                w.a4v_smem(A4V_TILE_TOKENS),
                 &mut args!(w, &x, &y, &n_i, &tpb_i),
             );
         }
@@ -845,7 +848,7 @@ impl Gpu {
             && w.qt == QKind::Affine4 as i32
             && w.group == 64
             && w.cols().is_multiple_of(256)
-            && tc_smem(w.cols(), 1, TC_QUARTER_SUMS) <= TC_SMEM_MAX
+            && tc_smem_quarters(w.cols()) <= TC_SMEM_MAX
             && w.codes.is_multiple_of(8)
     }
 
@@ -863,7 +866,7 @@ impl Gpu {
         }
         let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
         let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
-        let smem = tc_smem(ws[0].cols(), 1, TC_QUARTER_SUMS) as u32;
+        let smem = tc_smem_quarters(ws[0].cols()) as u32;
         self.go_smem(
             &self.f.matvec_tc,
             (total as u32, 1, 1),
@@ -1028,7 +1031,7 @@ impl Gpu {
             );
         }
         if self.tensor_cores && self.experts_on_tensor_cores(parts, k) {
-            let smem_gu = tc_smem(gt.cols(), 1, TC_QUARTER_SUMS) as u32;
+            let smem_gu = tc_smem_quarters(gt.cols()) as u32;
             let grid = (gt.rows().div_ceil(16) as u32, pairs as u32, 1);
             self.go_smem(
                 &self.f.moe_gate_up_tc,
@@ -1037,7 +1040,7 @@ impl Gpu {
                 smem_gu,
                 &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xn, &h),
             )?;
-            let smem_d = tc_smem(dt.cols(), k, TC_RANK_SUMS) as u32;
+            let smem_d = tc_smem_ranks(dt.cols()) as u32;
             let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
             let ki = k as i32;
             return self.go_smem(
@@ -1111,7 +1114,7 @@ impl Gpu {
             &self.f.moe_gate_up_grouped[c.trailing_zeros() as usize],
             grid,
             256,
-            gt.a4v_smem(1),
+            gt.a4v_smem(A4V_TILE_TOKENS),
             &mut args!(
                 gt,
                 ut,
@@ -1143,10 +1146,10 @@ impl Gpu {
             && a4g64(dt)
             && gt.scale_bf16 == dt.scale_bf16
             && gt.cols().is_multiple_of(256)
-            && tc_smem(gt.cols(), 1, TC_QUARTER_SUMS) <= TC_SMEM_MAX
+            && tc_smem_quarters(gt.cols()) <= TC_SMEM_MAX
             && dt.cols().is_multiple_of(64)
             && (1..=8).contains(&k)
-            && tc_smem(dt.cols(), k, TC_RANK_SUMS) <= TC_SMEM_MAX
+            && tc_smem_ranks(dt.cols()) <= TC_SMEM_MAX
             && dt.cols() == gt.rows()
     }
 
@@ -1559,8 +1562,6 @@ fn alloc_on(stream: &Arc<CudaStream>, bytes: usize) -> Result<DBuf> {
     })
 }
 
-/// Whether two weight templates have the same shape and quantisation (the
-/// wide gate/up kernel reads both with one layout).
 /// Shared memory the tensor-core kernels may take (the default 48 KiB).
 const TC_SMEM_MAX: usize = 48 * 1024;
 /// Bytes of `moe_gate_up_tc`'s / `matvec_tc`'s column-quarter sums
@@ -1569,13 +1570,27 @@ const TC_QUARTER_SUMS: usize = 2 * 4 * 32 * 4 * 4;
 /// Bytes of `moe_down_tc`'s per-rank row sums (`[8 ranks][16 rows]` f32).
 const TC_RANK_SUMS: usize = 8 * 16 * 4;
 
-/// Dynamic shared memory of a tensor-core kernel staging `inputs` rows of
+/// Dynamic shared memory of a tensor-core kernel whose 8 warps each stage
 /// `cols` values: per group of 64, 48 bf16-pair entries (384 bytes) and
 /// the group's sum (4 bytes), then `sums` bytes of partial sums.
-fn tc_smem(cols: usize, inputs: usize, sums: usize) -> usize {
-    inputs * (cols / 64) * (48 * 8 + 4) + sums
+fn tc_smem(cols: usize, sums: usize) -> usize {
+    8 * (cols / 64) * (48 * 8 + 4) + sums
 }
 
+/// Shared memory of `moe_gate_up_tc` / `matvec_tc` over rows of `cols`:
+/// each warp stages its quarter of the columns.
+fn tc_smem_quarters(cols: usize) -> usize {
+    tc_smem(cols / 4, TC_QUARTER_SUMS)
+}
+
+/// Shared memory of `moe_down_tc` over rows of `cols`: each warp stages
+/// its rank's whole input row.
+fn tc_smem_ranks(cols: usize) -> usize {
+    tc_smem(cols, TC_RANK_SUMS)
+}
+
+/// Whether two weight templates have the same shape and quantisation (the
+/// wide gate/up kernel reads both with one layout).
 fn same_layout(a: &WDesc, b: &WDesc) -> bool {
     (a.rows, a.cols, a.qt, a.group, a.scale_bf16) == (b.rows, b.cols, b.qt, b.group, b.scale_bf16)
 }

@@ -951,6 +951,36 @@ fn gated_delta_rule_matches_cpu() {
             e3 < 1e-4 && e4 < 1e-4,
             "delta rule {nk}x{dk}/{nv}x{dv} n={n}: out {e3} state {e4}"
         );
+        // A prefill pass runs the n steps in one launch: the bits of n
+        // one-token launches (decode) from the same state.
+        let many = g.read_f32(&core, 0, n * nv * dv).unwrap();
+        let many_state = g.read_f32(&ds, 0, nv * dk * dv).unwrap();
+        let ds1 = up(&s0);
+        let core1 = up(&vec![f32::NAN; n * nv * dv]);
+        for t in 0..n {
+            g.gdn_step(
+                dco.f32_at(t * c),
+                dz.f32_at(t * nv * dv),
+                db.f32_at(t * nv),
+                da.f32_at(t * nv),
+                dal.ptr,
+                ddt.ptr,
+                dnw.ptr,
+                ds1.ptr,
+                1,
+                (nk, dk, nv, dv),
+                eps,
+                core1.f32_at(t * nv * dv),
+            )
+            .unwrap();
+        }
+        let one = g.read_f32(&core1, 0, n * nv * dv).unwrap();
+        let one_state = g.read_f32(&ds1, 0, nv * dk * dv).unwrap();
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same(&many, &one) && same(&many_state, &one_state),
+            "delta rule {nk}x{dk}/{nv}x{dv}: {n} steps in one launch differ from one-token launches"
+        );
     }
 }
 

@@ -483,13 +483,103 @@ __device__ __forceinline__ void tile_a4v_dot(const W* w, const float* __restrict
         for (int rr = 0; rr < R; rr++) out[m][rr] = seg_sum(acc[m][rr], L);
 }
 
+// tile_a4v_dot for T tokens at once, x staged for each token t in region
+// xs + t * 37 * nch (padded chunks, then the chunk sums), the block
+// synchronised after staging. Each code is converted once for the T
+// tokens and each staged x value read once for the M * R rows; every
+// (row, token) gets chunk_a's and chunk_dot's operations in their order,
+// then seg_sum, so the bits of a one-token launch. out[m][rr][t] is valid
+// in the lanes with li == 0.
+template <int C, int R, int M, int T>
+__device__ __forceinline__ void tile_a4v_dot_tokens(const W* w, const float* xs, int li, int L, const uint4* q,
+                                                    const u16* sr, const u16* br, float (*out)[R][T]) {
+    const int nch = w[0].cols >> 5;
+    const int region = 37 * nch;
+    const int bf = w[0].scale_bf16;
+    float acc[M][R][T];
+#pragma unroll
+    for (int e = 0; e < M * R; e++)
+#pragma unroll
+        for (int t = 0; t < T; t++) acc[e / R][e % R][t] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < C; c++) {
+        const int j = li + L * c;
+        float a0[M * R][T], a1[M * R][T];
+#pragma unroll
+        for (int e = 0; e < M * R; e++)
+#pragma unroll
+            for (int t = 0; t < T; t++) a0[e][t] = a1[e][t] = 0.0f;
+#pragma unroll
+        for (int wi = 0; wi < 4; wi++) {
+            float xv[T][8];
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const float* p = xs + t * region + 36 * j + wi * 8;
+                const float4 u = *(const float4*)p, v = *(const float4*)(p + 4);
+                xv[t][0] = u.x, xv[t][1] = u.y, xv[t][2] = u.z, xv[t][3] = u.w;
+                xv[t][4] = v.x, xv[t][5] = v.y, xv[t][6] = v.z, xv[t][7] = v.w;
+            }
+#pragma unroll
+            for (int e = 0; e < M * R; e++) {
+                const uint4 qe = q[e * C + c];
+                const u32 word = wi == 0 ? qe.x : wi == 1 ? qe.y : wi == 2 ? qe.z : qe.w;
+                const u32 lo = (word << 3) & 0x78787878u;
+                const u32 hi = (word >> 1) & 0x78787878u;
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    const float fl = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | (m << 8)));
+                    const float fh = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | (m << 8)));
+#pragma unroll
+                    for (int t = 0; t < T; t++) {
+                        float& a = (wi & 1) ? a1[e][t] : a0[e][t];
+                        a = fmaf(fl, xv[t][2 * m], a);
+                        a = fmaf(fh, xv[t][2 * m + 1], a);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < M * R; e++) {
+            const float scale = half_val(sr[e * C + c], bf), bias = half_val(br[e * C + c], bf);
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                const float xsum = xs[t * region + 36 * nch + j];
+                acc[e / R][e % R][t] += fmaf(32.0f * scale, a0[e][t] + a1[e][t], fmaf(-16.0f, scale, bias) * xsum);
+            }
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < M * R; e++)
+#pragma unroll
+        for (int t = 0; t < T; t++) out[e / R][e % R][t] = seg_sum(acc[e / R][e % R][t], L);
+}
+
+// Stages the T x rows at `rows(u)` (u < T) for tile_a4v_dot_tokens: the
+// padded copies, then each row's chunk sums. All threads of the block call
+// it; it ends synchronised.
+template <int T, typename Row>
+__device__ __forceinline__ void stage_x_tokens(float* xs, int cols, Row rows) {
+    const int nch = cols >> 5;
+#pragma unroll
+    for (int u = 0; u < T; u++) stage_x(xs + u * 37 * nch, rows(u), cols);
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < T; u++) chunk_sums(xs + u * 37 * nch, nch, xs + u * 37 * nch + 36 * nch);
+    __syncthreads();
+}
+
+// Tokens per tile of the prefill form (tile_a4v_dot_tokens).
+#define A4V_TILE_TOKENS 2
+
 // Affine 4-bit matvec, wide form: 256 threads, dynamic shared memory
-// 37 * cols / 32 floats. A block loads its rows' codes, scales and biases
-// once (before PDL_WAIT) and runs them over tokens [t0, t0 + tn), staging
-// each token's x in turn. MANY = false: one token (grid (ceil(rows /
-// (8 * RW * R)), n), t0 = blockIdx.y); MANY = true: the prefill form, grid
-// y = ceil(n / tpb), the weights read once per tpb tokens. Either way each
-// token gets the same operations in the same order (same bits).
+// 37 * cols / 32 floats per staged token (A4V_TILE_TOKENS of them in the
+// prefill form). A block loads its rows' codes, scales and biases once
+// (before PDL_WAIT) and runs them over tokens [t0, t0 + tn). MANY = false:
+// one token (grid (ceil(rows / (8 * RW * R)), n), t0 = blockIdx.y); MANY =
+// true: the prefill form, grid y = ceil(n / tpb), the weights read once
+// per tpb tokens and the tokens staged and computed A4V_TILE_TOKENS at a
+// time. Either way each token gets the same operations in the same order
+// (same bits).
 template <int C, int R, bool MANY>
 __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restrict__ x, float* __restrict__ y,
                                                 int blk, int t0, int tn) {
@@ -518,18 +608,32 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
     if constexpr (!MANY) {
         token(t0);
     } else {
+        constexpr int T = A4V_TILE_TOKENS;
 #pragma unroll 1
-        for (int t = t0; t < t0 + tn; t++) {
-            // The previous token's staged x is read by every warp before it goes.
+        for (int t = t0; t < t0 + tn; t += T) {
+            // The previous tile's staged x is read by every warp before it goes.
             if (t > t0) __syncthreads();
-            // Opaque to the compiler per token, so it converts the codes in
+            // A tile past the pass's last token stages that token again
+            // (computed, not written).
+            stage_x_tokens<T>(xs, w.cols, [&](int u) { return x + (size_t)min(t + u, t0 + tn - 1) * w.cols; });
+            // Opaque to the compiler per tile, so it converts the codes in
             // the loop instead of hoisting R * C * 32 converted floats out.
 #pragma unroll
             for (int e = 0; e < R * C; e++) {
                 asm volatile("" : "+r"(q[e].x), "+r"(q[e].y), "+r"(q[e].z), "+r"(q[e].w));
                 asm volatile("" : "+h"(sr[e]), "+h"(br[e]));
             }
-            token(t);
+            float o[1][R][T];
+            tile_a4v_dot_tokens<C, R, 1, T>(&w, xs, li, L, q, sr, br, o);
+            if (li == 0) {
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) {
+                    const int r = base + rr * RW + sub;
+#pragma unroll
+                    for (int u = 0; u < T; u++)
+                        if (r < w.rows && t + u < t0 + tn) y[(size_t)(t + u) * w.rows + r] = o[0][rr][u];
+                }
+            }
         }
     }
 }
@@ -703,8 +807,9 @@ extern "C" __global__ void group_pairs(const int* __restrict__ ids, int P, int E
 // (bx, e) loads rows bx of expert e's gate and up once (the expert's record
 // at addr[e], parts at off0 / off1) and runs them over every pair of its
 // group, h[p, rows] = silu(gate . x[xrow[p]]) * (up . x[xrow[p]]), each pair
-// with the operations of moe_gate_up_a4v (same bits). Grid (as
-// moe_gate_up_a4v's x, E), 256 threads, the same shared memory.
+// with the operations of moe_gate_up_a4v (same bits), A4V_TILE_TOKENS
+// pairs at a time. Grid (as moe_gate_up_a4v's x, E), 256 threads, dynamic
+// shared memory A4V_TILE_TOKENS * 37 * H / 32 floats.
 template <int C, int R>
 __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restrict__ addr, u64 off0, u64 off1,
                                                 const int* __restrict__ goff, const int* __restrict__ list,
@@ -726,23 +831,32 @@ __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restric
     uint4 q[2 * R * C];
     u16 sr[2 * R * C], br[2 * R * C];
     tile_a4v_load<C, R, 2>(w, base, sub, li, L, RW, q, sr, br);
+    constexpr int T = A4V_TILE_TOKENS;
 #pragma unroll 1
-    for (int i = i0; i < i1; i++) {
+    for (int i = i0; i < i1; i += T) {
         if (i > i0) __syncthreads();
-        // Opaque per pair, so the conversions stay in the loop (registers).
+        // A tile past the group's last pair stages that pair again
+        // (computed, not written).
+        stage_x_tokens<T>(xs, gt.cols,
+                          [&](int u) { return x + (size_t)xrow[list[min(i + u, i1 - 1)]] * gt.cols; });
+        // Opaque per tile, so the conversions stay in the loop (registers).
 #pragma unroll
         for (int j = 0; j < 2 * R * C; j++) {
             asm volatile("" : "+r"(q[j].x), "+r"(q[j].y), "+r"(q[j].z), "+r"(q[j].w));
             asm volatile("" : "+h"(sr[j]), "+h"(br[j]));
         }
-        const int p = list[i];
-        float o[2][R];
-        tile_a4v_dot<C, R, 2>(w, x + (size_t)xrow[p] * gt.cols, xs, li, L, q, sr, br, o);
+        float o[2][R][T];
+        tile_a4v_dot_tokens<C, R, 2, T>(w, xs, li, L, q, sr, br, o);
         if (li == 0) {
 #pragma unroll
-            for (int rr = 0; rr < R; rr++) {
-                const int r = base + rr * RW + sub;
-                if (r < gt.rows) h[(size_t)p * gt.rows + r] = siluf_(o[0][rr]) * o[1][rr];
+            for (int u = 0; u < T; u++) {
+                if (i + u >= i1) break;
+                const int p = list[i + u];
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) {
+                    const int r = base + rr * RW + sub;
+                    if (r < gt.rows) h[(size_t)p * gt.rows + r] = siluf_(o[0][rr][u]) * o[1][rr][u];
+                }
             }
         }
     }
@@ -996,16 +1110,17 @@ __device__ __forceinline__ void tc_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Stages one x row of `cols` (a multiple of 64) for the tensor-core
-// kernels: xp[((g * 4 + s) * 4 + c) * 3 + n] (two u32 each) holds part n
-// of x at group g's columns (16c + s, 16c + s + 4) and (16c + 8 + s,
-// 16c + 12 + s) as bf16 pairs; gs[g] = the group's sum of x in f32 (a
-// fixed shuffle tree). All threads of the block call it; a barrier must
-// follow.
-__device__ __forceinline__ void tc_stage(const float* __restrict__ x, int cols, uint2* xp, float* gs) {
-    const int ng = cols >> 6;
-    for (int i = threadIdx.x; i < ng * 16; i += blockDim.x) {
-        const int g = i >> 4, st = (i >> 2) & 3, c = i & 3;
+// Stages groups [g0, g0 + gn) of one x row for one warp of a tensor-core
+// kernel: xp[((i * 4 + s) * 4 + c) * 3 + n] (two u32 each) holds part n of
+// x at group g0 + i's columns (16c + s, 16c + s + 4) and (16c + 8 + s,
+// 16c + 12 + s) as bf16 pairs; gs[i] = the group's sum of x in f32 (a
+// fixed shuffle tree). Each warp stages what its own tile reads, so no
+// block barrier: every lane of the warp calls it (it ends with
+// __syncwarp).
+__device__ __forceinline__ void tc_stage_warp(const float* __restrict__ x, int g0, int gn, uint2* xp, float* gs,
+                                              int lane) {
+    for (int i = lane; i < gn * 16; i += 32) {
+        const int g = g0 + (i >> 4), st = (i >> 2) & 3, c = i & 3;
         const float* xg = x + g * 64 + 16 * c + st;
         u32 part[3][4];
 #pragma unroll
@@ -1022,30 +1137,31 @@ __device__ __forceinline__ void tc_stage(const float* __restrict__ x, int cols, 
         for (int n = 0; n < 3; n++)
             xp[i * 3 + n] = make_uint2(part[n][0] | (part[n][1] << 16), part[n][2] | (part[n][3] << 16));
     }
-    // Group sums: one warp per group, a fixed shuffle tree.
-    const int lane = threadIdx.x & 31;
-    for (int g = threadIdx.x >> 5; g < ng; g += blockDim.x >> 5) {
-        const float a = warp_sum(x[g * 64 + lane] + x[g * 64 + 32 + lane]);
-        if (lane == 0) gs[g] = a;
+#pragma unroll 4
+    for (int i = 0; i < gn; i++) {
+        const float a = warp_sum(x[(g0 + i) * 64 + lane] + x[(g0 + i) * 64 + 32 + lane]);
+        if (lane == 0) gs[i] = a;
     }
+    __syncwarp();
 }
 
-// The B fragment of step st of group g for this lane: part lane / 4 (zero
-// for lanes 12-31: columns 3-7 of B are unused).
+// The B fragment of step st of staged group g for this lane: part lane / 4
+// (zero for lanes 12-31: columns 3-7 of B are unused).
 __device__ __forceinline__ uint2 tc_b(const uint2* xp, int g, int st, int lane) {
     const int n = lane >> 2, c = lane & 3;
     return n < 3 ? xp[((g * 4 + st) * 4 + c) * 3 + n] : make_uint2(0u, 0u);
 }
 
 #define TC_GCHUNK 8
-// One warp's 16-row tile over groups [g0, g0 + gn) of the staged x (xp,
-// gs): mma rows 0-7 are row `ra` of `wa` (this lane's row lane / 4), rows
-// 8-15 row `rb` of `wb`. Adds into acc the scaled partial sums of x part
-// columns 2c and 2c + 1 (c = lane % 4) for row a (acc[0], acc[1]) and row
-// b (acc[2], acc[3]), the group's bias term in column 0 (lanes c = 0).
-// Loads go out a chunk of TC_GCHUNK groups at a time; `stage` (staging x,
-// ending with a barrier) runs once, after the first chunk's loads are
-// issued, so every thread of the block must call this with the same gn.
+// One warp's 16-row tile over groups [g0, g0 + gn) of x, staged by this
+// warp (tc_stage_warp: xp, gs hold exactly these groups): mma rows 0-7 are
+// row `ra` of `wa` (this lane's row lane / 4), rows 8-15 row `rb` of `wb`.
+// Adds into acc the scaled partial sums of x part columns 2c and 2c + 1
+// (c = lane % 4) for row a (acc[0], acc[1]) and row b (acc[2], acc[3]),
+// the group's bias term in column 0 (lanes c = 0). Loads go out a chunk of
+// TC_GCHUNK groups at a time; `stage` (the warp's staging, and any wait
+// for the kernel that wrote x) runs once, after the first chunk's weight
+// loads are issued, so they are in flight while x is staged.
 template <typename Stage>
 __device__ __forceinline__ void tc_tile(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
                                         const uint2* xp, const float* gs, int lane, float* acc, Stage stage) {
@@ -1078,11 +1194,10 @@ __device__ __forceinline__ void tc_tile(const W& wa, int ra, const W& wb, int rb
 #pragma unroll
         for (int j = 0; j < TC_GCHUNK; j++) {
             if (k0 + j >= gn) break;
-            const int g = g0 + k0 + j;
             float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
             for (int st = 0; st < 4; st++) {
-                const uint2 b = tc_b(xp, g, st, lane);
+                const uint2 b = tc_b(xp, k0 + j, st, lane);
                 tc_mma(d, tc_nib2(qa[j].x, st), tc_nib2(qb[j].x, st), tc_nib2(qa[j].y, st), tc_nib2(qb[j].y, st),
                        b.x, b.y);
             }
@@ -1092,8 +1207,8 @@ __device__ __forceinline__ void tc_tile(const W& wa, int ra, const W& wb, int rb
             acc[2] = fmaf(fb, d[2], acc[2]);
             acc[3] = fmaf(fb, d[3], acc[3]);
             if (c == 0) {
-                acc[0] = fmaf(fmaf(-128.0f, fa, half_val(sba[j], bf)), gs[g], acc[0]);
-                acc[2] = fmaf(fmaf(-128.0f, fb, half_val(sbb[j], bf)), gs[g], acc[2]);
+                acc[0] = fmaf(fmaf(-128.0f, fa, half_val(sba[j], bf)), gs[k0 + j], acc[0]);
+                acc[2] = fmaf(fmaf(-128.0f, fb, half_val(sbb[j], bf)), gs[k0 + j], acc[2]);
             }
         }
     }
@@ -1135,9 +1250,10 @@ __device__ __forceinline__ bool tc_quarters(float* red, int tile, int quarter, i
 // moe_gate_up_a4v): grid (ceil(I / 16), pairs), 256 threads. Warp w takes
 // 8 intermediate rows (w / 4: the block's first or second 8) over a
 // quarter of the columns (w % 4); its tile's rows 0-7 are the gate rows,
-// 8-15 the up rows, so a lane ends with both of its row. The quarters are
-// summed in order through shared memory. Requires cols % 256 == 0.
-// Dynamic shared memory: cols / 64 * 388 + 4096 bytes.
+// 8-15 the up rows, so a lane ends with both of its row. Each warp stages
+// its quarter of x; the quarters are summed in order through shared
+// memory. Requires cols % 256 == 0. Dynamic shared memory: 8 warps x
+// cols / 256 groups x 388 + 4096 bytes.
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, const u64* __restrict__ gbase,
                                                                  const u64* __restrict__ ubase,
                                                                  const int* __restrict__ xrow,
@@ -1145,21 +1261,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, con
     PDL_EXPERTS_START();
     const int p = blockIdx.y;
     const int cols = gt.cols, ng = cols >> 6, I = gt.rows;
-    uint2* xp = (uint2*)a4v_dyn;
-    float* gs = (float*)(xp + ng * 48);
-    float* red = gs + ng;  // [2 tiles][4 quarters][32 lanes][4]
-    const W g = at_base_a4(gt, (const u8*)gbase[p]);
-    const W u = at_base_a4(ut, (const u8*)ubase[p]);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tile = warp >> 2, quarter = warp & 3;
+    const int gpq = ng >> 2;
+    uint2* xp = (uint2*)a4v_dyn + warp * gpq * 48;
+    float* gs = (float*)((uint2*)a4v_dyn + 8 * gpq * 48) + warp * gpq;
+    float* red = (float*)((uint2*)a4v_dyn + 8 * gpq * 48) + 8 * gpq;  // [2 tiles][4 quarters][32 lanes][4]
+    const W g = at_base_a4(gt, (const u8*)gbase[p]);
+    const W u = at_base_a4(ut, (const u8*)ubase[p]);
     const int row_raw = blockIdx.x * 16 + tile * 8 + (lane >> 2);
     const int row = min(row_raw, I - 1);
-    const int gpq = ng >> 2;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    tc_tile(g, row, u, row, quarter * gpq, gpq, xp, gs, lane, acc, [&]() {
-        tc_stage(x + (size_t)xrow[p] * cols, cols, xp, gs);
-        __syncthreads();
-    });
+    tc_tile(g, row, u, row, quarter * gpq, gpq, xp, gs, lane, acc,
+            [&]() { tc_stage_warp(x + (size_t)xrow[p] * cols, quarter * gpq, gpq, xp, gs, lane); });
     float gv, uv;
     if (tc_quarters(red, tile, quarter, lane, acc, &gv, &uv) && (lane & 3) == 0 && row_raw < I)
         h[(size_t)p * I + row_raw] = siluf_(gv) * uv;
@@ -1170,28 +1284,31 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, con
 // expert rank k (K <= 8; warps past K run rank 0's rows and drop them) for
 // the block's 16 output rows over all columns (cols = I, a multiple of
 // 64); the ranks are then summed in order with their weights, the gated
-// shared expert added, into the residual x. Dynamic shared memory:
-// K * I / 64 * 388 + 512 bytes.
+// shared expert added, into the residual x. Each warp stages its rank's h
+// after issuing its weight loads, and only then waits for the kernel that
+// wrote h (programmatic dependent launch), so the loads overlap it.
+// Dynamic shared memory: 8 * I / 64 * 388 + 512 bytes.
 extern "C" __global__ void __launch_bounds__(256) moe_down_tc(W dt, const u64* __restrict__ dbase,
                                                               const float* __restrict__ h,
                                                               const float* __restrict__ wts, int K,
                                                               const float* __restrict__ shared,
                                                               const float* __restrict__ sgate, float* __restrict__ x) {
-    PDL_START();
+    // The bases were written by the router, which the preceding gate/up
+    // kernel waited for before it let this one launch.
+    PDL_TRIGGER();
     const int t = blockIdx.y;
     const int cols = dt.cols, ng = cols >> 6, H = dt.rows;
-    uint2* xp = (uint2*)a4v_dyn;
-    float* gs = (float*)(xp + K * ng * 48);
-    float* red = gs + K * ng;  // [8 ranks][16 rows]
     const int k = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint2* xp = (uint2*)a4v_dyn + k * ng * 48;
+    float* gs = (float*)((uint2*)a4v_dyn + 8 * ng * 48) + k * ng;
+    float* red = (float*)((uint2*)a4v_dyn + 8 * ng * 48) + 8 * ng;  // [8 ranks][16 rows]
     const int kr = k < K ? k : 0;
     const int r0 = min(blockIdx.x * 16 + (lane >> 2), H - 1), r1 = min(blockIdx.x * 16 + (lane >> 2) + 8, H - 1);
     const W d = at_base_a4(dt, (const u8*)dbase[(size_t)t * K + kr]);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    tc_tile(d, r0, d, r1, 0, ng, xp + kr * ng * 48, gs + kr * ng, lane, acc, [&]() {
-        for (int kk = 0; kk < K; kk++)
-            tc_stage(h + ((size_t)t * K + kk) * cols, cols, xp + kk * ng * 48, gs + kk * ng);
-        __syncthreads();
+    tc_tile(d, r0, d, r1, 0, ng, xp, gs, lane, acc, [&]() {
+        PDL_WAIT();
+        tc_stage_warp(h + ((size_t)t * K + kr) * cols, 0, ng, xp, gs, lane);
     });
     float v0, v1;
     tc_rows_out(acc, &v0, &v1);
@@ -1215,28 +1332,29 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tc(W dt, const u64* _
 // (blocks [0, b1) compute w0 into y0, [b1, b2) w1, [b2, b3) w2, the rest
 // w3: as matvec_a4v_multi). 256 threads per block; warp w takes 16 rows
 // (w / 4: rows r and r + 8 of the block's first or second 16) over a
-// quarter of the columns (w % 4), the quarters summed in order. Dynamic
-// shared memory as moe_gate_up_tc.
+// quarter of the columns (w % 4), the quarters summed in order. Each warp
+// issues its weight loads, then waits for the kernel that wrote x and
+// stages its quarter of x. Dynamic shared memory as moe_gate_up_tc.
 extern "C" __global__ void __launch_bounds__(256) matvec_tc(MULTI_ARGS) {
-    PDL_START();
+    PDL_TRIGGER();
     const int b = blockIdx.x;
     const int m = b < b1 ? 0 : b < b2 ? 1 : b < b3 ? 2 : 3;
     const W& w = m == 0 ? w0 : m == 1 ? w1 : m == 2 ? w2 : w3;
     float* y = m == 0 ? y0 : m == 1 ? y1 : m == 2 ? y2 : y3;
     const int blk = b - (m == 0 ? 0 : m == 1 ? b1 : m == 2 ? b2 : b3);
     const int cols = w.cols, ng = cols >> 6, rows = w.rows;
-    uint2* xp = (uint2*)a4v_dyn;
-    float* gs = (float*)(xp + ng * 48);
-    float* red = gs + ng;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tile = warp >> 2, quarter = warp & 3;
+    const int gpq = ng >> 2;
+    uint2* xp = (uint2*)a4v_dyn + warp * gpq * 48;
+    float* gs = (float*)((uint2*)a4v_dyn + 8 * gpq * 48) + warp * gpq;
+    float* red = (float*)((uint2*)a4v_dyn + 8 * gpq * 48) + 8 * gpq;
     const int ra_raw = blk * 32 + tile * 16 + (lane >> 2);
     const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
-    const int gpq = ng >> 2;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     tc_tile(w, ra, w, rb, quarter * gpq, gpq, xp, gs, lane, acc, [&]() {
-        tc_stage(x, cols, xp, gs);
-        __syncthreads();
+        PDL_WAIT();
+        tc_stage_warp(x, quarter * gpq, gpq, xp, gs, lane);
     });
     float va, vb;
     if (tc_quarters(red, tile, quarter, lane, acc, &va, &vb) && (lane & 3) == 0) {
@@ -1316,6 +1434,29 @@ __device__ double block_sum_d(double v) {
     double s = 0.0;
     for (int i = 0; i < nw; i++) s += part[i];
     return s;
+}
+
+// block_sum_d of u and of v (the same bits as two calls), with the
+// barriers of one.
+__device__ void block_sum_d2(double& u, double& v) {
+    __shared__ double part2[2][32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    u = warp_sum_d(u);
+    v = warp_sum_d(v);
+    __syncthreads();
+    if (lane == 0) {
+        part2[0][wid] = u;
+        part2[1][wid] = v;
+    }
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    double su = 0.0, sv = 0.0;
+    for (int i = 0; i < nw; i++) {
+        su += part2[0][i];
+        sv += part2[1][i];
+    }
+    u = su;
+    v = sv;
 }
 
 // out[row] = x[row] * rsqrt(mean(x^2) + eps) * w; grid rows, 256 threads.
@@ -1673,18 +1814,37 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
     }
     const float decay_rate = -expf(a_log[j]);
     const float q_scale = 1.0f / sqrtf((float)dk);
-    for (int t = 0; t < n; t++) {
+    // A token's inputs (thread i < dk: q[i], k[i]; every thread: b, a and
+    // column d's v and z) are loaded one step ahead, so each step of a
+    // multi-token pass finds them in registers instead of waiting on four
+    // dependent rounds of loads. The arithmetic is unchanged (same bits).
+    const int i0 = threadIdx.x;  // dk <= 128 < blockDim.x: one q/k element per thread at most
+    float nq = 0.0f, nk_ = 0.0f, nb = 0.0f, na = 0.0f, nv_ = 0.0f, nz = 0.0f;
+    auto fetch = [&](int t) {
         const float* row = conv_out + (size_t)t * C;
-        double sq = 0.0, sk = 0.0;
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            float qv = row[kh * dk + i], kv = row[nk * dk + kh * dk + i];
-            qs[i] = qv;
-            ks[i] = kv;
-            sq += (double)qv * qv;
-            sk += (double)kv * kv;
+        if (i0 < dk) {
+            nq = row[kh * dk + i0];
+            nk_ = row[nk * dk + kh * dk + i0];
         }
-        sq = block_sum_d(sq);
-        sk = block_sum_d(sk);
+        nb = b[(size_t)t * nv + j];
+        na = a[(size_t)t * nv + j];
+        if (col) {
+            nv_ = row[2 * nk * dk + (size_t)j * dv + d];
+            nz = z[(size_t)t * nv * dv + (size_t)j * dv + d];
+        }
+    };
+    fetch(0);
+    for (int t = 0; t < n; t++) {
+        const float cq = nq, ck = nk_, cb = nb, ca = na, cv = nv_, cz = nz;
+        if (t + 1 < n) fetch(t + 1);
+        double sq = 0.0, sk = 0.0;
+        if (i0 < dk) {
+            qs[i0] = cq;
+            ks[i0] = ck;
+            sq += (double)cq * cq;
+            sk += (double)ck * ck;
+        }
+        block_sum_d2(sq, sk);
         const float iq = 1.0f / sqrtf((float)sq + 1e-6f), ik = 1.0f / sqrtf((float)sk + 1e-6f);
         __syncthreads();
         for (int i = threadIdx.x; i < dk; i += blockDim.x) {
@@ -1692,8 +1852,8 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
             ks[i] = ks[i] * ik;
         }
         __syncthreads();
-        const float beta = sigmoidf_(b[(size_t)t * nv + j]);
-        const float ax = a[(size_t)t * nv + j] + dt_bias[j];
+        const float beta = sigmoidf_(cb);
+        const float ax = ca + dt_bias[j];
         const float sp = ax > 20.0f ? ax : log1pf(expf(ax));
         const float decay = expf(decay_rate * sp);
         float p = 0.0f;
@@ -1708,7 +1868,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
         red[rg][d] = p;
         __syncthreads();
         const float kv = ((red[0][d] + red[1][d]) + red[2][d]) + red[3][d];
-        const float delta = col ? (conv_out[(size_t)t * C + 2 * nk * dk + (size_t)j * dv + d] - kv) * beta : 0.0f;
+        const float delta = col ? (cv - kv) * beta : 0.0f;
         __syncthreads();
         float po = 0.0f;
 #pragma unroll
@@ -1726,8 +1886,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
         oo = block_sum_d(oo);
         const float inv = 1.0f / sqrtf((float)(oo / dv) + eps);
         if (rg == 0 && col) {
-            const float zz = z[(size_t)t * nv * dv + (size_t)j * dv + d];
-            core[(size_t)t * nv * dv + (size_t)j * dv + d] = (o * inv) * nw[d] * siluf_(zz);
+            core[(size_t)t * nv * dv + (size_t)j * dv + d] = (o * inv) * nw[d] * siluf_(cz);
         }
         __syncthreads();
     }
