@@ -354,6 +354,8 @@ pub const MOE_MIN_BLOCKS: u32 = 3;
 /// Tokens one block of the wide 4-bit matvec runs its rows over (the
 /// weights are read once per this many tokens of a pass).
 pub const A4V_TOKENS_PER_BLOCK: usize = 16;
+/// Largest grid y of a launch.
+const GRID_Y_MAX: usize = 65535;
 /// Tokens the prefill form stages and computes at once
 /// (`A4V_TILE_TOKENS` in decode.cu).
 const A4V_TILE_TOKENS: usize = 2;
@@ -752,14 +754,18 @@ impl Gpu {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
             let blocks = w.rows().div_ceil(w.a4v_block_rows(8 / c)) as u32;
             let form = c.trailing_zeros() as usize;
-            if n == 1 {
+            if n == 1 || blocks as usize > GRID_Y_MAX {
+                // The one-token form, grid y = token (also where the
+                // prefill form's grid, row blocks in y, would not fit:
+                // same bits).
                 let f = &self.f.matvec_a4v[form];
-                let grid = (blocks, 1, 1);
+                let grid = (blocks, n as u32, 1);
                 return self.go_smem(f, grid, 256, w.a4v_smem(1), &mut args!(w, &x, &y));
             }
-            // Each block runs its rows over up to A4V_TOKENS_PER_BLOCK tokens.
+            // Each block runs its rows over up to A4V_TOKENS_PER_BLOCK
+            // tokens; grid (token blocks, row blocks).
             let tpb = A4V_TOKENS_PER_BLOCK;
-            let grid = (blocks, n.div_ceil(tpb) as u32, 1);
+            let grid = (n.div_ceil(tpb) as u32, blocks, 1);
             let (n_i, tpb_i) = (n as i32, tpb as i32);
             let f = &self.f.matvec_a4v_t[form];
             return self.go_smem(
@@ -949,13 +955,17 @@ impl Gpu {
         if dt.a4v_chunks() == Some(1) {
             // One chunk per lane, experts staged 8 at a time (`DOWN_KB`),
             // each warp pair splitting them 4 + 4: half the rows per block.
-            let grid = (
-                dt.rows()
-                    .div_ceil(dt.a4v_block_rows(1) / (1 + self.split as usize))
-                    as u32,
-                tokens as u32,
-                1,
-            );
+            // Grid (tokens, row blocks).
+            let blocks = dt
+                .rows()
+                .div_ceil(dt.a4v_block_rows(1) / (1 + self.split as usize));
+            if blocks > GRID_Y_MAX {
+                return Err(CudaError::Invalid(format!(
+                    "down projection of {} rows is beyond one launch",
+                    dt.rows()
+                )));
+            }
+            let grid = (tokens as u32, blocks as u32, 1);
             return self.go_smem(
                 &self.f.moe_down_a4v,
                 grid,

@@ -650,7 +650,10 @@ extern "C" __global__ void matvec_a4v_c4(W w, const float* __restrict__ x, float
     matvec_a4v_body<4, 2, false>(w, x, y, blockIdx.x, blockIdx.y, 1);
 }
 #define MVT_ARGS W w, const float* __restrict__ x, float* __restrict__ y, int n, int tpb
-#define MVT_TOKENS blockIdx.x, blockIdx.y * tpb, min(tpb, n - (int)blockIdx.y * tpb)
+// Grid (ceil(n / tpb), row blocks): the token blocks of the same rows are
+// neighbours in launch order, so they run together and their weight rows
+// come from HBM once (L2 for the rest).
+#define MVT_TOKENS blockIdx.y, blockIdx.x * tpb, min(tpb, n - (int)blockIdx.x * tpb)
 extern "C" __global__ void __launch_bounds__(256, 2) matvec_a4v_t_c1(MVT_ARGS) {
     PDL_TRIGGER();
     matvec_a4v_body<1, 8, true>(w, x, y, MVT_TOKENS);
@@ -1009,7 +1012,10 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_down_a4v(W dt, c
     PDL_TRIGGER();
     uint4 q[DOWN_KH];
     u16 sr[DOWN_KH], br[DOWN_KH];
-    down_a4v_unit(dt, dbase, h, wts, K, shared, sg, x, blockIdx.x, blockIdx.y, nullptr, 0, false, q, sr, br);
+    // Grid (tokens, row blocks): a pass's tokens for the same rows run
+    // together, so experts that several of them route to are read from
+    // HBM once (L2 for the rest).
+    down_a4v_unit(dt, dbase, h, wts, K, shared, sg, x, blockIdx.y, blockIdx.x, nullptr, 0, false, q, sr, br);
 }
 
 // All routed experts of a decode step in one launch (same numbers as
