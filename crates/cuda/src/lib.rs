@@ -360,6 +360,14 @@ const GRID_Y_MAX: usize = 65535;
 /// (`A4V_TILE_TOKENS` in decode.cu).
 const A4V_TILE_TOKENS: usize = 2;
 
+/// Dynamic shared memory of the prefill kernels over rows of `cols`:
+/// two buffers of A4V_TILE_TOKENS staged rows, each `a4v_region` floats
+/// (the padded chunks and their sums, rounded to 16 bytes).
+fn a4v_tiles_smem(cols: usize) -> usize {
+    let region = (37 * (cols / 32) + 3) & !3;
+    2 * A4V_TILE_TOKENS * region * 4
+}
+
 /// Keys per attention split (`ATT_CHUNK` in decode.cu).
 pub const ATT_CHUNK: usize = 128;
 /// Most query heads per KV head (`ATT_MAXG`).
@@ -403,6 +411,10 @@ pub struct Gpu {
     /// default where supported; `SLIPSTREAM_CUDA_PDL=0` turns it off. The
     /// results are the same bits either way.
     pub pdl: bool,
+    /// Dynamic shared memory the prefill kernels (`matvec_a4v_t_*`,
+    /// `moe_gate_up_grouped_*`) may take; larger rows run the per-token
+    /// kernels (same bits).
+    tiles_smem_max: usize,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -524,6 +536,20 @@ impl Gpu {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let fused_sync = alloc_on(&stream, 16)?;
+        // The prefill kernels double-buffer their staged x (up to 74 KiB
+        // for 4096 columns): allow them past the default 48 KiB where the
+        // GPU can.
+        let optin = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )
+        .map_or(48 * 1024, |v| v.max(0) as usize);
+        let tiles_smem_max = optin.min(a4v_tiles_smem(4096));
+        for func in f.matvec_a4v_t.iter().chain(&f.moe_gate_up_grouped) {
+            func.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                tiles_smem_max as i32,
+            )?;
+        }
         Ok(Gpu {
             ctx,
             stream,
@@ -536,6 +562,7 @@ impl Gpu {
             tensor_cores: false,
             split,
             pdl: maj >= 9,
+            tiles_smem_max,
         })
     }
 
@@ -671,7 +698,8 @@ impl Gpu {
         self.go_on(&self.stream, f, grid, block, args)
     }
 
-    /// [`Gpu::go`] with `smem` bytes of dynamic shared memory (< 48 KiB).
+    /// [`Gpu::go`] with `smem` bytes of dynamic shared memory (within 48
+    /// KiB, or the limit set on `f` at [`Gpu::new`]).
     fn go_smem(
         &self,
         f: &CudaFunction,
@@ -710,7 +738,8 @@ impl Gpu {
         if !(self.pdl && std::ptr::eq(s, &*self.stream)) {
             // SAFETY: `cf` is a function of the module we loaded; the
             // callers checked every buffer size the kernel reads or writes
-            // and size `smem` within the default 48 KiB.
+            // and size `smem` within the default 48 KiB or the limit set on
+            // `f`.
             unsafe {
                 result::launch_kernel(cf, grid, (block, 1, 1), smem, s.cu_stream(), args)?;
             }
@@ -754,7 +783,10 @@ impl Gpu {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
             let blocks = w.rows().div_ceil(w.a4v_block_rows(8 / c)) as u32;
             let form = c.trailing_zeros() as usize;
-            if n == 1 || blocks as usize > GRID_Y_MAX {
+            if n == 1
+                || blocks as usize > GRID_Y_MAX
+                || a4v_tiles_smem(w.cols()) > self.tiles_smem_max
+            {
                 // The one-token form, grid y = token (also where the
                 // prefill form's grid, row blocks in y, would not fit:
                 // same bits).
@@ -772,7 +804,7 @@ impl Gpu {
                 f,
                 grid,
                 256,
-                w.a4v_smem(A4V_TILE_TOKENS),
+                a4v_tiles_smem(w.cols()) as u32,
                 &mut args!(w, &x, &y, &n_i, &tpb_i),
             );
         }
@@ -1099,7 +1131,7 @@ impl Gpu {
         let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) else {
             return Ok(false);
         };
-        if fused || tc || e > 1024 {
+        if fused || tc || e > 1024 || a4v_tiles_smem(gt.cols()) > self.tiles_smem_max {
             return Ok(false);
         }
         let (off, list) = grp;
@@ -1124,7 +1156,7 @@ impl Gpu {
             &self.f.moe_gate_up_grouped[c.trailing_zeros() as usize],
             grid,
             256,
-            gt.a4v_smem(A4V_TILE_TOKENS),
+            a4v_tiles_smem(gt.cols()) as u32,
             &mut args!(
                 gt,
                 ut,

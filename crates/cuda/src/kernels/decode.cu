@@ -483,8 +483,12 @@ __device__ __forceinline__ void tile_a4v_dot(const W* w, const float* __restrict
         for (int rr = 0; rr < R; rr++) out[m][rr] = seg_sum(acc[m][rr], L);
 }
 
+// Floats of one staged x row of nch chunks (padded chunks, then the chunk
+// sums), rounded up to 16 bytes so consecutive rows stay aligned.
+__device__ __forceinline__ int a4v_region(int nch) { return (37 * nch + 3) & ~3; }
+
 // tile_a4v_dot for T tokens at once, x staged for each token t in region
-// xs + t * 37 * nch (padded chunks, then the chunk sums), the block
+// xs + t * a4v_region(nch) (padded chunks, then the chunk sums), the block
 // synchronised after staging. Each code is converted once for the T
 // tokens and each staged x value read once for the M * R rows; every
 // (row, token) gets chunk_a's and chunk_dot's operations in their order,
@@ -494,7 +498,7 @@ template <int C, int R, int M, int T>
 __device__ __forceinline__ void tile_a4v_dot_tokens(const W* w, const float* xs, int li, int L, const uint4* q,
                                                     const u16* sr, const u16* br, float (*out)[R][T]) {
     const int nch = w[0].cols >> 5;
-    const int region = 37 * nch;
+    const int region = a4v_region(nch);
     const int bf = w[0].scale_bf16;
     float acc[M][R][T];
 #pragma unroll
@@ -554,18 +558,65 @@ __device__ __forceinline__ void tile_a4v_dot_tokens(const W* w, const float* xs,
         for (int t = 0; t < T; t++) out[e / R][e % R][t] = seg_sum(acc[e / R][e % R][t], L);
 }
 
-// Stages the T x rows at `rows(u)` (u < T) for tile_a4v_dot_tokens: the
-// padded copies, then each row's chunk sums. All threads of the block call
-// it; it ends synchronised.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define CP_ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory")
+#else
+#define CP_ASYNC_COMMIT() do {} while (0)
+#define CP_ASYNC_WAIT(n) do {} while (0)
+#endif
+// Issues asynchronous copies (cp.async, 16 bytes each, no registers; plain
+// copies below sm_80) of
+// the T x rows at `rows(u)` (u < T) into the padded regions of buf, as one
+// commit group. All threads of the block call it.
 template <int T, typename Row>
-__device__ __forceinline__ void stage_x_tokens(float* xs, int cols, Row rows) {
-    const int nch = cols >> 5;
+__device__ __forceinline__ void stage_x_tokens_async(float* buf, int cols, Row rows) {
+    const int region = a4v_region(cols >> 5);
 #pragma unroll
-    for (int u = 0; u < T; u++) stage_x(xs + u * 37 * nch, rows(u), cols);
-    __syncthreads();
+    for (int u = 0; u < T; u++) {
+        const float* src = rows(u);
+        float* dst = buf + u * region;
+        for (int i = threadIdx.x * 4; i < cols; i += blockDim.x * 4) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+            const u32 sa = (u32)__cvta_generic_to_shared(dst + XPAD(i));
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src + i) : "memory");
+#else
+            *(float4*)(dst + XPAD(i)) = *(const float4*)(src + i);
+#endif
+        }
+    }
+    CP_ASYNC_COMMIT();
+}
+
+// Runs `tile(buf, i)` over tiles i = 0 .. ntiles - 1 of T staged x rows
+// each (`rows(i, u)`: the x row of slot u of tile i), double-buffered: the
+// copies of tile i + 1 are in flight while tile i is computed. Before
+// `tile` runs, buf holds tile i's rows and their chunk sums and the block
+// is synchronised; `tile` must not synchronise. xs: 2 * T *
+// a4v_region(cols / 32) floats. All threads of the block call it.
+template <int T, typename Row, typename Tile>
+__device__ __forceinline__ void a4v_tiles(float* xs, int cols, int ntiles, Row rows, Tile tile) {
+    const int nch = cols >> 5, region = a4v_region(nch);
+    if (ntiles <= 0) return;
+    stage_x_tokens_async<T>(xs, cols, [&](int u) { return rows(0, u); });
+#pragma unroll 1
+    for (int i = 0; i < ntiles; i++) {
+        float* cur = xs + (i & 1) * T * region;
+        if (i + 1 < ntiles) {
+            // The other buffer was last read by tile i - 1, before the
+            // barrier that ended it.
+            stage_x_tokens_async<T>(xs + ((i + 1) & 1) * T * region, cols, [&](int u) { return rows(i + 1, u); });
+            CP_ASYNC_WAIT(1);
+        } else {
+            CP_ASYNC_WAIT(0);
+        }
+        __syncthreads();
 #pragma unroll
-    for (int u = 0; u < T; u++) chunk_sums(xs + u * 37 * nch, nch, xs + u * 37 * nch + 36 * nch);
-    __syncthreads();
+        for (int u = 0; u < T; u++) chunk_sums(cur + u * region, nch, cur + u * region + 36 * nch);
+        __syncthreads();
+        tile(cur, i);
+        __syncthreads();
+    }
 }
 
 // Tokens per tile of the prefill form (tile_a4v_dot_tokens).
@@ -609,13 +660,10 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
         token(t0);
     } else {
         constexpr int T = A4V_TILE_TOKENS;
-#pragma unroll 1
-        for (int t = t0; t < t0 + tn; t += T) {
-            // The previous tile's staged x is read by every warp before it goes.
-            if (t > t0) __syncthreads();
-            // A tile past the pass's last token stages that token again
-            // (computed, not written).
-            stage_x_tokens<T>(xs, w.cols, [&](int u) { return x + (size_t)min(t + u, t0 + tn - 1) * w.cols; });
+        // A tile past the pass's last token stages that token again
+        // (computed, not written).
+        auto rows = [&](int i, int u) { return x + (size_t)min(t0 + i * T + u, t0 + tn - 1) * w.cols; };
+        a4v_tiles<T>(xs, w.cols, (tn + T - 1) / T, rows, [&](const float* cur, int i) {
             // Opaque to the compiler per tile, so it converts the codes in
             // the loop instead of hoisting R * C * 32 converted floats out.
 #pragma unroll
@@ -623,8 +671,9 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
                 asm volatile("" : "+r"(q[e].x), "+r"(q[e].y), "+r"(q[e].z), "+r"(q[e].w));
                 asm volatile("" : "+h"(sr[e]), "+h"(br[e]));
             }
+            const int t = t0 + i * T;
             float o[1][R][T];
-            tile_a4v_dot_tokens<C, R, 1, T>(&w, xs, li, L, q, sr, br, o);
+            tile_a4v_dot_tokens<C, R, 1, T>(&w, cur, li, L, q, sr, br, o);
             if (li == 0) {
 #pragma unroll
                 for (int rr = 0; rr < R; rr++) {
@@ -634,7 +683,7 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
                         if (r < w.rows && t + u < t0 + tn) y[(size_t)(t + u) * w.rows + r] = o[0][rr][u];
                 }
             }
-        }
+        });
     }
 }
 extern "C" __global__ void matvec_a4v_c1(W w, const float* __restrict__ x, float* __restrict__ y) {
@@ -835,21 +884,19 @@ __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restric
     u16 sr[2 * R * C], br[2 * R * C];
     tile_a4v_load<C, R, 2>(w, base, sub, li, L, RW, q, sr, br);
     constexpr int T = A4V_TILE_TOKENS;
-#pragma unroll 1
-    for (int i = i0; i < i1; i += T) {
-        if (i > i0) __syncthreads();
-        // A tile past the group's last pair stages that pair again
-        // (computed, not written).
-        stage_x_tokens<T>(xs, gt.cols,
-                          [&](int u) { return x + (size_t)xrow[list[min(i + u, i1 - 1)]] * gt.cols; });
+    // A tile past the group's last pair stages that pair again (computed,
+    // not written).
+    auto rows = [&](int k, int u) { return x + (size_t)xrow[list[min(i0 + k * T + u, i1 - 1)]] * gt.cols; };
+    a4v_tiles<T>(xs, gt.cols, (i1 - i0 + T - 1) / T, rows, [&](const float* cur, int k) {
         // Opaque per tile, so the conversions stay in the loop (registers).
 #pragma unroll
         for (int j = 0; j < 2 * R * C; j++) {
             asm volatile("" : "+r"(q[j].x), "+r"(q[j].y), "+r"(q[j].z), "+r"(q[j].w));
             asm volatile("" : "+h"(sr[j]), "+h"(br[j]));
         }
+        const int i = i0 + k * T;
         float o[2][R][T];
-        tile_a4v_dot_tokens<C, R, 2, T>(w, xs, li, L, q, sr, br, o);
+        tile_a4v_dot_tokens<C, R, 2, T>(w, cur, li, L, q, sr, br, o);
         if (li == 0) {
 #pragma unroll
             for (int u = 0; u < T; u++) {
@@ -862,7 +909,7 @@ __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restric
                 }
             }
         }
-    }
+    });
 }
 #define GG_ARGS                                                                                              \
     W gt, W ut, const u64 *__restrict__ addr, u64 off0, u64 off1, const int *__restrict__ goff,             \
