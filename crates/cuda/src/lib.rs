@@ -321,6 +321,8 @@ struct Funcs {
     group_pairs: CudaFunction,
     moe_gate_up_grouped: [CudaFunction; 3],
     moe_down_a4v: CudaFunction,
+    /// Prefill: each block runs `DOWN_GROUPS` row blocks over its token.
+    moe_down_a4v_t: CudaFunction,
     /// Gate/up and down of every routed expert in one launch.
     moe_fused_a4v: [CudaFunction; 3],
     moe_gate_up_a4: CudaFunction,
@@ -356,6 +358,10 @@ pub const MOE_MIN_BLOCKS: u32 = 3;
 pub const A4V_TOKENS_PER_BLOCK: usize = 16;
 /// Largest grid y of a launch.
 const GRID_Y_MAX: usize = 65535;
+/// Experts the down kernels stage at once (`DOWN_KB` in decode.cu).
+const DOWN_KB: usize = 8;
+/// Row blocks one prefill down block runs (`DOWN_GROUPS`).
+const DOWN_GROUPS: usize = 8;
 /// Tokens the prefill form stages and computes at once
 /// (`A4V_TILE_TOKENS` in decode.cu).
 const A4V_TILE_TOKENS: usize = 2;
@@ -505,6 +511,7 @@ impl Gpu {
             moe_down_tc: lf("moe_down_tc")?,
             moe_gate_up_a4v: lf3("moe_gate_up_a4v")?,
             moe_down_a4v: lf("moe_down_a4v")?,
+            moe_down_a4v_t: lf("moe_down_a4v_t")?,
             group_pairs: lf("group_pairs")?,
             moe_gate_up_grouped: lf3("moe_gate_up_grouped")?,
             moe_fused_a4v: lf3("moe_fused_a4v")?,
@@ -996,6 +1003,19 @@ impl Gpu {
                     "down projection of {} rows is beyond one launch",
                     dt.rows()
                 )));
+            }
+            if tokens > 1 && k as usize <= DOWN_KB {
+                // A pass of several tokens: each block stages its token's h
+                // once for DOWN_GROUPS row blocks (same bits).
+                let nb = blocks as i32;
+                let grid = (tokens as u32, blocks.div_ceil(DOWN_GROUPS) as u32, 1);
+                return self.go_smem(
+                    &self.f.moe_down_a4v_t,
+                    grid,
+                    256,
+                    dt.a4v_smem(8),
+                    &mut args!(dt, &dbase, &h, &wts, &k, &shared, &sg, &x, &nb),
+                );
             }
             let grid = (tokens as u32, blocks as u32, 1);
             return self.go_smem(

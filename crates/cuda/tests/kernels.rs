@@ -1122,3 +1122,96 @@ fn embedding_rows_match_dequantize() {
         assert_eq!(rel_err(&got, &want), 0.0, "embed {}", q.name());
     }
 }
+
+/// The routed down projections of a prefill pass (`moe_down` over several
+/// tokens: each block stages its token's h once for several row blocks)
+/// give every token the bits of its own one-token launch, shared expert
+/// or not, ragged row counts included.
+#[test]
+fn down_pass_matches_one_token_launches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(21);
+    for (q, h, inter, k, e, tokens, shared) in [
+        (
+            QuantType::Q4,
+            2048usize,
+            512usize,
+            8usize,
+            12usize,
+            37usize,
+            true,
+        ),
+        (QuantType::Q4, 200, 256, 3, 5, 4, false),
+        (
+            QuantType::Affine {
+                bits: 4,
+                group: 32,
+                scale: ScaleType::Bf16,
+            },
+            1000,
+            128,
+            5,
+            7,
+            9,
+            true,
+        ),
+    ] {
+        let dt = WDesc::new(q, h, inter, 0).unwrap();
+        assert_eq!(
+            dt.a4v_chunks(),
+            Some(1),
+            "[{h}, {inter}]: not the wide down kernel"
+        );
+        let experts: Vec<_> = (0..e)
+            .map(|_| g.upload(&rand_weight(&mut rng, q, h, inter)).unwrap())
+            .collect();
+        // Each token's k distinct experts.
+        let mut bases = Vec::new();
+        for _ in 0..tokens {
+            let mut ids: Vec<usize> = (0..e).collect();
+            for i in 0..k {
+                let j = rng.random_range(i..e);
+                ids.swap(i, j);
+            }
+            bases.extend(ids[..k].iter().map(|&id| experts[id].ptr));
+        }
+        let tb: Vec<u8> = bases.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let dbase = g.upload(&tb).unwrap();
+        let hv = g
+            .upload_f32(&rvec(&mut rng, tokens * k * inter, 1.0))
+            .unwrap();
+        let wts = g.upload_f32(&rvec(&mut rng, tokens * k, 1.0)).unwrap();
+        let sh = g.upload_f32(&rvec(&mut rng, tokens * h, 1.0)).unwrap();
+        let sgt = g.upload_f32(&rvec(&mut rng, tokens, 2.0)).unwrap();
+        let (shp, sgp) = if shared { (sh.ptr, sgt.ptr) } else { (0, 0) };
+        let x0 = rvec(&mut rng, tokens * h, 1.0);
+        let xm = g.upload_f32(&x0).unwrap();
+        g.moe_down(&dt, dbase.ptr, hv.ptr, wts.ptr, k, shp, sgp, xm.ptr, tokens)
+            .unwrap();
+        let many = g.read_f32(&xm, 0, tokens * h).unwrap();
+        let x1 = g.upload_f32(&x0).unwrap();
+        for t in 0..tokens {
+            g.moe_down(
+                &dt,
+                dbase.ptr + (8 * t * k) as u64,
+                hv.f32_at(t * k * inter),
+                wts.f32_at(t * k),
+                k,
+                if shared { sh.f32_at(t * h) } else { 0 },
+                if shared { sgt.f32_at(t) } else { 0 },
+                x1.f32_at(t * h),
+                1,
+            )
+            .unwrap();
+        }
+        let one = g.read_f32(&x1, 0, tokens * h).unwrap();
+        let bad = many
+            .iter()
+            .zip(&one)
+            .position(|(a, b)| a.to_bits() != b.to_bits());
+        assert!(
+            bad.is_none(),
+            "[{h}, {inter}] k={k}, {tokens} tokens: value {bad:?} differs from the one-token launch"
+        );
+    }
+}

@@ -990,6 +990,61 @@ __device__ __forceinline__ void down_a4v_load(const DnGeom& g, const u64* __rest
     }
 }
 
+// Stages the h rows of experts [k0, k0 + nb) of token t (read through L2)
+// into xs with their chunk sums after them (at xs + 36 * DOWN_KB * S).
+// All threads of the block call it; it starts and ends synchronised.
+__device__ __forceinline__ void down_a4v_stage(const float* h, int t, int K, int k0, int nb, int cols, float* xs) {
+    const float* src = h + ((size_t)t * K + k0) * cols;
+    for (int i = threadIdx.x * 4; i < nb * cols; i += blockDim.x * 4) {
+        float4 v = __ldcg((const float4*)(src + i));
+        *(float4*)(xs + XPAD(i)) = v;
+    }
+    __syncthreads();
+    const int S = cols >> 5;
+    chunk_sums(xs, nb * S, xs + 36 * DOWN_KB * S);
+    __syncthreads();
+}
+
+// This lane's weighted sum over the staged batch k0 of token t (loads in
+// q, sr, br), added into acc in rank order.
+__device__ __forceinline__ void down_a4v_dot(const DnGeom& g, const float* xs, const float* __restrict__ wts, int K,
+                                             int t, int k0, int bf, const uint4* q, const u16* sr, const u16* br,
+                                             float& acc) {
+    const float* sums = xs + 36 * DOWN_KB * g.S;
+#pragma unroll
+    for (int kk = 0; kk < DOWN_KH; kk++) {
+        const int kb = g.half * DOWN_KH + kk;  // expert within the batch
+        if (k0 + kb < K) {
+            float xv[32];
+            // Row kb of the batch starts at chunk kb * S of the padded copy.
+            load_chunk_x(xs, kb * g.S + g.li, xv);
+            const float xsum = sums[kb * g.S + g.li];
+            const float part = chunk_dot(q[kk], xv, xsum, half_val(sr[kk], bf), half_val(br[kk], bf));
+            acc += wts[(size_t)t * K + k0 + kb] * part;
+        }
+    }
+}
+
+// The row's sum over its lanes (and the warp pair's halves, through
+// pair_sum), plus the gated shared expert, added into the residual x.
+// Every thread of the block calls it (barrier when A4V_SPLIT).
+__device__ __forceinline__ void down_a4v_finish(const DnGeom& g, float acc, float (*pair_sum)[32], int rows,
+                                                const float* __restrict__ shared, const float* __restrict__ sg,
+                                                float* __restrict__ x, int t) {
+    acc = seg_sum(acc, g.L);
+    if (A4V_SPLIT) {
+        const int warp = threadIdx.x >> 5;
+        if (g.half == 1 && g.li == 0) pair_sum[warp >> 1][g.sub] = acc;
+        __syncthreads();
+        if (g.half == 0) acc = acc + pair_sum[warp >> 1][g.sub];
+    }
+    if (g.half == 0 && g.li == 0 && g.ro < rows) {
+        float s = 0.0f;
+        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * rows + g.ro];
+        x[(size_t)t * rows + g.ro] += acc + s;
+    }
+}
+
 // One block of moe_down_a4v: output rows of block column `bx`, token `t`.
 // With `loaded` the first batch's loads were issued already
 // (down_a4v_load). With `ready` set, thread 0 waits, after the first loads,
@@ -1003,7 +1058,6 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
     float* xs = (float*)a4v_dyn;
     __shared__ float pair_sum[16][32];
     const DnGeom g = dn_geom(dt, bx);
-    const int cols = dt.cols, S = g.S, li = g.li;
     const int bf = dt.scale_bf16;
     float acc = 0.0f;
     for (int k0 = 0; k0 < K; k0 += DOWN_KB) {
@@ -1017,39 +1071,50 @@ __device__ __forceinline__ void down_a4v_unit(W dt, const u64* __restrict__ dbas
             }
         }
         if (k0 > 0 || ready) __syncthreads();
-        const float* src = h + ((size_t)t * K + k0) * cols;
-        for (int i = threadIdx.x * 4; i < nb * cols; i += blockDim.x * 4) {
-            float4 v = __ldcg((const float4*)(src + i));
-            *(float4*)(xs + XPAD(i)) = v;
-        }
-        __syncthreads();
-        float* sums = xs + 36 * DOWN_KB * S;
-        chunk_sums(xs, nb * S, sums);
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < DOWN_KH; kk++) {
-            const int kb = g.half * DOWN_KH + kk;  // expert within the batch
-            if (k0 + kb < K) {
-                float xv[32];
-                // Row kb of the batch starts at chunk kb * S of the padded copy.
-                load_chunk_x(xs, kb * S + li, xv);
-                const float xsum = sums[kb * S + li];
-                const float part = chunk_dot(q[kk], xv, xsum, half_val(sr[kk], bf), half_val(br[kk], bf));
-                acc += wts[(size_t)t * K + k0 + kb] * part;
-            }
-        }
+        down_a4v_stage(h, t, K, k0, nb, dt.cols, xs);
+        down_a4v_dot(g, xs, wts, K, t, k0, bf, q, sr, br, acc);
     }
-    acc = seg_sum(acc, g.L);
-    if (A4V_SPLIT) {
-        const int warp = threadIdx.x >> 5;
-        if (g.half == 1 && li == 0) pair_sum[warp >> 1][g.sub] = acc;
+    down_a4v_finish(g, acc, pair_sum, dt.rows, shared, sg, x, t);
+}
+
+// Routed experts' down projections for a prefill pass (K <= DOWN_KB): as
+// moe_down_a4v, but block (t, by) stages token t's h once and runs
+// DOWN_GROUPS of moe_down_a4v's row blocks (by * DOWN_GROUPS + i) over it,
+// the next group's weights loading while one is computed; each row gets
+// moe_down_a4v's operations (same bits). Grid (tokens, ceil(row blocks /
+// DOWN_GROUPS)), 256 threads, the same shared memory.
+#define DOWN_GROUPS 8
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB)
+    moe_down_a4v_t(W dt, const u64* __restrict__ dbase, const float* __restrict__ h, const float* __restrict__ wts,
+                   int K, const float* __restrict__ shared, const float* __restrict__ sg, float* __restrict__ x,
+                   int nblocks) {
+    PDL_TRIGGER();
+    float* xs = (float*)a4v_dyn;
+    __shared__ float pair_sum[16][32];
+    const int t = blockIdx.x;
+    const int bf = dt.scale_bf16;
+    const int b0 = blockIdx.y * DOWN_GROUPS;
+    const int groups = min(DOWN_GROUPS, nblocks - b0);
+    // Two register sets (named, so they stay registers): group i computes
+    // from one while group i + 1's loads fill the other.
+    uint4 qa[DOWN_KH], qb[DOWN_KH];
+    u16 sa[DOWN_KH], ba[DOWN_KH], sb[DOWN_KH], bb[DOWN_KH];
+    down_a4v_load(dn_geom(dt, b0), dbase, K, t, 0, qa, sa, ba);
+    PDL_WAIT();
+    down_a4v_stage(h, t, K, 0, K, dt.cols, xs);
+    auto group = [&](int i, const uint4* q, const u16* sr, const u16* br, uint4* qn, u16* srn, u16* brn) {
+        if (i + 1 < groups) down_a4v_load(dn_geom(dt, b0 + i + 1), dbase, K, t, 0, qn, srn, brn);
+        const DnGeom g = dn_geom(dt, b0 + i);
+        float acc = 0.0f;
+        down_a4v_dot(g, xs, wts, K, t, 0, bf, q, sr, br, acc);
+        down_a4v_finish(g, acc, pair_sum, dt.rows, shared, sg, x, t);
+        // pair_sum is written again by the next group.
         __syncthreads();
-        if (g.half == 0) acc = acc + pair_sum[warp >> 1][g.sub];
-    }
-    if (g.half == 0 && li == 0 && g.ro < dt.rows) {
-        float s = 0.0f;
-        if (shared) s = sigmoidf_(sg[t]) * shared[(size_t)t * dt.rows + g.ro];
-        x[(size_t)t * dt.rows + g.ro] += acc + s;
+    };
+#pragma unroll 1
+    for (int i = 0; i < groups; i += 2) {
+        group(i, qa, sa, ba, qb, sb, bb);
+        if (i + 1 < groups) group(i + 1, qb, sb, bb, qa, sa, ba);
     }
 }
 
