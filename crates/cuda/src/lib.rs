@@ -1165,9 +1165,9 @@ impl Gpu {
             1024,
             &mut args!(&ids, &p_i, &e_i, &off.ptr, &list.ptr),
         )?;
-        // The grouped kernels take 4 / c rows per lane (`gate_up_grouped`).
+        let r_lane = if self.split { (2 / c).max(1) } else { 4 / c };
         let grid = (
-            gt.rows().div_ceil(gt.a4v_block_rows(4 / c)) as u32,
+            gt.rows().div_ceil(gt.a4v_block_rows(r_lane)) as u32,
             e as u32,
             1,
         );

@@ -916,15 +916,13 @@ __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restric
         const int *__restrict__ list, const int *__restrict__ xrow, const float *__restrict__ x,            \
         float *__restrict__ h
 #define GG_CALL gt, ut, addr, off0, off1, goff, list, xrow, x, h
-// 4 / C rows per lane (twice the split layout's): a block's staged x
-// serves twice the rows; two blocks per SM (registers).
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_grouped_c1(GG_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_grouped_c1(GG_ARGS) {
     PDL_EXPERTS_START();
-    gate_up_grouped<1, 4>(GG_CALL);
+    gate_up_grouped<1, A4V_SPLIT ? 2 : 4>(GG_CALL);
 }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_grouped_c2(GG_ARGS) {
+extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_gate_up_grouped_c2(GG_ARGS) {
     PDL_EXPERTS_START();
-    gate_up_grouped<2, 2>(GG_CALL);
+    gate_up_grouped<2, A4V_SPLIT ? 1 : 2>(GG_CALL);
 }
 extern "C" __global__ void moe_gate_up_grouped_c4(GG_ARGS) {
     PDL_EXPERTS_START();
