@@ -623,11 +623,12 @@ __device__ __forceinline__ void a4v_tiles(float* xs, int cols, int ntiles, Row r
 #define A4V_TILE_TOKENS 2
 
 // Affine 4-bit matvec, wide form: 256 threads, dynamic shared memory
-// 37 * cols / 32 floats per staged token (A4V_TILE_TOKENS of them in the
-// prefill form). A block loads its rows' codes, scales and biases once
-// (before PDL_WAIT) and runs them over tokens [t0, t0 + tn). MANY = false:
-// one token (grid (ceil(rows / (8 * RW * R)), n), t0 = blockIdx.y); MANY =
-// true: the prefill form, grid y = ceil(n / tpb), the weights read once
+// 37 * cols / 32 floats (the prefill form: a4v_tiles' 2 * A4V_TILE_TOKENS
+// * a4v_region(cols / 32)). A block loads its rows' codes, scales and
+// biases once (before PDL_WAIT) and runs them over tokens [t0, t0 + tn).
+// MANY = false: one token (grid (ceil(rows / (8 * RW * R)), n), t0 =
+// blockIdx.y); MANY = true: the prefill form, grid (ceil(n / tpb), row
+// blocks) (MVT_TOKENS), the weights read once
 // per tpb tokens and the tokens staged and computed A4V_TILE_TOKENS at a
 // time. Either way each token gets the same operations in the same order
 // (same bits).
@@ -861,7 +862,7 @@ extern "C" __global__ void group_pairs(const int* __restrict__ ids, int P, int E
 // group, h[p, rows] = silu(gate . x[xrow[p]]) * (up . x[xrow[p]]), each pair
 // with the operations of moe_gate_up_a4v (same bits), A4V_TILE_TOKENS
 // pairs at a time. Grid (as moe_gate_up_a4v's x, E), 256 threads, dynamic
-// shared memory A4V_TILE_TOKENS * 37 * H / 32 floats.
+// shared memory as a4v_tiles takes.
 template <int C, int R>
 __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restrict__ addr, u64 off0, u64 off1,
                                                 const int* __restrict__ goff, const int* __restrict__ list,
