@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Prefill on the GPU machine (binaries from `scripts/cuda_device_test.sh
+# build` in .devbin/): the synthetic 35B model's 512-token prompt, every
+# expert in VRAM, in 64- and 256-token passes (device routing, each twice)
+# and one token per pass (host routing); the generated tokens must be the
+# same; 256 decode tokens for scale; then where a 64-token pass's kernel
+# time goes (ncu, summed per kernel). Results under $OUT (one tarball, so
+# the device tool brings everything back).
+#
+#   device run(command="bash scripts/cuda_device_test.sh run; bash scripts/cuda_prefill_bench.sh", carry=[".devbin"])
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=.devbin
+OUT=${OUT:-/tmp/cuda_out}
+mkdir -p "$OUT"
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+W=$(mktemp -d)
+M=/tmp/m.slip
+[ -d $M ] || $B/slipstream synth --preset qwen3.6-35b-a3b --output $M > $W/synth.log 2>&1 \
+    || { echo "synth failed"; tail -5 $W/synth.log; exit 1; }
+P512=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(512)))")
+pf() { # name, env assignments...
+    local name=$1; shift
+    env "$@" $B/slipstream run --model $M --prompt-tokens "$P512" --max-new 16 --print-ids --backend cuda \
+        --resident > $W/pf_$name.ids 2> $W/pf_$name.log
+    echo "--- $name $*"
+    grep -h "^\[stats\]\|rror" $W/pf_$name.log
+}
+pf p64 SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf p256 SLIPSTREAM_CUDA_PASS_TOKENS=256
+pf p1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+pf p64b SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf p256b SLIPSTREAM_CUDA_PASS_TOKENS=256
+fail=0
+cmp -s $W/pf_p64.ids $W/pf_p1.ids && cmp -s $W/pf_p256.ids $W/pf_p1.ids \
+    && echo "prefill: generated tokens identical in 64-, 256- and one-token passes" \
+    || { echo "prefill: generated tokens DIFFER between pass lengths"; fail=1; }
+$B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids --backend cuda --resident \
+    > /dev/null 2> $W/decode.log
+grep -h "^\[stats\]" $W/decode.log
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+if [ -x "$NCU" ]; then
+    P64=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(64)))")
+    timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv $B/slipstream run --model $M \
+        --prompt-tokens "$P64" --max-new 1 --backend cuda --resident > $W/ncu64.csv 2>/dev/null
+    python3 - $W/ncu64.csv <<'PY'
+import collections, csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+h = rows[0]
+ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
+scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+tot, cnt = collections.Counter(), collections.Counter()
+for r in rows[1:]:
+    try:
+        v = float(r[vi].replace(",", "")) * scale[r[ui]]
+    except (ValueError, KeyError):
+        continue
+    name = r[ki].split("(")[0]
+    tot[name] += v
+    cnt[name] += 1
+s = sum(tot.values())
+print(f"ncu, 64-token pass + 1 decode step: kernel time {s / 1000:.2f} ms")
+for n, v in tot.most_common(14):
+    print(f"  {n}: {v / 1000:.2f} ms ({100 * v / s:.0f} %), {cnt[n]} launches")
+PY
+fi
+tar czf "$OUT/prefill.tgz" -C $W .
+exit $fail
