@@ -383,6 +383,11 @@ __device__ __forceinline__ void chunk_sums(const float* xs, int nch, float* sums
 // With A this sum and xs the sum of xv, sum_i c_i xv[i] = 32 A - 16 xs, so
 // scale * qx + bias * xs = (32 scale) A + (bias - 16 scale) xs
 // ([`chunk_dot`]): no per-code subtraction. Two chains per row for ILP.
+// Byte m of a pre-shifted word (lo = (w << 3) & 0x78787878 for the low
+// nibbles, hi = (w >> 1) & 0x78787878 for the high ones) as 0.5 + c / 32.
+__device__ __forceinline__ float code_f(u32 shifted, int m) {
+    return __uint_as_float(__byte_perm(shifted, 0x3F000000u, 0x7054u | (m << 8)));
+}
 __device__ __forceinline__ float chunk_a(uint4 q, const float* xv) {
     u32 w[4] = {q.x, q.y, q.z, q.w};
     float a0 = 0.0f, a1 = 0.0f;
@@ -392,8 +397,7 @@ __device__ __forceinline__ float chunk_a(uint4 q, const float* xv) {
         const u32 hi = (w[wi] >> 1) & 0x78787878u;
 #pragma unroll
         for (int m = 0; m < 4; m++) {
-            const float fl = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | (m << 8)));
-            const float fh = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | (m << 8)));
+            const float fl = code_f(lo, m), fh = code_f(hi, m);
             if (wi & 1) {
                 a1 = fmaf(fl, xv[wi * 8 + 2 * m], a1);
                 a1 = fmaf(fh, xv[wi * 8 + 2 * m + 1], a1);
@@ -406,9 +410,26 @@ __device__ __forceinline__ float chunk_a(uint4 q, const float* xv) {
     return a0 + a1;
 }
 
+// A chunk's scale * sum_i code_i xv[i] + bias * xs from chunk_a's sum a.
+__device__ __forceinline__ float chunk_combine(float a, float xs, float scale, float bias) {
+    return fmaf(32.0f * scale, a, fmaf(-16.0f, scale, bias) * xs);
+}
+
 // scale * sum_i code_i xv[i] + bias * xs for one chunk (see chunk_a).
 __device__ __forceinline__ float chunk_dot(uint4 q, const float* xv, float xs, float scale, float bias) {
-    return fmaf(32.0f * scale, chunk_a(q, xv), fmaf(-16.0f, scale, bias) * xs);
+    return chunk_combine(chunk_a(q, xv), xs, scale, bias);
+}
+
+// Makes n loaded code/scale/bias entries opaque to the compiler, so a loop
+// over tokens converts the codes in the loop instead of hoisting n * 32
+// converted floats out of it (registers).
+template <int N>
+__device__ __forceinline__ void launder_codes(uint4* q, u16* sr, u16* br) {
+#pragma unroll
+    for (int e = 0; e < N; e++) {
+        asm volatile("" : "+r"(q[e].x), "+r"(q[e].y), "+r"(q[e].z), "+r"(q[e].w));
+        asm volatile("" : "+h"(sr[e]), "+h"(br[e]));
+    }
 }
 
 // Sum over the L lanes of a row segment (L a power of two, <= 32).
@@ -531,8 +552,7 @@ __device__ __forceinline__ void tile_a4v_dot_tokens(const W* w, const float* xs,
                 const u32 hi = (word >> 1) & 0x78787878u;
 #pragma unroll
                 for (int m = 0; m < 4; m++) {
-                    const float fl = __uint_as_float(__byte_perm(lo, 0x3F000000u, 0x7054u | (m << 8)));
-                    const float fh = __uint_as_float(__byte_perm(hi, 0x3F000000u, 0x7054u | (m << 8)));
+                    const float fl = code_f(lo, m), fh = code_f(hi, m);
 #pragma unroll
                     for (int t = 0; t < T; t++) {
                         float& a = (wi & 1) ? a1[e][t] : a0[e][t];
@@ -548,7 +568,7 @@ __device__ __forceinline__ void tile_a4v_dot_tokens(const W* w, const float* xs,
 #pragma unroll
             for (int t = 0; t < T; t++) {
                 const float xsum = xs[t * region + 36 * nch + j];
-                acc[e / R][e % R][t] += fmaf(32.0f * scale, a0[e][t] + a1[e][t], fmaf(-16.0f, scale, bias) * xsum);
+                acc[e / R][e % R][t] += chunk_combine(a0[e][t] + a1[e][t], xsum, scale, bias);
             }
         }
     }
@@ -665,13 +685,7 @@ __device__ __forceinline__ void matvec_a4v_body(const W& w, const float* __restr
         // (computed, not written).
         auto rows = [&](int i, int u) { return x + (size_t)min(t0 + i * T + u, t0 + tn - 1) * w.cols; };
         a4v_tiles<T>(xs, w.cols, (tn + T - 1) / T, rows, [&](const float* cur, int i) {
-            // Opaque to the compiler per tile, so it converts the codes in
-            // the loop instead of hoisting R * C * 32 converted floats out.
-#pragma unroll
-            for (int e = 0; e < R * C; e++) {
-                asm volatile("" : "+r"(q[e].x), "+r"(q[e].y), "+r"(q[e].z), "+r"(q[e].w));
-                asm volatile("" : "+h"(sr[e]), "+h"(br[e]));
-            }
+            launder_codes<R * C>(q, sr, br);
             const int t = t0 + i * T;
             float o[1][R][T];
             tile_a4v_dot_tokens<C, R, 1, T>(&w, cur, li, L, q, sr, br, o);
@@ -889,12 +903,7 @@ __device__ __forceinline__ void gate_up_grouped(W gt, W ut, const u64* __restric
     // not written).
     auto rows = [&](int k, int u) { return x + (size_t)xrow[list[min(i0 + k * T + u, i1 - 1)]] * gt.cols; };
     a4v_tiles<T>(xs, gt.cols, (i1 - i0 + T - 1) / T, rows, [&](const float* cur, int k) {
-        // Opaque per tile, so the conversions stay in the loop (registers).
-#pragma unroll
-        for (int j = 0; j < 2 * R * C; j++) {
-            asm volatile("" : "+r"(q[j].x), "+r"(q[j].y), "+r"(q[j].z), "+r"(q[j].w));
-            asm volatile("" : "+h"(sr[j]), "+h"(br[j]));
-        }
+        launder_codes<2 * R * C>(q, sr, br);
         const int i = i0 + k * T;
         float o[2][R][T];
         tile_a4v_dot_tokens<C, R, 2, T>(w, cur, li, L, q, sr, br, o);
