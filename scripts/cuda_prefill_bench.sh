@@ -2,9 +2,10 @@
 # Prefill on the GPU machine (binaries from `scripts/cuda_device_test.sh
 # build` in .devbin/): the synthetic 35B model's 512-token prompt, every
 # expert in VRAM, in 64- and 256-token passes (device routing, each twice)
-# and one token per pass (host routing); the generated tokens must be the
-# same; 256 decode tokens for scale; then where a 64-token pass's kernel
-# time goes (ncu, summed per kernel). Results under $OUT (one tarball, so
+# and one token per pass (host routing), on the default kernels and on the
+# tensor-core ones; the generated tokens' logits must be the same bits at
+# every pass length; 256 decode tokens for scale; then where a 64-token
+# pass's kernel time goes (ncu, summed per kernel). Results under $OUT (one tarball, so
 # the device tool brings everything back).
 #
 #   device run(command="bash scripts/cuda_device_test.sh run; bash scripts/cuda_prefill_bench.sh", carry=[".devbin"])
@@ -24,7 +25,7 @@ P512=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(51
 pf() { # name, env assignments...
     local name=$1; shift
     env "$@" $B/slipstream run --model $M --prompt-tokens "$P512" --max-new 16 --print-ids --backend cuda \
-        --resident > $W/pf_$name.ids 2> $W/pf_$name.log
+        --resident --dump-logits /tmp/pf_$name.npy > $W/pf_$name.ids 2> $W/pf_$name.log
     echo "--- $name $*"
     grep -h "^\[stats\]\|rror" $W/pf_$name.log
 }
@@ -37,15 +38,43 @@ fail=0
 cmp -s $W/pf_p64.ids $W/pf_p1.ids && cmp -s $W/pf_p256.ids $W/pf_p1.ids \
     && echo "prefill: generated tokens identical in 64-, 256- and one-token passes" \
     || { echo "prefill: generated tokens DIFFER between pass lengths"; fail=1; }
-$B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids --backend cuda --resident \
-    > /dev/null 2> $W/decode.log
-grep -h "^\[stats\]" $W/decode.log
+# The tensor-core kernels (SLIPSTREAM_CUDA_TC=1): prefill in 64- and
+# 256-token passes on their multi-token forms, and one token per pass;
+# the generated tokens' logits must be the same bits in all three, and
+# the prompt's last position within 1e-3 (relative) of the default kernels'.
+pf tc64 SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf tc256 SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=256
+pf tc1 SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+pf tc64b SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf tc256b SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=256
+python3 - <<'PY' || fail=1
+import sys, numpy as np
+l = {k: np.load(f"/tmp/pf_{k}.npy") for k in ["p64", "p256", "p1", "tc64", "tc256", "tc1"]}
+bits = lambda a, b: bool(np.array_equal(l[a], l[b]))
+# The first row (the prompt's last position): later rows follow generated tokens, which may differ.
+rel = float(np.abs(l["tc64"][0] - l["p64"][0]).max() / np.abs(l["p64"][0]).max())
+ok = bits("p64", "p1") and bits("p256", "p1") and bits("tc64", "tc1") and bits("tc256", "tc1") and rel < 1e-3
+print(f"prefill logits (16 generated tokens): default 64/256 == 1-token passes: {bits('p64', 'p1')}, {bits('p256', 'p1')}; "
+      f"tensor cores 64/256 == 1-token passes: {bits('tc64', 'tc1')}, {bits('tc256', 'tc1')}; "
+      f"tensor cores vs default, last prompt position, max rel err {rel:.2e}: {'ok' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+PY
+rm -f /tmp/pf_*.npy
+for tc in 0 1; do
+    SLIPSTREAM_CUDA_TC=$tc $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids \
+        --backend cuda --resident > /dev/null 2> $W/decode$tc.log
+    echo "--- decode, SLIPSTREAM_CUDA_TC=$tc"
+    grep -h "^\[stats\]" $W/decode$tc.log
+done
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 if [ -x "$NCU" ]; then
     P64=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(64)))")
-    timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv $B/slipstream run --model $M \
-        --prompt-tokens "$P64" --max-new 1 --backend cuda --resident > $W/ncu64.csv 2>/dev/null
-    python3 - $W/ncu64.csv <<'PY'
+    for tc in 0 1; do
+    SLIPSTREAM_CUDA_TC=$tc timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
+        $B/slipstream run --model $M --prompt-tokens "$P64" --max-new 1 --backend cuda --resident \
+        > $W/ncu64_$tc.csv 2>/dev/null
+    echo "--- SLIPSTREAM_CUDA_TC=$tc"
+    python3 - $W/ncu64_$tc.csv <<'PY'
 import collections, csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
 h = rows[0]
@@ -65,6 +94,7 @@ print(f"ncu, 64-token pass + 1 decode step: kernel time {s / 1000:.2f} ms")
 for n, v in tot.most_common(14):
     print(f"  {n}: {v / 1000:.2f} ms ({100 * v / s:.0f} %), {cnt[n]} launches")
 PY
+    done
 fi
 tar czf "$OUT/prefill.tgz" -C $W .
 exit $fail

@@ -16,7 +16,7 @@ mod model;
 pub use model::{CudaModel, CudaOptions, CudaStats};
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUevent_flags, CUfunction};
 use cudarc::driver::{
@@ -317,6 +317,11 @@ struct Funcs {
     moe_gate_up_tc: CudaFunction,
     matvec_tc: CudaFunction,
     moe_down_tc: CudaFunction,
+    /// Prefill on tensor cores: rows split into the staged form once per
+    /// pass, then the dense and grouped gate/up products over many tokens.
+    tc_split: CudaFunction,
+    matvec_tc_t: CudaFunction,
+    moe_gate_up_tc_grouped: CudaFunction,
     /// Prefill: pairs grouped by expert, gate/up over each group.
     group_pairs: CudaFunction,
     moe_gate_up_grouped: [CudaFunction; 3],
@@ -421,6 +426,9 @@ pub struct Gpu {
     /// `moe_gate_up_grouped_*`) may take; larger rows run the per-token
     /// kernels (same bits).
     tiles_smem_max: usize,
+    /// Scratch of the tensor-core prefill forms: a pass's input rows in
+    /// the staged form (`tc_split`), grown on demand.
+    tc_split_buf: Mutex<Option<DBuf>>,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -509,6 +517,9 @@ impl Gpu {
             moe_gate_up_tc: lf("moe_gate_up_tc")?,
             matvec_tc: lf("matvec_tc")?,
             moe_down_tc: lf("moe_down_tc")?,
+            tc_split: lf("tc_split")?,
+            matvec_tc_t: lf("matvec_tc_t")?,
+            moe_gate_up_tc_grouped: lf("moe_gate_up_tc_grouped")?,
             moe_gate_up_a4v: lf3("moe_gate_up_a4v")?,
             moe_down_a4v: lf("moe_down_a4v")?,
             moe_down_a4v_t: lf("moe_down_a4v_t")?,
@@ -570,6 +581,7 @@ impl Gpu {
             split,
             pdl: maj >= 9,
             tiles_smem_max,
+            tc_split_buf: Mutex::new(None),
         })
     }
 
@@ -783,8 +795,32 @@ impl Gpu {
     /// `y[t, :] = W x[t, :]` for `n` tokens; `x` holds `n * cols` f32 at
     /// address `x`, `y` `n * rows`.
     pub fn matvec(&self, w: &WDesc, x: u64, y: u64, n: usize) -> Result<()> {
-        if n == 1 && self.matvec_on_tensor_cores(w) {
-            return self.matvec_tc(&[w], x, &[y]);
+        if self.matvec_on_tensor_cores(w) {
+            if n == 1 {
+                return self.matvec_tc(&[w], x, &[y]);
+            }
+            // Each token the bits of its one-token launch above.
+            let (xs, gs) = self.tc_split(x, w.cols(), n)?;
+            let grid = (
+                n.div_ceil(2 * TC_PAIRS) as u32,
+                w.rows().div_ceil(32) as u32,
+                1,
+            );
+            if grid.1 as usize <= GRID_Y_MAX {
+                let n_i = n as i32;
+                return self.go_smem(
+                    &self.f.matvec_tc_t,
+                    grid,
+                    256,
+                    TC_T_SMEM as u32,
+                    &mut args!(w, &xs, &gs, &y, &n_i),
+                );
+            }
+            for t in 0..n {
+                let (xt, yt) = (x + (4 * t * w.cols()) as u64, y + (4 * t * w.rows()) as u64);
+                self.matvec_tc(&[w], xt, &[yt])?;
+            }
+            return Ok(());
         }
         if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_multiple_of(16)) {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
@@ -895,6 +931,36 @@ impl Gpu {
             && w.cols().is_multiple_of(256)
             && tc_smem_quarters(w.cols()) <= TC_SMEM_MAX
             && w.codes.is_multiple_of(8)
+    }
+
+    /// Splits `n` rows of `cols` f32 at `x` (cols a multiple of 64) into
+    /// the tensor-core kernels' staged form in this GPU's scratch: returns
+    /// the addresses of the bf16 parts (`[n][cols / 64][48]` u32 pairs) and
+    /// of the group sums (`[n][cols / 64]` f32). The scratch stays valid
+    /// until the next call on this stream (a larger one first waits for
+    /// the stream, then reallocates).
+    fn tc_split(&self, x: u64, cols: usize, n: usize) -> Result<(u64, u64)> {
+        let ng = cols / 64;
+        let (parts, sums) = (n * ng * 48 * 8, n * ng * 4);
+        let mut buf = self
+            .tc_split_buf
+            .lock()
+            .map_err(|_| CudaError::Invalid("tensor-core scratch poisoned".into()))?;
+        if buf.as_ref().is_none_or(|b| b.bytes < parts + sums) {
+            self.stream.synchronize()?;
+            // At least a full pass of the widest rows the kernels take.
+            *buf = Some(self.alloc((parts + sums).max(256 * 2048 / 64 * (48 * 8 + 4)))?);
+        }
+        let b = buf.as_ref().map_or(0, |b| b.ptr);
+        let (cols_i, grid) = (cols as i32, (ng.div_ceil(8) as u32, n as u32, 1));
+        let gs = b + parts as u64;
+        self.go(
+            &self.f.tc_split,
+            grid,
+            256,
+            &mut args!(&x, &cols_i, &b, &gs),
+        )?;
+        Ok((b, gs))
     }
 
     /// One launch of `matvec_tc` over up to 4 matrices of the same columns
@@ -1102,16 +1168,7 @@ impl Gpu {
                 smem_gu,
                 &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xn, &h),
             )?;
-            let smem_d = tc_smem_ranks(dt.cols()) as u32;
-            let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
-            let ki = k as i32;
-            return self.go_smem(
-                &self.f.moe_down_tc,
-                grid,
-                256,
-                smem_d,
-                &mut args!(dt, &bases[2], &h, &wts, &ki, &shared.0, &shared.1, &x),
-            );
+            return self.moe_down_tc(dt, bases[2], h, wts, k, shared, x, tokens);
         }
         self.moe_gate_up(gt, ut, bases[0], bases[1], xrow, xn, h, pairs)?;
         self.moe_down(dt, bases[2], h, wts, k, shared.0, shared.1, x, tokens)
@@ -1151,7 +1208,8 @@ impl Gpu {
         let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) else {
             return Ok(false);
         };
-        if fused || tc || e > 1024 || a4v_tiles_smem(gt.cols()) > self.tiles_smem_max {
+        let tiles_fit = a4v_tiles_smem(gt.cols()) <= self.tiles_smem_max;
+        if fused || e > 1024 || !(tc || tiles_fit) {
             return Ok(false);
         }
         let (off, list) = grp;
@@ -1165,13 +1223,41 @@ impl Gpu {
             1024,
             &mut args!(&ids, &p_i, &e_i, &off.ptr, &list.ptr),
         )?;
+        let (o0, o1) = (route.offsets[0], route.offsets[1]);
+        let dbase = route.out + 16 * pairs as u64;
+        if tc {
+            // Each pair's h the bits of its moe_gate_up_tc block; the down
+            // projections as moe_experts runs them on tensor cores.
+            let (xs, gs) = self.tc_split(xn, gt.cols(), tokens)?;
+            let grid = (gt.rows().div_ceil(16) as u32, e as u32, 1);
+            self.go_smem(
+                &self.f.moe_gate_up_tc_grouped,
+                grid,
+                256,
+                TC_T_SMEM as u32,
+                &mut args!(
+                    gt,
+                    ut,
+                    &route.addr,
+                    &o0,
+                    &o1,
+                    &off.ptr,
+                    &list.ptr,
+                    &xrow,
+                    &xs,
+                    &gs,
+                    &h
+                ),
+            )?;
+            self.moe_down_tc(dt, dbase, h, wts, k, shared, x, tokens)?;
+            return Ok(true);
+        }
         let r_lane = if self.split { (2 / c).max(1) } else { 4 / c };
         let grid = (
             gt.rows().div_ceil(gt.a4v_block_rows(r_lane)) as u32,
             e as u32,
             1,
         );
-        let (o0, o1) = (route.offsets[0], route.offsets[1]);
         self.go_smem(
             &self.f.moe_gate_up_grouped[c.trailing_zeros() as usize],
             grid,
@@ -1190,9 +1276,33 @@ impl Gpu {
                 &h
             ),
         )?;
-        let dbase = route.out + 16 * pairs as u64;
         self.moe_down(dt, dbase, h, wts, k, shared.0, shared.1, x, tokens)?;
         Ok(true)
+    }
+
+    /// `moe_down_tc` over `tokens` tokens (bases at `dbase`, `[tokens, k]`).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_down_tc(
+        &self,
+        dt: &WDesc,
+        dbase: u64,
+        h: u64,
+        wts: u64,
+        k: usize,
+        shared: (u64, u64),
+        x: u64,
+        tokens: usize,
+    ) -> Result<()> {
+        let smem_d = tc_smem_ranks(dt.cols()) as u32;
+        let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
+        let ki = k as i32;
+        self.go_smem(
+            &self.f.moe_down_tc,
+            grid,
+            256,
+            smem_d,
+            &mut args!(dt, &dbase, &h, &wts, &ki, &shared.0, &shared.1, &x),
+        )
     }
 
     /// Whether [`Gpu::moe_experts`] runs these parts (gate, up, down) with
@@ -1629,6 +1739,11 @@ const TC_SMEM_MAX: usize = 48 * 1024;
 /// Bytes of `moe_gate_up_tc`'s / `matvec_tc`'s column-quarter sums
 /// (`[2 tiles][4 quarters][32 lanes][4]` f32).
 const TC_QUARTER_SUMS: usize = 2 * 4 * 32 * 4 * 4;
+/// Token pairs of a tensor-core prefill block (`TC_PAIRS` in decode.cu).
+const TC_PAIRS: usize = 4;
+/// Dynamic shared memory of the tensor-core prefill forms: their column
+/// quarters' sums (`TC_T_SMEM`: `[TC_PAIRS][2][4][32][4]` f32).
+const TC_T_SMEM: usize = TC_PAIRS * TC_QUARTER_SUMS;
 /// Bytes of `moe_down_tc`'s per-rank row sums (`[8 ranks][16 rows]` f32).
 const TC_RANK_SUMS: usize = 8 * 16 * 4;
 

@@ -154,9 +154,6 @@ fn wide_a4_case(g: &Gpu) {
             let got = g.read_f32(&dy, 0, n * rows).unwrap();
             let e = rel_err(&got, &want);
             assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
-            if g.tensor_cores {
-                continue;
-            }
             // A prefill pass (more tokens than one block runs, ragged): each
             // token the bits of its own one-token launch.
             let n = 37;
@@ -462,12 +459,19 @@ fn routed_experts_in_one_launch_match_scalar() {
 /// A prefill pass's experts grouped by expert (`moe_experts_grouped`: each
 /// expert's gate/up loaded once for all its pairs) give the bits of the
 /// per-pair launches (`moe_experts`), with experts shared by several
-/// tokens, experts used by none, and ragged token counts.
+/// tokens, experts used by none, and ragged token counts; on the a4v
+/// kernels, then on the tensor-core ones where they take the shape.
 #[test]
 fn grouped_experts_match_per_pair_launches() {
     let Some(mut g) = gpu() else { return };
     g.fused = false;
-    g.tensor_cores = false;
+    for tc in [false, true] {
+        g.tensor_cores = tc;
+        grouped_case(&g);
+    }
+}
+
+fn grouped_case(g: &Gpu) {
     let mut rng = Rng64::seed_from_u64(12);
     let align = |n: usize| n.div_ceil(256) * 256;
     for (q, h, inter, k, e, tokens, shared) in [
@@ -482,6 +486,8 @@ fn grouped_experts_match_per_pair_launches() {
         ),
         (QuantType::Q4, 2048, 512, 8, 20, 5, true),
         (QuantType::Q4, 1024, 1024, 2, 6, 9, false),
+        // Many pairs per expert: several tiles of pairs per block.
+        (QuantType::Q4, 512, 256, 3, 4, 37, true),
         (
             QuantType::Affine {
                 bits: 4,

@@ -1491,6 +1491,236 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc(MULTI_ARGS) {
     }
 }
 
+// ---- Tensor-core prefill forms: the one-token tensor-core kernels' per-row
+// operations, over many tokens at once. Their input rows are split once per
+// pass (tc_split) into the staged form each one-token kernel's warps build
+// in shared memory (tc_stage_warp, the same function, so the same bits),
+// and the B fragments are read from there. Two tokens share an mma: token
+// 2p's parts in B columns 0-2, token 2p + 1's in columns 3-5, each output
+// column the dot product of its own B column (column 3 of token 2p + 1 is
+// what column 0 would be for it alone); every other operation is the
+// one-token kernel's, per column, in the same order. The kernel tests check
+// each token's bits against its one-token launch.
+
+// Rows x [n, cols] (cols % 64 == 0) in the staged form: xs [n][cols / 64][48]
+// bf16-pair entries (tc_stage_warp's layout), gs [n][cols / 64] group sums.
+// Grid (ceil(cols / 512), n), 256 threads: warp w stages group
+// blockIdx.x * 8 + w of token blockIdx.y.
+extern "C" __global__ void tc_split(const float* __restrict__ x, int cols, uint2* __restrict__ xs,
+                                    float* __restrict__ gs) {
+    PDL_START();
+    const int t = blockIdx.y, ng = cols >> 6;
+    const int g = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (g >= ng) return;
+    tc_stage_warp(x + (size_t)t * cols, g, 1, xs + ((size_t)t * ng + g) * 48, gs + (size_t)t * ng + g, lane);
+}
+
+// Token pairs a prefill tensor-core block computes at once.
+#define TC_PAIRS 4
+// Groups whose weights a prefill tensor-core warp loads ahead.
+#define TC_T_GCHUNK 4
+
+// tc_tile over TC_PAIRS token pairs: tokens tok[0 .. 2 TC_PAIRS) of the
+// split rows (xs, gsum: tc_split's output over rows of ng groups). acc[p]
+// holds pair p's accumulators: token 2p's columns 0-2 as tc_tile's
+// (lanes c = 0, 1), token 2p + 1's columns 3-5 (lanes c = 1, 2). `wait`
+// runs once, after the first groups' weight loads are issued and before
+// xs is read.
+template <typename Wait>
+__device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
+                                          const uint2* __restrict__ xs, const float* __restrict__ gsum, int ng,
+                                          const int* tok, int lane, float (*acc)[4], Wait wait) {
+    const int c = lane & 3, nb = lane >> 2, cols = wa.cols;
+    const uint2* ca = (const uint2*)(wa.codes + (size_t)ra * cols / 2) + c;
+    const uint2* cb = (const uint2*)(wb.codes + (size_t)rb * cols / 2) + c;
+    const u16* sa = wa.scales + (size_t)ra * ng;
+    const u16* ba = wa.biases + (size_t)ra * ng;
+    const u16* sb = wb.scales + (size_t)rb * ng;
+    const u16* bb = wb.biases + (size_t)rb * ng;
+    const int bf = wa.scale_bf16;
+    // This lane's B column: part nb % 3 of token 2p + nb / 3 (lanes nb >= 6
+    // hold the zero columns 6-7); its group sums: token 2p (c = 0) or
+    // 2p + 1 (c = 1), the lanes that add a bias term.
+    const uint2* xb[TC_PAIRS];
+    const float* gp[TC_PAIRS];
+#pragma unroll
+    for (int p = 0; p < TC_PAIRS; p++) {
+        xb[p] = xs + (size_t)tok[2 * p + (nb >= 3)] * ng * 48 + c * 3 + (nb % 3);
+        gp[p] = gsum + (size_t)tok[2 * p + (c & 1)] * ng;
+    }
+    bool waited = false;
+    for (int k0 = 0; k0 < gn; k0 += TC_T_GCHUNK) {
+        uint2 qa[TC_T_GCHUNK], qb[TC_T_GCHUNK];
+        u16 ssa[TC_T_GCHUNK], sba[TC_T_GCHUNK], ssb[TC_T_GCHUNK], sbb[TC_T_GCHUNK];
+#pragma unroll
+        for (int j = 0; j < TC_T_GCHUNK; j++) {
+            const int g = g0 + min(k0 + j, gn - 1);
+            qa[j] = __ldg(ca + g * 4);
+            qb[j] = __ldg(cb + g * 4);
+            ssa[j] = __ldg(sa + g);
+            sba[j] = __ldg(ba + g);
+            ssb[j] = __ldg(sb + g);
+            sbb[j] = __ldg(bb + g);
+        }
+        if (!waited) {
+            wait();
+            waited = true;
+        }
+#pragma unroll
+        for (int j = 0; j < TC_T_GCHUNK; j++) {
+            if (k0 + j >= gn) break;
+            const int g = g0 + k0 + j;
+            uint2 b[TC_PAIRS][4];
+#pragma unroll
+            for (int p = 0; p < TC_PAIRS; p++)
+#pragma unroll
+                for (int st = 0; st < 4; st++) b[p][st] = nb < 6 ? xb[p][g * 48 + st * 12] : make_uint2(0u, 0u);
+            float d[TC_PAIRS][4];
+#pragma unroll
+            for (int p = 0; p < TC_PAIRS; p++) d[p][0] = d[p][1] = d[p][2] = d[p][3] = 0.0f;
+#pragma unroll
+            for (int st = 0; st < 4; st++) {
+                const u32 a0 = tc_nib2(qa[j].x, st), a1 = tc_nib2(qb[j].x, st);
+                const u32 a2 = tc_nib2(qa[j].y, st), a3 = tc_nib2(qb[j].y, st);
+#pragma unroll
+                for (int p = 0; p < TC_PAIRS; p++) tc_mma(d[p], a0, a1, a2, a3, b[p][st].x, b[p][st].y);
+            }
+            const float fa = half_val(ssa[j], bf), fb = half_val(ssb[j], bf);
+            const float ta = fmaf(-128.0f, fa, half_val(sba[j], bf));
+            const float tb = fmaf(-128.0f, fb, half_val(sbb[j], bf));
+#pragma unroll
+            for (int p = 0; p < TC_PAIRS; p++) {
+                acc[p][0] = fmaf(fa, d[p][0], acc[p][0]);
+                acc[p][1] = fmaf(fa, d[p][1], acc[p][1]);
+                acc[p][2] = fmaf(fb, d[p][2], acc[p][2]);
+                acc[p][3] = fmaf(fb, d[p][3], acc[p][3]);
+                const float s = c < 2 ? gp[p][g] : 0.0f;
+                if (c == 0) {
+                    acc[p][0] = fmaf(ta, s, acc[p][0]);
+                    acc[p][2] = fmaf(tb, s, acc[p][2]);
+                } else if (c == 1) {
+                    acc[p][1] = fmaf(ta, s, acc[p][1]);
+                    acc[p][3] = fmaf(tb, s, acc[p][3]);
+                }
+            }
+        }
+    }
+    if (!waited) wait();
+}
+
+// The column quarters of a prefill block's two tiles summed in order for
+// every pair (tc_quarters' sums, red [TC_PAIRS][2][4][32][4] f32), then
+// the rows' dot products: token 2p's in lanes c = 0, token 2p + 1's in
+// lanes c = 1 (va[p] row a, vb[p] row b), tc_rows_out's operations on
+// each token's three columns. True in the quarter-0 warps. Every thread
+// of the block calls it; it leaves `red` free for the next call.
+__device__ __forceinline__ bool tc_quarters_t(float* red, int tile, int quarter, int lane, float (*acc)[4],
+                                              float* va, float* vb) {
+#pragma unroll
+    for (int p = 0; p < TC_PAIRS; p++) {
+        float* my = red + (((p * 2 + tile) * 4 + quarter) * 32 + lane) * 4;
+#pragma unroll
+        for (int e = 0; e < 4; e++) my[e] = acc[p][e];
+    }
+    __syncthreads();
+    const bool out = quarter == 0;
+    if (out) {
+        const bool second = (lane & 3) == 1;
+#pragma unroll
+        for (int p = 0; p < TC_PAIRS; p++) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float a = 0.0f;
+                for (int q = 0; q < 4; q++) a += red[(((p * 2 + tile) * 4 + q) * 32 + lane) * 4 + e];
+                v[e] = a;
+            }
+            const float s0 = __shfl_down_sync(0xffffffffu, v[0], 1);
+            const float s1 = __shfl_down_sync(0xffffffffu, v[1], 1);
+            const float s2 = __shfl_down_sync(0xffffffffu, v[2], 1);
+            const float s3 = __shfl_down_sync(0xffffffffu, v[3], 1);
+            // Token 2p: (col 0 + col 1) + col 2; token 2p + 1: (col 3 + col 4) + col 5.
+            va[p] = second ? (v[1] + s0) + s1 : (v[0] + v[1]) + s0;
+            vb[p] = second ? (v[3] + s2) + s3 : (v[2] + v[3]) + s2;
+        }
+    }
+    __syncthreads();
+    return out;
+}
+
+// Bytes of tc_quarters_t's sums (TC_PAIRS x 2 tiles x 4 quarters x 32 x 4 f32).
+#define TC_T_SMEM (TC_PAIRS * 2 * 4 * 32 * 4 * 4)
+
+// matvec_tc over a pass: y[t, r] = W[r, :] . x[t, :] for n tokens split by
+// tc_split (xs, gs), each token's row the bits of its one-token matvec_tc.
+// Grid (ceil(n / (2 TC_PAIRS)), ceil(rows / 32)), 256 threads, TC_T_SMEM
+// bytes of dynamic shared memory; the blocks of one row block (same
+// weights) are adjacent in launch order.
+extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* __restrict__ xs,
+                                                              const float* __restrict__ gs, float* __restrict__ y,
+                                                              int n) {
+    PDL_TRIGGER();
+    const int cols = w.cols, ng = cols >> 6, rows = w.rows, gpq = ng >> 2;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = warp >> 2, quarter = warp & 3;
+    const int t0 = blockIdx.x * 2 * TC_PAIRS;
+    int tok[2 * TC_PAIRS];
+#pragma unroll
+    for (int u = 0; u < 2 * TC_PAIRS; u++) tok[u] = min(t0 + u, n - 1);
+    const int ra_raw = blockIdx.y * 32 + tile * 16 + (lane >> 2);
+    const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
+    float acc[TC_PAIRS][4] = {};
+    tc_tile_t(w, ra, w, rb, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() { PDL_WAIT(); });
+    float va[TC_PAIRS], vb[TC_PAIRS];
+    if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, va, vb) && (lane & 3) < 2) {
+#pragma unroll
+        for (int p = 0; p < TC_PAIRS; p++) {
+            const int t = t0 + 2 * p + (lane & 3);
+            if (t >= n) continue;
+            if (ra_raw < rows) y[(size_t)t * rows + ra_raw] = va[p];
+            if (ra_raw + 8 < rows) y[(size_t)t * rows + ra_raw + 8] = vb[p];
+        }
+    }
+}
+
+// moe_gate_up_tc over pairs grouped by expert (prefill; group_pairs gives
+// goff, list): block (bx, e) runs rows bx of expert e's gate and up (the
+// record at addr[e], parts at off0 / off1) over every pair of its group,
+// 2 TC_PAIRS pairs at a time, x rows split by tc_split (xs, gs; pair p's
+// row xrow[p]); each pair's h the bits of its moe_gate_up_tc block. Grid
+// (ceil(I / 16), E), 256 threads, TC_T_SMEM bytes of dynamic shared memory.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc_grouped(
+    W gt, W ut, const u64* __restrict__ addr, u64 off0, u64 off1, const int* __restrict__ goff,
+    const int* __restrict__ list, const int* __restrict__ xrow, const uint2* __restrict__ xs,
+    const float* __restrict__ gs, float* __restrict__ h) {
+    PDL_EXPERTS_START();
+    const int e = blockIdx.y;
+    const int i0 = goff[e], i1 = goff[e + 1];
+    if (i0 >= i1) return;
+    const int cols = gt.cols, ng = cols >> 6, I = gt.rows, gpq = ng >> 2;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tile = warp >> 2, quarter = warp & 3;
+    const W g = at_base_a4(gt, (const u8*)(addr[e] + off0));
+    const W u = at_base_a4(ut, (const u8*)(addr[e] + off1));
+    const int row_raw = blockIdx.x * 16 + tile * 8 + (lane >> 2);
+    const int row = min(row_raw, I - 1);
+    for (int i = i0; i < i1; i += 2 * TC_PAIRS) {
+        int tok[2 * TC_PAIRS];
+#pragma unroll
+        for (int v = 0; v < 2 * TC_PAIRS; v++) tok[v] = xrow[list[min(i + v, i1 - 1)]];
+        float acc[TC_PAIRS][4] = {};
+        tc_tile_t(g, row, u, row, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() {});
+        float gv[TC_PAIRS], uv[TC_PAIRS];
+        if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, gv, uv) && (lane & 3) < 2 && row_raw < I) {
+#pragma unroll
+            for (int p = 0; p < TC_PAIRS; p++) {
+                const int k = i + 2 * p + (lane & 3);
+                if (k < i1) h[(size_t)list[k] * I + row_raw] = siluf_(gv[p]) * uv[p];
+            }
+        }
+    }
+}
+
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
 // per row; grid (ceil(rows / 8), n).
 extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __restrict__ y) {
