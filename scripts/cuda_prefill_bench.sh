@@ -22,45 +22,53 @@ M=/tmp/m.slip
 [ -d $M ] || $B/slipstream synth --preset qwen3.6-35b-a3b --output $M > $W/synth.log 2>&1 \
     || { echo "synth failed"; tail -5 $W/synth.log; exit 1; }
 P512=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(512)))")
-pf() { # name, env assignments...
-    local name=$1; shift
+pf() { # name, cache flags, env assignments...
+    local name=$1 cache=$2; shift 2
     env "$@" $B/slipstream run --model $M --prompt-tokens "$P512" --max-new 16 --print-ids --backend cuda \
-        --resident --dump-logits /tmp/pf_$name.npy > $W/pf_$name.ids 2> $W/pf_$name.log
+        $cache --dump-logits /tmp/pf_$name.npy > $W/pf_$name.ids 2> $W/pf_$name.log
     echo "--- $name $*"
     grep -h "^\[stats\]\|rror" $W/pf_$name.log
 }
-pf p64 SLIPSTREAM_CUDA_PASS_TOKENS=64
-pf p256 SLIPSTREAM_CUDA_PASS_TOKENS=256
-pf p1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
-pf p64b SLIPSTREAM_CUDA_PASS_TOKENS=64
-pf p256b SLIPSTREAM_CUDA_PASS_TOKENS=256
+R=--resident
+# Default kernels (tensor cores for the prompt, a4v for generated tokens).
+pf p64 $R SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf p256 $R SLIPSTREAM_CUDA_PASS_TOKENS=256
+pf p1 $R SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+pf p64b $R SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf p256b $R SLIPSTREAM_CUDA_PASS_TOKENS=256
+# 64 VRAM slots per layer (4.5 GB of experts): host routing, one token per
+# pass, misses from the host.
+pf s64 "--vram-slots 64"
 fail=0
-cmp -s $W/pf_p64.ids $W/pf_p1.ids && cmp -s $W/pf_p256.ids $W/pf_p1.ids \
-    && echo "prefill: generated tokens identical in 64-, 256- and one-token passes" \
-    || { echo "prefill: generated tokens DIFFER between pass lengths"; fail=1; }
+cmp -s $W/pf_p64.ids $W/pf_p1.ids && cmp -s $W/pf_p256.ids $W/pf_p1.ids && cmp -s $W/pf_s64.ids $W/pf_p1.ids \
+    && echo "prefill: generated tokens identical in 64-, 256- and one-token passes and at 64 slots" \
+    || { echo "prefill: generated tokens DIFFER between pass lengths or slot counts"; fail=1; }
+# Every pass on the CUDA-core kernels (the previous default).
+pf a64 $R SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf a256 $R SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 # The tensor-core kernels (SLIPSTREAM_CUDA_TC=1): prefill in 64- and
 # 256-token passes on their multi-token forms, and one token per pass;
 # the generated tokens' logits must be the same bits in all three, and
 # the prompt's last position within 1e-3 (relative) of the default kernels'.
-pf tc64 SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
-pf tc256 SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=256
-pf tc1 SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
-pf tc64b SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
-pf tc256b SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=256
+pf tc64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
+pf tc256 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=256
+pf tc1 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
 python3 - <<'PY' || fail=1
 import sys, numpy as np
-l = {k: np.load(f"/tmp/pf_{k}.npy") for k in ["p64", "p256", "p1", "tc64", "tc256", "tc1"]}
+l = {k: np.load(f"/tmp/pf_{k}.npy") for k in ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc256", "tc1"]}
 bits = lambda a, b: bool(np.array_equal(l[a], l[b]))
 # The first row (the prompt's last position): later rows follow generated tokens, which may differ.
-rel = float(np.abs(l["tc64"][0] - l["p64"][0]).max() / np.abs(l["p64"][0]).max())
-ok = bits("p64", "p1") and bits("p256", "p1") and bits("tc64", "tc1") and bits("tc256", "tc1") and rel < 1e-3
-print(f"prefill logits (16 generated tokens): default 64/256 == 1-token passes: {bits('p64', 'p1')}, {bits('p256', 'p1')}; "
-      f"tensor cores 64/256 == 1-token passes: {bits('tc64', 'tc1')}, {bits('tc256', 'tc1')}; "
-      f"tensor cores vs default, last prompt position, max rel err {rel:.2e}: {'ok' if ok else 'FAIL'}")
+rel = float(np.abs(l["a64"][0] - l["p64"][0]).max() / np.abs(l["a64"][0]).max())
+ok = all(bits(a, b) for a, b in [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tc256", "tc1")])
+ok &= rel < 1e-3
+print(f"prefill logits (16 generated tokens): default 64/256-token passes and 64 slots == 1-token passes: "
+      f"{bits('p64', 'p1')}, {bits('p256', 'p1')}, {bits('s64', 'p1')}; a4v 64 == 256: {bits('a64', 'a256')}; "
+      f"tensor cores everywhere 64/256 == 1: {bits('tc64', 'tc1')}, {bits('tc256', 'tc1')}; "
+      f"prompt on tensor cores vs a4v, last prompt position, max rel err {rel:.2e}: {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
 rm -f /tmp/pf_*.npy
-for tc in 0 1; do
+for tc in prompt 0 1; do
     SLIPSTREAM_CUDA_TC=$tc $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids \
         --backend cuda --resident > /dev/null 2> $W/decode$tc.log
     echo "--- decode, SLIPSTREAM_CUDA_TC=$tc"
@@ -69,7 +77,7 @@ done
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 if [ -x "$NCU" ]; then
     P64=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(64)))")
-    for tc in 0 1; do
+    for tc in prompt 0; do
     SLIPSTREAM_CUDA_TC=$tc timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
         $B/slipstream run --model $M --prompt-tokens "$P64" --max-new 1 --backend cuda --resident \
         > $W/ncu64_$tc.csv 2>/dev/null

@@ -13,7 +13,7 @@
 
 mod model;
 
-pub use model::{CudaModel, CudaOptions, CudaStats};
+pub use model::{CudaModel, CudaOptions, CudaStats, TensorCoreUse};
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};

@@ -60,6 +60,34 @@ pub struct CudaOptions {
     pub policy: PolicyKind,
 }
 
+/// Which passes run the tensor-core 4-bit kernels where they apply
+/// (`SLIPSTREAM_CUDA_TC`: `0`, `prompt`, `1`). A token's arithmetic follows
+/// only from whether it is a prompt token or a generated one, never from
+/// the cache size or the pass length, so every slot count still gives the
+/// same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorCoreUse {
+    /// Every pass on the CUDA-core (a4v) kernels (`0`).
+    Never,
+    /// Prompt passes on the tensor cores (their multi-token forms take a
+    /// pass's tokens two per mma), generated tokens on the a4v kernels,
+    /// which are faster one token at a time (`prompt`, the default).
+    Prompt,
+    /// Every pass on the tensor cores (`1`).
+    Always,
+}
+
+impl TensorCoreUse {
+    /// From `SLIPSTREAM_CUDA_TC` (unset or unrecognised: the default).
+    pub fn from_env() -> TensorCoreUse {
+        match std::env::var("SLIPSTREAM_CUDA_TC").as_deref() {
+            Ok("0") => TensorCoreUse::Never,
+            Ok("1") => TensorCoreUse::Always,
+            _ => TensorCoreUse::Prompt,
+        }
+    }
+}
+
 /// Counters of the CUDA backend, per run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CudaStats {
@@ -272,6 +300,10 @@ pub struct CudaModel {
     pass_tokens: usize,
     /// Tokens of the pass whose device routes are still to be counted.
     routes_n: usize,
+    /// Which passes run on the tensor cores.
+    tc_use: TensorCoreUse,
+    /// The next passes are the prompt's ([`CudaModel::set_prompt_pass`]).
+    prompt_pass: bool,
     pub stats: CudaStats,
 }
 
@@ -503,10 +535,19 @@ impl CudaModel {
                 .unwrap_or(DEFAULT_PASS_TOKENS)
                 .clamp(1, PASS_TOKENS),
             routes_n: 0,
+            tc_use: TensorCoreUse::from_env(),
+            prompt_pass: false,
             stats: CudaStats::default(),
             layers,
             gpu,
         })
+    }
+
+    /// Marks the next passes as the prompt's (`true`) or as generated
+    /// tokens' (`false`): with [`TensorCoreUse::Prompt`] this picks their
+    /// kernels.
+    pub fn set_prompt_pass(&mut self, prompt: bool) {
+        self.prompt_pass = prompt;
     }
 
     /// Bytes of one expert record in VRAM.
@@ -528,9 +569,14 @@ impl CudaModel {
             .map_or("no pinned RAM tier".to_string(), |r| {
                 format!("{} pinned RAM slots per layer", r.0.capacity())
             });
+        let tc = match self.tc_use {
+            TensorCoreUse::Never => "off",
+            TensorCoreUse::Prompt => "prompt passes",
+            TensorCoreUse::Always => "every pass",
+        };
         format!(
             "cuda on {}: {} VRAM expert slots per layer ({:.1} MB each), {ram}; \
-             programmatic dependent launch {}",
+             programmatic dependent launch {}; tensor-core 4-bit kernels: {tc}",
             self.gpu.name,
             self.slots(),
             self.rec_bytes as f64 / 1e6,
@@ -1405,7 +1451,14 @@ impl Backend for CudaModel {
             )));
         }
         self.pass_n = n;
-        if n > 1 {
+        self.gpu.tensor_cores = match self.tc_use {
+            TensorCoreUse::Never => false,
+            TensorCoreUse::Prompt => self.prompt_pass,
+            TensorCoreUse::Always => true,
+        };
+        // The pass graph holds the generated tokens' kernels: a prompt pass
+        // on other kernels runs without it.
+        if n > 1 || (self.prompt_pass && self.tc_use == TensorCoreUse::Prompt) {
             self.mode = PassMode::Plain;
             return Ok(());
         }

@@ -333,23 +333,29 @@ impl Engine {
         self.cuda.as_ref().map(|c| c.stats)
     }
 
-    /// One forward pass on the chosen backend.
+    /// One forward pass on the chosen backend over prompt tokens
+    /// (`prompt`) or a generated one (the CUDA backend may run the two on
+    /// different kernels).
     fn run_model(
         &mut self,
         state: &mut ModelState,
         tokens: &[u32],
         want: Logits,
+        prompt: bool,
     ) -> Result<Vec<f32>, slipstream_models::ModelError> {
         match self.cuda.as_mut() {
-            Some(c) => self.model.run(
-                c,
-                state,
-                tokens,
-                &mut self.store,
-                want,
-                None,
-                self.phases.as_mut(),
-            ),
+            Some(c) => {
+                c.set_prompt_pass(prompt);
+                self.model.run(
+                    c,
+                    state,
+                    tokens,
+                    &mut self.store,
+                    want,
+                    None,
+                    self.phases.as_mut(),
+                )
+            }
             None => self.model.forward_timed(
                 state,
                 tokens,
@@ -645,7 +651,7 @@ impl Engine {
                 _ if last || hooked => Logits::Last,
                 _ => Logits::None,
             };
-            let logits = self.run_model(state, piece, w)?;
+            let logits = self.run_model(state, piece, w, true)?;
             self.dense_touched = true;
             if w == Logits::None {
                 state.last_logits.clear();
@@ -804,7 +810,7 @@ impl Engine {
             if tokens.len() == req.max_new_tokens {
                 break;
             }
-            last = self.run_model(state, &[next], Logits::Last)?;
+            last = self.run_model(state, &[next], Logits::Last, false)?;
             state.last_logits.clone_from(&last);
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);
