@@ -53,9 +53,11 @@ pf a256 $R SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 pf tc64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
 pf tc256 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=256
 pf tc1 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+# One token per mma (the one-token kernels' B layout): a cross-check.
+pf tcone64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_TC_TPM=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
 python3 - <<'PY' || fail=1
 import sys, numpy as np
-l = {k: np.load(f"/tmp/pf_{k}.npy") for k in ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc256", "tc1"]}
+l = {k: np.load(f"/tmp/pf_{k}.npy") for k in ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc256", "tc1", "tcone64"]}
 bits = lambda a, b: bool(np.array_equal(l[a], l[b]))
 # The first row (the prompt's last position): later rows follow generated tokens, which may differ.
 rel = float(np.abs(l["a64"][0] - l["p64"][0]).max() / np.abs(l["a64"][0]).max())
@@ -63,7 +65,7 @@ ok = all(bits(a, b) for a, b in [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), (
 ok &= rel < 1e-3
 print(f"prefill logits (16 generated tokens): default 64/256-token passes and 64 slots == 1-token passes: "
       f"{bits('p64', 'p1')}, {bits('p256', 'p1')}, {bits('s64', 'p1')}; a4v 64 == 256: {bits('a64', 'a256')}; "
-      f"tensor cores everywhere 64/256 == 1: {bits('tc64', 'tc1')}, {bits('tc256', 'tc1')}; "
+      f"tensor cores everywhere 64/256 == 1: {bits('tc64', 'tc1')}, {bits('tc256', 'tc1')} (one token per mma: {bits('tcone64', 'tc1')}); "
       f"prompt on tensor cores vs a4v, last prompt position, max rel err {rel:.2e}: {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY

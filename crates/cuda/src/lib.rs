@@ -429,6 +429,10 @@ pub struct Gpu {
     /// Scratch of the tensor-core prefill forms: a pass's input rows in
     /// the staged form (`tc_split`), grown on demand.
     tc_split_buf: Mutex<Option<DBuf>>,
+    /// Tokens per mma of the tensor-core prefill forms (`TC_TPM`): 2 (the
+    /// default) or 1 (`SLIPSTREAM_CUDA_TC_TPM=1`, the one-token kernels'
+    /// B layout; the same bits where the mma's columns are independent).
+    tc_tpm: usize,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -486,6 +490,11 @@ impl Gpu {
             (12, 0) => "compute_120",
             _ => "compute_75",
         };
+        let tc_tpm = if std::env::var("SLIPSTREAM_CUDA_TC_TPM").is_ok_and(|v| v == "1") {
+            1
+        } else {
+            2
+        };
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(arch),
             options: vec![
@@ -493,6 +502,7 @@ impl Gpu {
                 format!("-DMOE_MINB={}", min_blocks.clamp(1, 8)),
                 format!("-DMOE_GU_MINB={}", (min_blocks + split as u32).clamp(1, 8)),
                 format!("-DA4V_SPLIT={}", split as i32),
+                format!("-DTC_TPM={tc_tpm}"),
             ],
             ..Default::default()
         };
@@ -582,6 +592,7 @@ impl Gpu {
             pdl: maj >= 9,
             tiles_smem_max,
             tc_split_buf: Mutex::new(None),
+            tc_tpm,
         })
     }
 
@@ -802,7 +813,7 @@ impl Gpu {
             // Each token the bits of its one-token launch above.
             let (xs, gs) = self.tc_split(x, w.cols(), n)?;
             let grid = (
-                n.div_ceil(2 * TC_PAIRS) as u32,
+                n.div_ceil(TC_TOKENS) as u32,
                 w.rows().div_ceil(32) as u32,
                 1,
             );
@@ -812,7 +823,7 @@ impl Gpu {
                     &self.f.matvec_tc_t,
                     grid,
                     256,
-                    TC_T_SMEM as u32,
+                    self.tc_t_smem() as u32,
                     &mut args!(w, &xs, &gs, &y, &n_i),
                 );
             }
@@ -931,6 +942,13 @@ impl Gpu {
             && w.cols().is_multiple_of(256)
             && tc_smem_quarters(w.cols()) <= TC_SMEM_MAX
             && w.codes.is_multiple_of(8)
+    }
+
+    /// Dynamic shared memory of the tensor-core prefill forms: their
+    /// column quarters' sums per mma set (`[TC_TOKENS / tpm][2][4][32][4]`
+    /// f32).
+    fn tc_t_smem(&self) -> usize {
+        TC_TOKENS / self.tc_tpm * TC_QUARTER_SUMS
     }
 
     /// Splits `n` rows of `cols` f32 at `x` (cols a multiple of 64) into
@@ -1234,7 +1252,7 @@ impl Gpu {
                 &self.f.moe_gate_up_tc_grouped,
                 grid,
                 256,
-                TC_T_SMEM as u32,
+                self.tc_t_smem() as u32,
                 &mut args!(
                     gt,
                     ut,
@@ -1739,11 +1757,8 @@ const TC_SMEM_MAX: usize = 48 * 1024;
 /// Bytes of `moe_gate_up_tc`'s / `matvec_tc`'s column-quarter sums
 /// (`[2 tiles][4 quarters][32 lanes][4]` f32).
 const TC_QUARTER_SUMS: usize = 2 * 4 * 32 * 4 * 4;
-/// Token pairs of a tensor-core prefill block (`TC_PAIRS` in decode.cu).
-const TC_PAIRS: usize = 4;
-/// Dynamic shared memory of the tensor-core prefill forms: their column
-/// quarters' sums (`TC_T_SMEM`: `[TC_PAIRS][2][4][32][4]` f32).
-const TC_T_SMEM: usize = TC_PAIRS * TC_QUARTER_SUMS;
+/// Tokens of a tensor-core prefill block (`TC_TOKENS` in decode.cu).
+const TC_TOKENS: usize = 8;
 /// Bytes of `moe_down_tc`'s per-rank row sums (`[8 ranks][16 rows]` f32).
 const TC_RANK_SUMS: usize = 8 * 16 * 4;
 

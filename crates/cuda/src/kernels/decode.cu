@@ -1515,17 +1515,23 @@ extern "C" __global__ void tc_split(const float* __restrict__ x, int cols, uint2
     tc_stage_warp(x + (size_t)t * cols, g, 1, xs + ((size_t)t * ng + g) * 48, gs + (size_t)t * ng + g, lane);
 }
 
-// Token pairs a prefill tensor-core block computes at once.
-#define TC_PAIRS 4
+// Tokens a prefill tensor-core block computes at once, and tokens per mma
+// (2: columns 0-2 and 3-5; 1: columns 0-2 only, the one-token kernels'
+// layout, which the host picks with SLIPSTREAM_CUDA_TC_TPM=1).
+#define TC_TOKENS 8
+#ifndef TC_TPM
+#define TC_TPM 2
+#endif
+#define TC_SETS (TC_TOKENS / TC_TPM)
 // Groups whose weights a prefill tensor-core warp loads ahead.
 #define TC_T_GCHUNK 4
 
-// tc_tile over TC_PAIRS token pairs: tokens tok[0 .. 2 TC_PAIRS) of the
-// split rows (xs, gsum: tc_split's output over rows of ng groups). acc[p]
-// holds pair p's accumulators: token 2p's columns 0-2 as tc_tile's
-// (lanes c = 0, 1), token 2p + 1's columns 3-5 (lanes c = 1, 2). `wait`
-// runs once, after the first groups' weight loads are issued and before
-// xs is read.
+// tc_tile over TC_TOKENS tokens tok[] of the split rows (xs, gsum:
+// tc_split's output over rows of ng groups), TC_TPM per mma: acc[s] holds
+// mma set s's accumulators, token s TC_TPM's columns 0-2 as tc_tile's
+// (lanes c = 0, 1), with two per mma token s TC_TPM + 1's columns 3-5
+// (lanes c = 1, 2). `wait` runs once, after the first groups' weight loads
+// are issued and before xs is read.
 template <typename Wait>
 __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
                                           const uint2* __restrict__ xs, const float* __restrict__ gsum, int ng,
@@ -1538,15 +1544,16 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
     const u16* sb = wb.scales + (size_t)rb * ng;
     const u16* bb = wb.biases + (size_t)rb * ng;
     const int bf = wa.scale_bf16;
-    // This lane's B column: part nb % 3 of token 2p + nb / 3 (lanes nb >= 6
-    // hold the zero columns 6-7); its group sums: token 2p (c = 0) or
-    // 2p + 1 (c = 1), the lanes that add a bias term.
-    const uint2* xb[TC_PAIRS];
-    const float* gp[TC_PAIRS];
+    // This lane's B column: part nb % 3 of the set's token nb / 3 (lanes
+    // past the set's tokens hold zero columns); its group sums: the token
+    // whose column 0 or 3 it holds (lanes c < TC_TPM add a bias term).
+    const bool live = nb < 3 * TC_TPM;
+    const uint2* xb[TC_SETS];
+    const float* gp[TC_SETS];
 #pragma unroll
-    for (int p = 0; p < TC_PAIRS; p++) {
-        xb[p] = xs + (size_t)tok[2 * p + (nb >= 3)] * ng * 48 + c * 3 + (nb % 3);
-        gp[p] = gsum + (size_t)tok[2 * p + (c & 1)] * ng;
+    for (int s = 0; s < TC_SETS; s++) {
+        xb[s] = xs + (size_t)tok[s * TC_TPM + (TC_TPM == 2 && nb >= 3)] * ng * 48 + c * 3 + (nb % 3);
+        gp[s] = gsum + (size_t)tok[s * TC_TPM + (TC_TPM == 2 ? (c & 1) : 0)] * ng;
     }
     bool waited = false;
     for (int k0 = 0; k0 < gn; k0 += TC_T_GCHUNK) {
@@ -1570,37 +1577,37 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
         for (int j = 0; j < TC_T_GCHUNK; j++) {
             if (k0 + j >= gn) break;
             const int g = g0 + k0 + j;
-            uint2 b[TC_PAIRS][4];
+            uint2 b[TC_SETS][4];
 #pragma unroll
-            for (int p = 0; p < TC_PAIRS; p++)
+            for (int s = 0; s < TC_SETS; s++)
 #pragma unroll
-                for (int st = 0; st < 4; st++) b[p][st] = nb < 6 ? xb[p][g * 48 + st * 12] : make_uint2(0u, 0u);
-            float d[TC_PAIRS][4];
+                for (int st = 0; st < 4; st++) b[s][st] = live ? xb[s][g * 48 + st * 12] : make_uint2(0u, 0u);
+            float d[TC_SETS][4];
 #pragma unroll
-            for (int p = 0; p < TC_PAIRS; p++) d[p][0] = d[p][1] = d[p][2] = d[p][3] = 0.0f;
+            for (int s = 0; s < TC_SETS; s++) d[s][0] = d[s][1] = d[s][2] = d[s][3] = 0.0f;
 #pragma unroll
             for (int st = 0; st < 4; st++) {
                 const u32 a0 = tc_nib2(qa[j].x, st), a1 = tc_nib2(qb[j].x, st);
                 const u32 a2 = tc_nib2(qa[j].y, st), a3 = tc_nib2(qb[j].y, st);
 #pragma unroll
-                for (int p = 0; p < TC_PAIRS; p++) tc_mma(d[p], a0, a1, a2, a3, b[p][st].x, b[p][st].y);
+                for (int s = 0; s < TC_SETS; s++) tc_mma(d[s], a0, a1, a2, a3, b[s][st].x, b[s][st].y);
             }
             const float fa = half_val(ssa[j], bf), fb = half_val(ssb[j], bf);
             const float ta = fmaf(-128.0f, fa, half_val(sba[j], bf));
             const float tb = fmaf(-128.0f, fb, half_val(sbb[j], bf));
 #pragma unroll
-            for (int p = 0; p < TC_PAIRS; p++) {
-                acc[p][0] = fmaf(fa, d[p][0], acc[p][0]);
-                acc[p][1] = fmaf(fa, d[p][1], acc[p][1]);
-                acc[p][2] = fmaf(fb, d[p][2], acc[p][2]);
-                acc[p][3] = fmaf(fb, d[p][3], acc[p][3]);
-                const float s = c < 2 ? gp[p][g] : 0.0f;
+            for (int s = 0; s < TC_SETS; s++) {
+                acc[s][0] = fmaf(fa, d[s][0], acc[s][0]);
+                acc[s][1] = fmaf(fa, d[s][1], acc[s][1]);
+                acc[s][2] = fmaf(fb, d[s][2], acc[s][2]);
+                acc[s][3] = fmaf(fb, d[s][3], acc[s][3]);
+                const float gsv = c < TC_TPM ? gp[s][g] : 0.0f;
                 if (c == 0) {
-                    acc[p][0] = fmaf(ta, s, acc[p][0]);
-                    acc[p][2] = fmaf(tb, s, acc[p][2]);
-                } else if (c == 1) {
-                    acc[p][1] = fmaf(ta, s, acc[p][1]);
-                    acc[p][3] = fmaf(tb, s, acc[p][3]);
+                    acc[s][0] = fmaf(ta, gsv, acc[s][0]);
+                    acc[s][2] = fmaf(tb, gsv, acc[s][2]);
+                } else if (TC_TPM == 2 && c == 1) {
+                    acc[s][1] = fmaf(ta, gsv, acc[s][1]);
+                    acc[s][3] = fmaf(tb, gsv, acc[s][3]);
                 }
             }
         }
@@ -1609,51 +1616,48 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
 }
 
 // The column quarters of a prefill block's two tiles summed in order for
-// every pair (tc_quarters' sums, red [TC_PAIRS][2][4][32][4] f32), then
-// the rows' dot products: token 2p's in lanes c = 0, token 2p + 1's in
-// lanes c = 1 (va[p] row a, vb[p] row b), tc_rows_out's operations on
-// each token's three columns. True in the quarter-0 warps. Every thread
-// of the block calls it; it leaves `red` free for the next call.
+// every mma set (tc_quarters' sums, red [TC_SETS][2][4][32][4] f32), then
+// the rows' dot products, tc_rows_out's operations on each token's three
+// columns: token s TC_TPM + (lane % 4)'s in lanes lane % 4 < TC_TPM (va[s]
+// row a, vb[s] row b). True in the quarter-0 warps. Every thread of the
+// block calls it; it leaves `red` free for the next call.
 __device__ __forceinline__ bool tc_quarters_t(float* red, int tile, int quarter, int lane, float (*acc)[4],
                                               float* va, float* vb) {
 #pragma unroll
-    for (int p = 0; p < TC_PAIRS; p++) {
-        float* my = red + (((p * 2 + tile) * 4 + quarter) * 32 + lane) * 4;
+    for (int s = 0; s < TC_SETS; s++) {
+        float* my = red + (((s * 2 + tile) * 4 + quarter) * 32 + lane) * 4;
 #pragma unroll
-        for (int e = 0; e < 4; e++) my[e] = acc[p][e];
+        for (int e = 0; e < 4; e++) my[e] = acc[s][e];
     }
     __syncthreads();
     const bool out = quarter == 0;
     if (out) {
-        const bool second = (lane & 3) == 1;
+        const bool second = TC_TPM == 2 && (lane & 3) == 1;
 #pragma unroll
-        for (int p = 0; p < TC_PAIRS; p++) {
+        for (int s = 0; s < TC_SETS; s++) {
             float v[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float a = 0.0f;
-                for (int q = 0; q < 4; q++) a += red[(((p * 2 + tile) * 4 + q) * 32 + lane) * 4 + e];
+                for (int q = 0; q < 4; q++) a += red[(((s * 2 + tile) * 4 + q) * 32 + lane) * 4 + e];
                 v[e] = a;
             }
             const float s0 = __shfl_down_sync(0xffffffffu, v[0], 1);
             const float s1 = __shfl_down_sync(0xffffffffu, v[1], 1);
             const float s2 = __shfl_down_sync(0xffffffffu, v[2], 1);
             const float s3 = __shfl_down_sync(0xffffffffu, v[3], 1);
-            // Token 2p: (col 0 + col 1) + col 2; token 2p + 1: (col 3 + col 4) + col 5.
-            va[p] = second ? (v[1] + s0) + s1 : (v[0] + v[1]) + s0;
-            vb[p] = second ? (v[3] + s2) + s3 : (v[2] + v[3]) + s2;
+            // First token: (col 0 + col 1) + col 2; second: (col 3 + col 4) + col 5.
+            va[s] = second ? (v[1] + s0) + s1 : (v[0] + v[1]) + s0;
+            vb[s] = second ? (v[3] + s2) + s3 : (v[2] + v[3]) + s2;
         }
     }
     __syncthreads();
     return out;
 }
 
-// Bytes of tc_quarters_t's sums (TC_PAIRS x 2 tiles x 4 quarters x 32 x 4 f32).
-#define TC_T_SMEM (TC_PAIRS * 2 * 4 * 32 * 4 * 4)
-
 // matvec_tc over a pass: y[t, r] = W[r, :] . x[t, :] for n tokens split by
 // tc_split (xs, gs), each token's row the bits of its one-token matvec_tc.
-// Grid (ceil(n / (2 TC_PAIRS)), ceil(rows / 32)), 256 threads, TC_T_SMEM
+// Grid (ceil(n / TC_TOKENS), ceil(rows / 32)), 256 threads, TC_SETS * 4096
 // bytes of dynamic shared memory; the blocks of one row block (same
 // weights) are adjacent in launch order.
 extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* __restrict__ xs,
@@ -1663,22 +1667,22 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* 
     const int cols = w.cols, ng = cols >> 6, rows = w.rows, gpq = ng >> 2;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tile = warp >> 2, quarter = warp & 3;
-    const int t0 = blockIdx.x * 2 * TC_PAIRS;
-    int tok[2 * TC_PAIRS];
+    const int t0 = blockIdx.x * TC_TOKENS;
+    int tok[TC_TOKENS];
 #pragma unroll
-    for (int u = 0; u < 2 * TC_PAIRS; u++) tok[u] = min(t0 + u, n - 1);
+    for (int u = 0; u < TC_TOKENS; u++) tok[u] = min(t0 + u, n - 1);
     const int ra_raw = blockIdx.y * 32 + tile * 16 + (lane >> 2);
     const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
-    float acc[TC_PAIRS][4] = {};
+    float acc[TC_SETS][4] = {};
     tc_tile_t(w, ra, w, rb, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() { PDL_WAIT(); });
-    float va[TC_PAIRS], vb[TC_PAIRS];
-    if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, va, vb) && (lane & 3) < 2) {
+    float va[TC_SETS], vb[TC_SETS];
+    if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, va, vb) && (lane & 3) < TC_TPM) {
 #pragma unroll
-        for (int p = 0; p < TC_PAIRS; p++) {
-            const int t = t0 + 2 * p + (lane & 3);
+        for (int s = 0; s < TC_SETS; s++) {
+            const int t = t0 + s * TC_TPM + (lane & 3);
             if (t >= n) continue;
-            if (ra_raw < rows) y[(size_t)t * rows + ra_raw] = va[p];
-            if (ra_raw + 8 < rows) y[(size_t)t * rows + ra_raw + 8] = vb[p];
+            if (ra_raw < rows) y[(size_t)t * rows + ra_raw] = va[s];
+            if (ra_raw + 8 < rows) y[(size_t)t * rows + ra_raw + 8] = vb[s];
         }
     }
 }
@@ -1686,9 +1690,9 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* 
 // moe_gate_up_tc over pairs grouped by expert (prefill; group_pairs gives
 // goff, list): block (bx, e) runs rows bx of expert e's gate and up (the
 // record at addr[e], parts at off0 / off1) over every pair of its group,
-// 2 TC_PAIRS pairs at a time, x rows split by tc_split (xs, gs; pair p's
+// TC_TOKENS pairs at a time, x rows split by tc_split (xs, gs; pair p's
 // row xrow[p]); each pair's h the bits of its moe_gate_up_tc block. Grid
-// (ceil(I / 16), E), 256 threads, TC_T_SMEM bytes of dynamic shared memory.
+// (ceil(I / 16), E), 256 threads, dynamic shared memory as matvec_tc_t.
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc_grouped(
     W gt, W ut, const u64* __restrict__ addr, u64 off0, u64 off1, const int* __restrict__ goff,
     const int* __restrict__ list, const int* __restrict__ xrow, const uint2* __restrict__ xs,
@@ -1704,18 +1708,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc_grouped(
     const W u = at_base_a4(ut, (const u8*)(addr[e] + off1));
     const int row_raw = blockIdx.x * 16 + tile * 8 + (lane >> 2);
     const int row = min(row_raw, I - 1);
-    for (int i = i0; i < i1; i += 2 * TC_PAIRS) {
-        int tok[2 * TC_PAIRS];
+    for (int i = i0; i < i1; i += TC_TOKENS) {
+        int tok[TC_TOKENS];
 #pragma unroll
-        for (int v = 0; v < 2 * TC_PAIRS; v++) tok[v] = xrow[list[min(i + v, i1 - 1)]];
-        float acc[TC_PAIRS][4] = {};
+        for (int v = 0; v < TC_TOKENS; v++) tok[v] = xrow[list[min(i + v, i1 - 1)]];
+        float acc[TC_SETS][4] = {};
         tc_tile_t(g, row, u, row, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() {});
-        float gv[TC_PAIRS], uv[TC_PAIRS];
-        if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, gv, uv) && (lane & 3) < 2 && row_raw < I) {
+        float gv[TC_SETS], uv[TC_SETS];
+        if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, gv, uv) && (lane & 3) < TC_TPM &&
+            row_raw < I) {
 #pragma unroll
-            for (int p = 0; p < TC_PAIRS; p++) {
-                const int k = i + 2 * p + (lane & 3);
-                if (k < i1) h[(size_t)list[k] * I + row_raw] = siluf_(gv[p]) * uv[p];
+            for (int s = 0; s < TC_SETS; s++) {
+                const int k = i + s * TC_TPM + (lane & 3);
+                if (k < i1) h[(size_t)list[k] * I + row_raw] = siluf_(gv[s]) * uv[s];
             }
         }
     }
