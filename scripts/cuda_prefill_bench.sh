@@ -79,7 +79,7 @@ done
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 if [ -x "$NCU" ]; then
     P64=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(64)))")
-    for tc in prompt 0; do
+    for tc in ${NCU_TC:-prompt}; do
     SLIPSTREAM_CUDA_TC=$tc timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
         $B/slipstream run --model $M --prompt-tokens "$P64" --max-new 1 --backend cuda --resident \
         > $W/ncu64_$tc.csv 2>/dev/null
