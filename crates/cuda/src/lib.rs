@@ -322,6 +322,8 @@ struct Funcs {
     tc_split: CudaFunction,
     matvec_tc_t: CudaFunction,
     moe_gate_up_tc_grouped: CudaFunction,
+    moe_down_tc_grouped: CudaFunction,
+    moe_down_combine: CudaFunction,
     /// Prefill: pairs grouped by expert, gate/up over each group.
     group_pairs: CudaFunction,
     moe_gate_up_grouped: [CudaFunction; 3],
@@ -429,6 +431,8 @@ pub struct Gpu {
     /// Scratch of the tensor-core prefill forms: a pass's input rows in
     /// the staged form (`tc_split`), grown on demand.
     tc_split_buf: Mutex<Option<DBuf>>,
+    /// Scratch of the grouped tensor-core down: each pair's outputs.
+    tc_down_buf: Mutex<Option<DBuf>>,
     /// Tokens per mma of the tensor-core prefill forms (`TC_TPM`): 2 (the
     /// default) or 1 (`SLIPSTREAM_CUDA_TC_TPM=1`, the one-token kernels'
     /// B layout; the same bits where the mma's columns are independent).
@@ -530,6 +534,8 @@ impl Gpu {
             tc_split: lf("tc_split")?,
             matvec_tc_t: lf("matvec_tc_t")?,
             moe_gate_up_tc_grouped: lf("moe_gate_up_tc_grouped")?,
+            moe_down_tc_grouped: lf("moe_down_tc_grouped")?,
+            moe_down_combine: lf("moe_down_combine")?,
             moe_gate_up_a4v: lf3("moe_gate_up_a4v")?,
             moe_down_a4v: lf("moe_down_a4v")?,
             moe_down_a4v_t: lf("moe_down_a4v_t")?,
@@ -592,6 +598,7 @@ impl Gpu {
             pdl: maj >= 9,
             tiles_smem_max,
             tc_split_buf: Mutex::new(None),
+            tc_down_buf: Mutex::new(None),
             tc_tpm,
         })
     }
@@ -951,6 +958,21 @@ impl Gpu {
         TC_TOKENS / self.tc_tpm * TC_QUARTER_SUMS
     }
 
+    /// The address of `slot`'s scratch buffer, grown to at least `bytes`
+    /// (a larger one first waits for the stream, so no queued kernel still
+    /// uses the old one). Valid until the next call on this slot.
+    fn scratch(&self, slot: &Mutex<Option<DBuf>>, bytes: usize) -> Result<u64> {
+        let mut buf = slot
+            .lock()
+            .map_err(|_| CudaError::Invalid("scratch buffer lock poisoned".into()))?;
+        if buf.as_ref().is_none_or(|b| b.bytes < bytes) {
+            self.stream.synchronize()?;
+            *buf = None;
+            *buf = Some(self.alloc(bytes)?);
+        }
+        Ok(buf.as_ref().map_or(0, |b| b.ptr))
+    }
+
     /// Splits `n` rows of `cols` f32 at `x` (cols a multiple of 64) into
     /// the tensor-core kernels' staged form in this GPU's scratch: returns
     /// the addresses of the bf16 parts (`[n][cols / 64][48]` u32 pairs) and
@@ -960,16 +982,11 @@ impl Gpu {
     fn tc_split(&self, x: u64, cols: usize, n: usize) -> Result<(u64, u64)> {
         let ng = cols / 64;
         let (parts, sums) = (n * ng * 48 * 8, n * ng * 4);
-        let mut buf = self
-            .tc_split_buf
-            .lock()
-            .map_err(|_| CudaError::Invalid("tensor-core scratch poisoned".into()))?;
-        if buf.as_ref().is_none_or(|b| b.bytes < parts + sums) {
-            self.stream.synchronize()?;
-            // At least a full pass of the widest rows the kernels take.
-            *buf = Some(self.alloc((parts + sums).max(256 * 2048 / 64 * (48 * 8 + 4)))?);
-        }
-        let b = buf.as_ref().map_or(0, |b| b.ptr);
+        // At least a full pass of the widest rows the kernels take.
+        let b = self.scratch(
+            &self.tc_split_buf,
+            (parts + sums).max(256 * 2048 / 64 * (48 * 8 + 4)),
+        )?;
         let (cols_i, grid) = (cols as i32, (ng.div_ceil(8) as u32, n as u32, 1));
         let gs = b + parts as u64;
         self.go(
@@ -1244,8 +1261,8 @@ impl Gpu {
         let (o0, o1) = (route.offsets[0], route.offsets[1]);
         let dbase = route.out + 16 * pairs as u64;
         if tc {
-            // Each pair's h the bits of its moe_gate_up_tc block; the down
-            // projections as moe_experts runs them on tensor cores.
+            // Each pair's h the bits of its moe_gate_up_tc block, each
+            // token's down sum the bits of its moe_down_tc block.
             let (xs, gs) = self.tc_split(xn, gt.cols(), tokens)?;
             let grid = (gt.rows().div_ceil(16) as u32, e as u32, 1);
             self.go_smem(
@@ -1267,8 +1284,25 @@ impl Gpu {
                     &h
                 ),
             )?;
-            self.moe_down_tc(dt, dbase, h, wts, k, shared, x, tokens)?;
-            return Ok(true);
+            let (hs, hg) = self.tc_split(h, dt.cols(), pairs)?;
+            let hd = dt.rows();
+            let v = self.scratch(&self.tc_down_buf, pairs * hd * 4)?;
+            let o2 = route.offsets[2];
+            self.go(
+                &self.f.moe_down_tc_grouped,
+                (hd.div_ceil(128) as u32, e as u32, 1),
+                256,
+                &mut args!(dt, &route.addr, &o2, &off.ptr, &list.ptr, &hs, &hg, &v),
+            )?;
+            let (h_i, k_i) = (hd as i32, k as i32);
+            return self
+                .go(
+                    &self.f.moe_down_combine,
+                    (hd.div_ceil(256) as u32, tokens as u32, 1),
+                    256,
+                    &mut args!(&v, &h_i, &wts, &k_i, &shared.0, &shared.1, &x),
+                )
+                .map(|()| true);
         }
         let r_lane = if self.split { (2 / c).max(1) } else { 4 / c };
         let grid = (

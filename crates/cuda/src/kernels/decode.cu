@@ -1407,6 +1407,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc(W gt, W ut, con
         h[(size_t)p * I + row_raw] = siluf_(gv) * uv;
 }
 
+// Token t's routed down outputs (vals[kk * stride], rank kk < K) summed
+// in rank order with their weights, the gated shared expert added, into
+// the residual row x[t, row]: the one sum both tensor-core down forms end
+// with (moe_down_tc, moe_down_combine), so they give the same bits.
+__device__ __forceinline__ void tc_down_sum(const float* vals, int stride, const float* __restrict__ wts, int K,
+                                            const float* __restrict__ shared, const float* __restrict__ sgate,
+                                            float* __restrict__ x, int t, int H, int row) {
+    float a = 0.0f;
+    for (int kk = 0; kk < K; kk++) a += wts[(size_t)t * K + kk] * vals[kk * stride];
+    float sh = 0.0f;
+    if (shared) sh = sigmoidf_(sgate[t]) * shared[(size_t)t * H + row];
+    x[(size_t)t * H + row] += a + sh;
+}
+
 // Routed experts' down projections on tensor cores (same role as
 // moe_down_a4v): grid (ceil(H / 16), tokens), 256 threads; warp k takes
 // expert rank k (K <= 8; warps past K run rank 0's rows and drop them) for
@@ -1446,13 +1460,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tc(W dt, const u64* _
     }
     __syncthreads();
     const int row = blockIdx.x * 16 + threadIdx.x;
-    if (threadIdx.x < 16 && row < H) {
-        float a = 0.0f;
-        for (int kk = 0; kk < K; kk++) a += wts[(size_t)t * K + kk] * red[kk * 16 + threadIdx.x];
-        float sh = 0.0f;
-        if (shared) sh = sigmoidf_(sgate[t]) * shared[(size_t)t * H + row];
-        x[(size_t)t * H + row] += a + sh;
-    }
+    if (threadIdx.x < 16 && row < H) tc_down_sum(red + threadIdx.x, 16, wts, K, shared, sgate, x, t, H, row);
 }
 
 // Dense affine 4-bit matvec on tensor cores (group 64, cols % 256 == 0),
@@ -1615,6 +1623,20 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
     if (!waited) wait();
 }
 
+// tc_rows_out for an mma set's accumulators v: the first token's rows
+// (col 0 + col 1) + col 2 in lanes c = 0, with two tokens per mma the
+// second's (col 3 + col 4) + col 5 in lanes c = 1 (va row a, vb row b).
+// Every lane of the warp calls it.
+__device__ __forceinline__ void tc_rows_out_t(const float* v, float* va, float* vb, int lane) {
+    const float s0 = __shfl_down_sync(0xffffffffu, v[0], 1);
+    const float s1 = __shfl_down_sync(0xffffffffu, v[1], 1);
+    const float s2 = __shfl_down_sync(0xffffffffu, v[2], 1);
+    const float s3 = __shfl_down_sync(0xffffffffu, v[3], 1);
+    const bool second = TC_TPM == 2 && (lane & 3) == 1;
+    *va = second ? (v[1] + s0) + s1 : (v[0] + v[1]) + s0;
+    *vb = second ? (v[3] + s2) + s3 : (v[2] + v[3]) + s2;
+}
+
 // The column quarters of a prefill block's two tiles summed in order for
 // every mma set (tc_quarters' sums, red [TC_SETS][2][4][32][4] f32), then
 // the rows' dot products, tc_rows_out's operations on each token's three
@@ -1632,7 +1654,6 @@ __device__ __forceinline__ bool tc_quarters_t(float* red, int tile, int quarter,
     __syncthreads();
     const bool out = quarter == 0;
     if (out) {
-        const bool second = TC_TPM == 2 && (lane & 3) == 1;
 #pragma unroll
         for (int s = 0; s < TC_SETS; s++) {
             float v[4];
@@ -1642,13 +1663,7 @@ __device__ __forceinline__ bool tc_quarters_t(float* red, int tile, int quarter,
                 for (int q = 0; q < 4; q++) a += red[(((s * 2 + tile) * 4 + q) * 32 + lane) * 4 + e];
                 v[e] = a;
             }
-            const float s0 = __shfl_down_sync(0xffffffffu, v[0], 1);
-            const float s1 = __shfl_down_sync(0xffffffffu, v[1], 1);
-            const float s2 = __shfl_down_sync(0xffffffffu, v[2], 1);
-            const float s3 = __shfl_down_sync(0xffffffffu, v[3], 1);
-            // First token: (col 0 + col 1) + col 2; second: (col 3 + col 4) + col 5.
-            va[s] = second ? (v[1] + s0) + s1 : (v[0] + v[1]) + s0;
-            vb[s] = second ? (v[3] + s2) + s3 : (v[2] + v[3]) + s2;
+            tc_rows_out_t(v, &va[s], &vb[s], lane);
         }
     }
     __syncthreads();
@@ -1724,6 +1739,57 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc_grouped(
             }
         }
     }
+}
+
+// Routed experts' down projections over pairs grouped by expert (prefill,
+// the tensor-core form): block (bx, e) runs 128 rows of expert e's down
+// (record at addr[e], part at off2; warp w rows bx * 128 + 16 w + 0..15)
+// over every pair of its group, TC_TOKENS at a time, h rows split by
+// tc_split (xs, gs: row p = pair p); v[p, row] gets pair p's dot products,
+// the bits of moe_down_tc's warp for that rank (one warp over all
+// columns). moe_down_combine then sums each token's ranks. Grid
+// (ceil(H / 128), E), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_down_tc_grouped(
+    W dt, const u64* __restrict__ addr, u64 off2, const int* __restrict__ goff, const int* __restrict__ list,
+    const uint2* __restrict__ xs, const float* __restrict__ gs, float* __restrict__ v) {
+    PDL_START();
+    const int e = blockIdx.y;
+    const int i0 = goff[e], i1 = goff[e + 1];
+    if (i0 >= i1) return;
+    const int ng = dt.cols >> 6, H = dt.rows;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const W d = at_base_a4(dt, (const u8*)(addr[e] + off2));
+    const int r0_raw = blockIdx.x * 128 + warp * 16 + (lane >> 2);
+    const int r0 = min(r0_raw, H - 1), r1 = min(r0_raw + 8, H - 1);
+    for (int i = i0; i < i1; i += TC_TOKENS) {
+        int tok[TC_TOKENS];
+#pragma unroll
+        for (int u = 0; u < TC_TOKENS; u++) tok[u] = list[min(i + u, i1 - 1)];
+        float acc[TC_SETS][4] = {};
+        tc_tile_t(d, r0, d, r1, 0, ng, xs, gs, ng, tok, lane, acc, []() {});
+#pragma unroll
+        for (int s = 0; s < TC_SETS; s++) {
+            float va, vb;
+            tc_rows_out_t(acc[s], &va, &vb, lane);
+            const int k = i + s * TC_TPM + (lane & 3);
+            if ((lane & 3) < TC_TPM && k < i1) {
+                const int p = list[k];
+                if (r0_raw < H) v[(size_t)p * H + r0_raw] = va;
+                if (r0_raw + 8 < H) v[(size_t)p * H + r0_raw + 8] = vb;
+            }
+        }
+    }
+}
+
+// x[t, :] += the routed down outputs v [tokens K, H] of token t's K ranks
+// summed in order with their weights, plus the gated shared expert, as
+// moe_down_tc ends (tc_down_sum). Grid (ceil(H / 256), tokens), 256 threads.
+extern "C" __global__ void moe_down_combine(const float* __restrict__ v, int H, const float* __restrict__ wts,
+                                            int K, const float* __restrict__ shared,
+                                            const float* __restrict__ sgate, float* __restrict__ x) {
+    PDL_START();
+    const int t = blockIdx.y, row = blockIdx.x * 256 + threadIdx.x;
+    if (row < H) tc_down_sum(v + (size_t)t * K * H + row, H, wts, K, shared, sgate, x, t, H, row);
 }
 
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
