@@ -1531,16 +1531,15 @@ extern "C" __global__ void tc_split(const float* __restrict__ x, int cols, uint2
 #define TC_TPM 2
 #endif
 #define TC_SETS (TC_TOKENS / TC_TPM)
-// Groups whose weights a prefill tensor-core warp loads ahead.
-#define TC_T_GCHUNK 4
 
 // tc_tile over TC_TOKENS tokens tok[] of the split rows (xs, gsum:
 // tc_split's output over rows of ng groups), TC_TPM per mma: acc[s] holds
 // mma set s's accumulators, token s TC_TPM's columns 0-2 as tc_tile's
 // (lanes c = 0, 1), with two per mma token s TC_TPM + 1's columns 3-5
 // (lanes c = 1, 2). `wait` runs once, after the first groups' weight loads
-// are issued and before xs is read.
-template <typename Wait>
+// are issued and before xs is read. The weights of G groups are loaded
+// at a time (registers against round trips; no effect on the sums).
+template <int G, typename Wait>
 __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
                                           const uint2* __restrict__ xs, const float* __restrict__ gsum, int ng,
                                           const int* tok, int lane, float (*acc)[4], Wait wait) {
@@ -1564,11 +1563,11 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
         gp[s] = gsum + (size_t)tok[s * TC_TPM + (TC_TPM == 2 ? (c & 1) : 0)] * ng;
     }
     bool waited = false;
-    for (int k0 = 0; k0 < gn; k0 += TC_T_GCHUNK) {
-        uint2 qa[TC_T_GCHUNK], qb[TC_T_GCHUNK];
-        u16 ssa[TC_T_GCHUNK], sba[TC_T_GCHUNK], ssb[TC_T_GCHUNK], sbb[TC_T_GCHUNK];
+    for (int k0 = 0; k0 < gn; k0 += G) {
+        uint2 qa[G], qb[G];
+        u16 ssa[G], sba[G], ssb[G], sbb[G];
 #pragma unroll
-        for (int j = 0; j < TC_T_GCHUNK; j++) {
+        for (int j = 0; j < G; j++) {
             const int g = g0 + min(k0 + j, gn - 1);
             qa[j] = __ldg(ca + g * 4);
             qb[j] = __ldg(cb + g * 4);
@@ -1582,7 +1581,7 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
             waited = true;
         }
 #pragma unroll
-        for (int j = 0; j < TC_T_GCHUNK; j++) {
+        for (int j = 0; j < G; j++) {
             if (k0 + j >= gn) break;
             const int g = g0 + k0 + j;
             uint2 b[TC_SETS][4];
@@ -1689,7 +1688,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* 
     const int ra_raw = blockIdx.y * 32 + tile * 16 + (lane >> 2);
     const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
     float acc[TC_SETS][4] = {};
-    tc_tile_t(w, ra, w, rb, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() { PDL_WAIT(); });
+    tc_tile_t<4>(w, ra, w, rb, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() { PDL_WAIT(); });
     float va[TC_SETS], vb[TC_SETS];
     if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, va, vb) && (lane & 3) < TC_TPM) {
 #pragma unroll
@@ -1728,7 +1727,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc_grouped(
 #pragma unroll
         for (int v = 0; v < TC_TOKENS; v++) tok[v] = xrow[list[min(i + v, i1 - 1)]];
         float acc[TC_SETS][4] = {};
-        tc_tile_t(g, row, u, row, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() {});
+        tc_tile_t<8>(g, row, u, row, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() {});
         float gv[TC_SETS], uv[TC_SETS];
         if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, gv, uv) && (lane & 3) < TC_TPM &&
             row_raw < I) {
@@ -1766,7 +1765,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tc_grouped(
 #pragma unroll
         for (int u = 0; u < TC_TOKENS; u++) tok[u] = list[min(i + u, i1 - 1)];
         float acc[TC_SETS][4] = {};
-        tc_tile_t(d, r0, d, r1, 0, ng, xs, gs, ng, tok, lane, acc, []() {});
+        tc_tile_t<8>(d, r0, d, r1, 0, ng, xs, gs, ng, tok, lane, acc, []() {});
 #pragma unroll
         for (int s = 0; s < TC_SETS; s++) {
             float va, vb;
