@@ -413,8 +413,9 @@ pub struct Gpu {
     /// Whether [`Gpu::moe_experts`] may use the fused kernel.
     pub fused: bool,
     /// Whether the tensor-core kernels run where they apply (affine 4-bit,
-    /// group 64): off unless `SLIPSTREAM_CUDA_TC=1`, since they measured
-    /// slower than the a4v kernels on the H200 (docs/BENCHMARKS.md).
+    /// group 64). `CudaModel` sets it per pass (`TensorCoreUse`: the
+    /// prompt's passes by default); [`Gpu::new`] leaves it off unless
+    /// `SLIPSTREAM_CUDA_TC=1`.
     pub tensor_cores: bool,
     /// The kernels were built with `A4V_SPLIT=1` (grid shapes follow it).
     split: bool,
