@@ -41,7 +41,7 @@ pub const PASS_TOKENS: usize = 256;
 
 /// The tokens of a prefill pass by default (`SLIPSTREAM_CUDA_PASS_TOKENS`
 /// picks 1..=[`PASS_TOKENS`]).
-pub const DEFAULT_PASS_TOKENS: usize = 64;
+pub const DEFAULT_PASS_TOKENS: usize = 256;
 
 /// Largest attention scratch grown for a pass's queries (bytes).
 const QUERY_SCRATCH_MAX: usize = 64 << 20;
