@@ -114,12 +114,12 @@ $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-log
 SLIPSTREAM_CUDA_GRAPH=0 SLIPSTREAM_CUDA_PDL=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
 cat /tmp/demo.long.err >> "$OUT/model.stderr"
 # A 150-token prompt: with device routing it runs in passes of 64, 64 and
-# 22 tokens (one pass with SLIPSTREAM_CUDA_PASS_TOKENS=256), with host
+# 22 tokens (SLIPSTREAM_CUDA_PASS_TOKENS=64; one pass at the default 256), with host
 # routing one token per pass; the logits of every position must be the
 # same bits, and within the bound of the CPU's.
 P150=$(python3 -c "print(','.join(str(1 + (i * 37) % 4000) for i in range(150)))")
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cpu --dump-logits /tmp/demo.p150c.npy > /tmp/demo.p150c.ids 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150.npy > /tmp/demo.p150.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_PASS_TOKENS=64 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150.npy > /tmp/demo.p150.ids 2>>"$OUT/model.stderr" || fail=1
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150h.npy > /tmp/demo.p150h.ids 2>>"$OUT/model.stderr" || fail=1
 SLIPSTREAM_CUDA_PASS_TOKENS=256 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150w.npy > /tmp/demo.p150w.ids 2>>"$OUT/model.stderr" || fail=1
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
