@@ -48,12 +48,10 @@ ck a256 $R SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 ck tc64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
 ck tc1 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
 ck tcone64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_TC_TPM=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
-# The staged dense prefill form (SLIPSTREAM_CUDA_TC_DENSE=staged): == 1.
-ck st64 $R SLIPSTREAM_CUDA_TC_DENSE=staged SLIPSTREAM_CUDA_PASS_TOKENS=64
 fail=0
 python3 - <<'PY' || fail=1
 import sys, numpy as np
-names = ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc1", "tcone64", "st64"]
+names = ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc1", "tcone64"]
 l = {}
 for k in names:
     try:
@@ -63,7 +61,7 @@ for k in names:
 bits = lambda a, b: bool(np.array_equal(l[a], l[b]))
 # The first row (the prompt's last position): later rows follow generated tokens, which may differ.
 rel = float(np.abs(l["a64"][0] - l["p64"][0]).max() / np.abs(l["a64"][0]).max()) if l["a64"].shape == l["p64"].shape else float("inf")
-pairs = [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tcone64", "tc1"), ("st64", "p1")]
+pairs = [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tcone64", "tc1")]
 ok = all(bits(a, b) for a, b in pairs) and rel < 1e-3
 print("prefill logits (8 generated tokens after 512): " + "; ".join(f"{a} == {b}: {bits(a, b)}" for a, b in pairs)
       + f"; default (prompt on tensor cores) vs a4v, last prompt position, max rel err {rel:.2e}: {'ok' if ok else 'FAIL'}")
@@ -83,8 +81,6 @@ for rep in 1 2; do
     pf p256_$rep SLIPSTREAM_CUDA_PASS_TOKENS=256
     pf a64_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=64
     pf a256_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
-    pf st64_$rep SLIPSTREAM_CUDA_TC_DENSE=staged SLIPSTREAM_CUDA_PASS_TOKENS=64
-    pf st256_$rep SLIPSTREAM_CUDA_TC_DENSE=staged SLIPSTREAM_CUDA_PASS_TOKENS=256
 done
 for tc in prompt 0 1; do
     SLIPSTREAM_CUDA_TC=$tc $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids \
@@ -95,13 +91,11 @@ done
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 if [ -x "$NCU" ]; then
     P64=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(64)))")
-    for cfg in ${NCU_CFG:-default}; do
-    # default: the default kernels; staged: the staged dense prefill form.
-    case $cfg in staged) export SLIPSTREAM_CUDA_TC_DENSE=staged;; *) unset SLIPSTREAM_CUDA_TC_DENSE;; esac
-    timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
+    for cfg in ${NCU_TC:-prompt}; do
+    SLIPSTREAM_CUDA_TC=$cfg timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
         $B/slipstream run --model $M --prompt-tokens "$P64" --max-new 1 --backend cuda --resident \
         > $W/ncu64_$cfg.csv 2>/dev/null
-    echo "--- ncu: $cfg kernels"
+    echo "--- ncu: SLIPSTREAM_CUDA_TC=$cfg"
     python3 - $W/ncu64_$cfg.csv <<'PY'
 import collections, csv, sys
 rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
@@ -123,7 +117,6 @@ for n, v in tot.most_common(14):
     print(f"  {n}: {v / 1000:.2f} ms ({100 * v / s:.0f} %), {cnt[n]} launches")
 PY
     done
-    unset SLIPSTREAM_CUDA_TC_DENSE
     # NCU_DETAIL=regex: speed of light, warp stalls and memory sections of
     # the first 3 launches of the matching kernels in the same pass.
     if [ -n "${NCU_DETAIL:-}" ]; then

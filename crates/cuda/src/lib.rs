@@ -321,7 +321,6 @@ struct Funcs {
     /// pass, then the dense and grouped gate/up products over many tokens.
     tc_split: CudaFunction,
     matvec_tc_t: CudaFunction,
-    matvec_tc_ts: CudaFunction,
     moe_gate_up_tc_grouped: CudaFunction,
     moe_down_tc_grouped: CudaFunction,
     moe_down_combine: CudaFunction,
@@ -443,11 +442,6 @@ pub struct Gpu {
     /// default) or 1 (`SLIPSTREAM_CUDA_TC_TPM=1`, the one-token kernels'
     /// B layout; the same bits where the mma's columns are independent).
     tc_tpm: usize,
-    /// The dense tensor-core prefill form stages each block's inputs in
-    /// shared memory for 128 rows (`matvec_tc_ts`) instead of reading them
-    /// per 32 rows from L2 (`matvec_tc_t`); the same bits
-    /// (`SLIPSTREAM_CUDA_TC_DENSE=staged`).
-    pub tc_dense_staged: bool,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -544,7 +538,6 @@ impl Gpu {
             moe_down_tc: lf("moe_down_tc")?,
             tc_split: lf("tc_split")?,
             matvec_tc_t: lf("matvec_tc_t")?,
-            matvec_tc_ts: lf("matvec_tc_ts")?,
             moe_gate_up_tc_grouped: lf("moe_gate_up_tc_grouped")?,
             moe_down_tc_grouped: lf("moe_down_tc_grouped")?,
             moe_down_combine: lf("moe_down_combine")?,
@@ -599,12 +592,7 @@ impl Gpu {
         // The one-token tensor-core kernels stage x for 4096-column rows
         // (the 35B model's output projections) in 53 KiB.
         let tc_smem_max = optin.clamp(48 * 1024, TC_SMEM_OPTIN);
-        for func in [
-            &f.matvec_tc,
-            &f.moe_gate_up_tc,
-            &f.moe_down_tc,
-            &f.matvec_tc_ts,
-        ] {
+        for func in [&f.matvec_tc, &f.moe_gate_up_tc, &f.moe_down_tc] {
             func.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 tc_smem_max as i32,
@@ -624,7 +612,6 @@ impl Gpu {
             pdl: maj >= 9,
             tiles_smem_max,
             tc_smem_max,
-            tc_dense_staged: std::env::var("SLIPSTREAM_CUDA_TC_DENSE").is_ok_and(|v| v == "staged"),
             tc_split_buf: Mutex::new(None),
             tc_down_buf: Mutex::new(None),
             tc_tpm,
@@ -847,20 +834,20 @@ impl Gpu {
             }
             // Each token the bits of its one-token launch above.
             let (xs, gs) = self.tc_split(x, w.cols(), n)?;
-            let staged = self.tc_dense_staged && tc_dense_smem(w.cols()) <= self.tc_smem_max;
-            let (f, rows_per_block, smem) = if staged {
-                (&self.f.matvec_tc_ts, 128, tc_dense_smem(w.cols()))
-            } else {
-                (&self.f.matvec_tc_t, 32, self.tc_t_smem())
-            };
             let grid = (
                 n.div_ceil(TC_TOKENS) as u32,
-                w.rows().div_ceil(rows_per_block) as u32,
+                w.rows().div_ceil(32) as u32,
                 1,
             );
             if grid.1 as usize <= GRID_Y_MAX {
                 let n_i = n as i32;
-                return self.go_smem(f, grid, 256, smem as u32, &mut args!(w, &xs, &gs, &y, &n_i));
+                return self.go_smem(
+                    &self.f.matvec_tc_t,
+                    grid,
+                    256,
+                    self.tc_t_smem() as u32,
+                    &mut args!(w, &xs, &gs, &y, &n_i),
+                );
             }
             for t in 0..n {
                 let (xt, yt) = (x + (4 * t * w.cols()) as u64, y + (4 * t * w.rows()) as u64);
@@ -1823,13 +1810,6 @@ const TC_SMEM_OPTIN: usize = 8 * (8192 / 4 / 64) * (48 * 8 + 4) + TC_QUARTER_SUM
 const TC_QUARTER_SUMS: usize = 2 * 4 * 32 * 4 * 4;
 /// Tokens of a tensor-core prefill block (`TC_TOKENS` in decode.cu).
 const TC_TOKENS: usize = 8;
-
-/// Dynamic shared memory of `matvec_tc_ts` over rows of `cols`: two
-/// buffers of a column quarter's parts (384 bytes per group) and sums (4)
-/// for `TC_TOKENS` tokens.
-fn tc_dense_smem(cols: usize) -> usize {
-    2 * TC_TOKENS * (cols / 256) * (48 * 8 + 4)
-}
 /// Bytes of `moe_down_tc`'s per-rank row sums (`[8 ranks][16 rows]` f32).
 const TC_RANK_SUMS: usize = 8 * 16 * 4;
 

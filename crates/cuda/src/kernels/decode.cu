@@ -1532,9 +1532,8 @@ extern "C" __global__ void tc_split(const float* __restrict__ x, int cols, uint2
 #endif
 #define TC_SETS (TC_TOKENS / TC_TPM)
 
-// tc_tile over TC_TOKENS tokens tok[] of split rows (xs, gsum: tc_split's
-// layout over rows of xng groups whose group 0 is the weights' group xg0),
-// TC_TPM per mma: acc[s] holds
+// tc_tile over TC_TOKENS tokens tok[] of the split rows (xs, gsum:
+// tc_split's output over rows of ng groups), TC_TPM per mma: acc[s] holds
 // mma set s's accumulators, token s TC_TPM's columns 0-2 as tc_tile's
 // (lanes c = 0, 1), with two per mma token s TC_TPM + 1's columns 3-5
 // (lanes c = 1, 2). `wait` runs once, after the first groups' weight loads
@@ -1542,9 +1541,9 @@ extern "C" __global__ void tc_split(const float* __restrict__ x, int cols, uint2
 // at a time (registers against round trips; no effect on the sums).
 template <int G, typename Wait>
 __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
-                                          const uint2* __restrict__ xs, const float* __restrict__ gsum, int xng,
-                                          int xg0, const int* tok, int lane, float (*acc)[4], Wait wait) {
-    const int c = lane & 3, nb = lane >> 2, cols = wa.cols, ng = cols >> 6;
+                                          const uint2* __restrict__ xs, const float* __restrict__ gsum, int ng,
+                                          const int* tok, int lane, float (*acc)[4], Wait wait) {
+    const int c = lane & 3, nb = lane >> 2, cols = wa.cols;
     const uint2* ca = (const uint2*)(wa.codes + (size_t)ra * cols / 2) + c;
     const uint2* cb = (const uint2*)(wb.codes + (size_t)rb * cols / 2) + c;
     const u16* sa = wa.scales + (size_t)ra * ng;
@@ -1560,8 +1559,8 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
     const float* gp[TC_SETS];
 #pragma unroll
     for (int s = 0; s < TC_SETS; s++) {
-        xb[s] = xs + ((long long)tok[s * TC_TPM + (TC_TPM == 2 && nb >= 3)] * xng - xg0) * 48 + c * 3 + (nb % 3);
-        gp[s] = gsum + ((long long)tok[s * TC_TPM + (TC_TPM == 2 ? (c & 1) : 0)] * xng - xg0);
+        xb[s] = xs + (size_t)tok[s * TC_TPM + (TC_TPM == 2 && nb >= 3)] * ng * 48 + c * 3 + (nb % 3);
+        gp[s] = gsum + (size_t)tok[s * TC_TPM + (TC_TPM == 2 ? (c & 1) : 0)] * ng;
     }
     bool waited = false;
     for (int k0 = 0; k0 < gn; k0 += G) {
@@ -1689,7 +1688,7 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* 
     const int ra_raw = blockIdx.y * 32 + tile * 16 + (lane >> 2);
     const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
     float acc[TC_SETS][4] = {};
-    tc_tile_t<4>(w, ra, w, rb, quarter * gpq, gpq, xs, gs, ng, 0, tok, lane, acc, []() { PDL_WAIT(); });
+    tc_tile_t<4>(w, ra, w, rb, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() { PDL_WAIT(); });
     float va[TC_SETS], vb[TC_SETS];
     if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, va, vb) && (lane & 3) < TC_TPM) {
 #pragma unroll
@@ -1698,81 +1697,6 @@ extern "C" __global__ void __launch_bounds__(256) matvec_tc_t(W w, const uint2* 
             if (t >= n) continue;
             if (ra_raw < rows) y[(size_t)t * rows + ra_raw] = va[s];
             if (ra_raw + 8 < rows) y[(size_t)t * rows + ra_raw + 8] = vb[s];
-        }
-    }
-}
-
-// matvec_tc_t with the block's inputs staged (SLIPSTREAM_CUDA_TC_DENSE=staged):
-// the same products and bits. Block: 8 warps, each a 16-row tile (rows r and r + 8 of matvec_tc's
-// tiles) over all four column quarters in turn, each quarter's sums in
-// their own accumulators and added in matvec_tc's order at the end; the
-// block's TC_TOKENS tokens' parts of quarter q are copied into shared
-// memory (double buffer) once for all 8 warps, so the parts, 12 bytes
-// per value and token against the weights' half byte, are read from L2
-// once per 128 rows. Grid (ceil(n / TC_TOKENS), ceil(rows / 128)), 256
-// threads, dynamic shared memory tc_dense_smem(cols); the blocks of one
-// row block (same weights) are adjacent in launch order.
-extern "C" __global__ void __launch_bounds__(256) matvec_tc_ts(W w, const uint2* __restrict__ xs,
-                                                               const float* __restrict__ gs, float* __restrict__ y,
-                                                               int n) {
-    PDL_TRIGGER();
-    const int cols = w.cols, ng = cols >> 6, rows = w.rows, gpq = ng >> 2;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int t0 = blockIdx.x * TC_TOKENS;
-    // Buffer b: parts [TC_TOKENS][gpq][48] uint2, then sums [TC_TOKENS][gpq].
-    const int buf_words = TC_TOKENS * gpq * 97;  // 4-byte words: 96 of parts + 1 of sum per group
-    uint2* xq[2];
-    float* gq[2];
-    for (int b = 0; b < 2; b++) {
-        xq[b] = (uint2*)((u32*)a4v_dyn + b * buf_words);
-        gq[b] = (float*)(xq[b] + TC_TOKENS * gpq * 48);
-    }
-    int tok[TC_TOKENS];
-#pragma unroll
-    for (int u = 0; u < TC_TOKENS; u++) tok[u] = u;
-    const int ra_raw = blockIdx.y * 128 + warp * 16 + (lane >> 2);
-    const int ra = min(ra_raw, rows - 1), rb = min(ra_raw + 8, rows - 1);
-    float acc[4][TC_SETS][4] = {};
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        uint2* xb = xq[q & 1];
-        float* gb = gq[q & 1];
-        // After the quarter's first weight loads: copy its parts (every
-        // warp has left the buffer's previous quarter, q - 2, since all
-        // passed the barrier of quarter q - 1).
-        tc_tile_t<4>(w, ra, w, rb, q * gpq, gpq, xb, gb, gpq, q * gpq, tok, lane, acc[q], [&]() {
-            if (q == 0) PDL_WAIT();
-            const int per = gpq * 24;  // uint4 per token's quarter
-            for (int i = threadIdx.x; i < TC_TOKENS * per; i += 256) {
-                const int u = i / per, k = i - u * per;
-                const int t = min(t0 + u, n - 1);
-                ((uint4*)xb)[u * per + k] = ((const uint4*)(xs + ((size_t)t * ng + q * gpq) * 48))[k];
-            }
-            for (int i = threadIdx.x; i < TC_TOKENS * gpq; i += 256) {
-                const int u = i / gpq, k = i - u * gpq;
-                gb[i] = gs[(size_t)min(t0 + u, n - 1) * ng + q * gpq + k];
-            }
-            __syncthreads();
-        });
-    }
-    // matvec_tc's quarter sum (0 + q0 + q1 + q2 + q3, in order), then its
-    // row outputs.
-#pragma unroll
-    for (int s = 0; s < TC_SETS; s++) {
-        float v[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float a = 0.0f;
-#pragma unroll
-            for (int q = 0; q < 4; q++) a += acc[q][s][e];
-            v[e] = a;
-        }
-        float va, vb;
-        tc_rows_out_t(v, &va, &vb, lane);
-        const int t = t0 + s * TC_TPM + (lane & 3);
-        if ((lane & 3) < TC_TPM && t < n) {
-            if (ra_raw < rows) y[(size_t)t * rows + ra_raw] = va;
-            if (ra_raw + 8 < rows) y[(size_t)t * rows + ra_raw + 8] = vb;
         }
     }
 }
@@ -1803,7 +1727,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_tc_grouped(
 #pragma unroll
         for (int v = 0; v < TC_TOKENS; v++) tok[v] = xrow[list[min(i + v, i1 - 1)]];
         float acc[TC_SETS][4] = {};
-        tc_tile_t<8>(g, row, u, row, quarter * gpq, gpq, xs, gs, ng, 0, tok, lane, acc, []() {});
+        tc_tile_t<8>(g, row, u, row, quarter * gpq, gpq, xs, gs, ng, tok, lane, acc, []() {});
         float gv[TC_SETS], uv[TC_SETS];
         if (tc_quarters_t((float*)a4v_dyn, tile, quarter, lane, acc, gv, uv) && (lane & 3) < TC_TPM &&
             row_raw < I) {
@@ -1841,7 +1765,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_tc_grouped(
 #pragma unroll
         for (int u = 0; u < TC_TOKENS; u++) tok[u] = list[min(i + u, i1 - 1)];
         float acc[TC_SETS][4] = {};
-        tc_tile_t<8>(d, r0, d, r1, 0, ng, xs, gs, ng, 0, tok, lane, acc, []() {});
+        tc_tile_t<8>(d, r0, d, r1, 0, ng, xs, gs, ng, tok, lane, acc, []() {});
 #pragma unroll
         for (int s = 0; s < TC_SETS; s++) {
             float va, vb;
