@@ -1280,6 +1280,46 @@ __device__ __forceinline__ uint2 tc_b(const uint2* xp, int g, int st, int lane) 
     return n < 3 ? xp[((g * 4 + st) * 4 + c) * 3 + n] : make_uint2(0u, 0u);
 }
 
+// The weights of a tensor-core tile's two rows ra of wa and rb of wb as
+// this lane (column c = lane % 4 of each group's 8-byte code blocks) reads
+// them: codes, scales, biases.
+struct TcRows {
+    const uint2* ca;
+    const uint2* cb;
+    const u16* sa;
+    const u16* ba;
+    const u16* sb;
+    const u16* bb;
+};
+__device__ __forceinline__ TcRows tc_rows(const W& wa, int ra, const W& wb, int rb, int c) {
+    const int cols = wa.cols, ng = cols >> 6;
+    TcRows r;
+    r.ca = (const uint2*)(wa.codes + (size_t)ra * cols / 2) + c;
+    r.cb = (const uint2*)(wb.codes + (size_t)rb * cols / 2) + c;
+    r.sa = wa.scales + (size_t)ra * ng;
+    r.ba = wa.biases + (size_t)ra * ng;
+    r.sb = wb.scales + (size_t)rb * ng;
+    r.bb = wb.biases + (size_t)rb * ng;
+    return r;
+}
+
+// Loads G groups of both rows, g0 + k0 + j for j < G (clamped to the last
+// of the gn groups, so every load is in bounds), all in flight at once.
+template <int G>
+__device__ __forceinline__ void tc_load(const TcRows& r, int g0, int k0, int gn, uint2* qa, uint2* qb, u16* ssa,
+                                        u16* sba, u16* ssb, u16* sbb) {
+#pragma unroll
+    for (int j = 0; j < G; j++) {
+        const int g = g0 + min(k0 + j, gn - 1);
+        qa[j] = __ldg(r.ca + g * 4);
+        qb[j] = __ldg(r.cb + g * 4);
+        ssa[j] = __ldg(r.sa + g);
+        sba[j] = __ldg(r.ba + g);
+        ssb[j] = __ldg(r.sb + g);
+        sbb[j] = __ldg(r.bb + g);
+    }
+}
+
 #define TC_GCHUNK 8
 // One warp's 16-row tile over groups [g0, g0 + gn) of x, staged by this
 // warp (tc_stage_warp: xp, gs hold exactly these groups): mma rows 0-7 are
@@ -1293,28 +1333,14 @@ __device__ __forceinline__ uint2 tc_b(const uint2* xp, int g, int st, int lane) 
 template <typename Stage>
 __device__ __forceinline__ void tc_tile(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
                                         const uint2* xp, const float* gs, int lane, float* acc, Stage stage) {
-    const int c = lane & 3, cols = wa.cols, ng = cols >> 6;
-    const uint2* ca = (const uint2*)(wa.codes + (size_t)ra * cols / 2) + c;
-    const uint2* cb = (const uint2*)(wb.codes + (size_t)rb * cols / 2) + c;
-    const u16* sa = wa.scales + (size_t)ra * ng;
-    const u16* ba = wa.biases + (size_t)ra * ng;
-    const u16* sb = wb.scales + (size_t)rb * ng;
-    const u16* bb = wb.biases + (size_t)rb * ng;
+    const int c = lane & 3;
+    const TcRows r = tc_rows(wa, ra, wb, rb, c);
     const int bf = wa.scale_bf16;
     bool staged = false;
     for (int k0 = 0; k0 < gn; k0 += TC_GCHUNK) {
         uint2 qa[TC_GCHUNK], qb[TC_GCHUNK];
         u16 ssa[TC_GCHUNK], sba[TC_GCHUNK], ssb[TC_GCHUNK], sbb[TC_GCHUNK];
-#pragma unroll
-        for (int j = 0; j < TC_GCHUNK; j++) {
-            const int g = g0 + min(k0 + j, gn - 1);
-            qa[j] = __ldg(ca + g * 4);
-            qb[j] = __ldg(cb + g * 4);
-            ssa[j] = __ldg(sa + g);
-            sba[j] = __ldg(ba + g);
-            ssb[j] = __ldg(sb + g);
-            sbb[j] = __ldg(bb + g);
-        }
+        tc_load<TC_GCHUNK>(r, g0, k0, gn, qa, qb, ssa, sba, ssb, sbb);
         if (!staged) {
             stage();
             staged = true;
@@ -1543,13 +1569,8 @@ template <int G, typename Wait>
 __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int rb, int g0, int gn,
                                           const uint2* __restrict__ xs, const float* __restrict__ gsum, int ng,
                                           const int* tok, int lane, float (*acc)[4], Wait wait) {
-    const int c = lane & 3, nb = lane >> 2, cols = wa.cols;
-    const uint2* ca = (const uint2*)(wa.codes + (size_t)ra * cols / 2) + c;
-    const uint2* cb = (const uint2*)(wb.codes + (size_t)rb * cols / 2) + c;
-    const u16* sa = wa.scales + (size_t)ra * ng;
-    const u16* ba = wa.biases + (size_t)ra * ng;
-    const u16* sb = wb.scales + (size_t)rb * ng;
-    const u16* bb = wb.biases + (size_t)rb * ng;
+    const int c = lane & 3, nb = lane >> 2;
+    const TcRows r = tc_rows(wa, ra, wb, rb, c);
     const int bf = wa.scale_bf16;
     // This lane's B column: part nb % 3 of the set's token nb / 3 (lanes
     // past the set's tokens hold zero columns); its group sums: the token
@@ -1566,16 +1587,7 @@ __device__ __forceinline__ void tc_tile_t(const W& wa, int ra, const W& wb, int 
     for (int k0 = 0; k0 < gn; k0 += G) {
         uint2 qa[G], qb[G];
         u16 ssa[G], sba[G], ssb[G], sbb[G];
-#pragma unroll
-        for (int j = 0; j < G; j++) {
-            const int g = g0 + min(k0 + j, gn - 1);
-            qa[j] = __ldg(ca + g * 4);
-            qb[j] = __ldg(cb + g * 4);
-            ssa[j] = __ldg(sa + g);
-            sba[j] = __ldg(ba + g);
-            ssb[j] = __ldg(sb + g);
-            sbb[j] = __ldg(bb + g);
-        }
+        tc_load<G>(r, g0, k0, gn, qa, qb, ssa, sba, ssb, sbb);
         if (!waited) {
             wait();
             waited = true;
