@@ -417,6 +417,9 @@ pub struct Gpu {
     /// prompt's passes by default); [`Gpu::new`] leaves it off unless
     /// `SLIPSTREAM_CUDA_TC=1`.
     pub tensor_cores: bool,
+    /// The GPU has the bf16 mma the tensor-core kernels use (sm_80+);
+    /// without it they never run, whatever `tensor_cores` says.
+    pub tc_capable: bool,
     /// The kernels were built with `A4V_SPLIT=1` (grid shapes follow it).
     split: bool,
     /// Kernels on `stream` launch with programmatic stream serialization
@@ -608,6 +611,7 @@ impl Gpu {
             fused_sync,
             fused: true,
             tensor_cores: false,
+            tc_capable: maj >= 8,
             split,
             pdl: maj >= 9,
             tiles_smem_max,
@@ -959,6 +963,7 @@ impl Gpu {
     /// multiple of 256 columns, staged x within 48 KiB of shared memory.
     pub fn matvec_on_tensor_cores(&self, w: &WDesc) -> bool {
         self.tensor_cores
+            && self.tc_capable
             && w.qt == QKind::Affine4 as i32
             && w.group == 64
             && w.cols().is_multiple_of(256)
@@ -1380,7 +1385,8 @@ impl Gpu {
     pub fn experts_on_tensor_cores(&self, parts: [&WDesc; 3], k: usize) -> bool {
         let [gt, ut, dt] = parts;
         let a4g64 = |w: &WDesc| w.qt == QKind::Affine4 as i32 && w.group == 64;
-        same_layout(gt, ut)
+        self.tc_capable
+            && same_layout(gt, ut)
             && a4g64(gt)
             && a4g64(dt)
             && gt.scale_bf16 == dt.scale_bf16

@@ -570,6 +570,7 @@ impl CudaModel {
                 format!("{} pinned RAM slots per layer", r.0.capacity())
             });
         let tc = match self.tc_use {
+            _ if !self.gpu.tc_capable => "off (they need sm_80)",
             TensorCoreUse::Never => "off",
             TensorCoreUse::Prompt => "prompt passes",
             TensorCoreUse::Always => "every pass",

@@ -1218,11 +1218,25 @@ extern "C" __global__ void __launch_bounds__(256, MOE_MINB) moe_fused_a4v_c4(FU_
 // second 4 bytes, and the staged x parts are laid out to match. About one
 // instruction per code against ~6 for the a4v kernels' PRMT + FFMA form.
 
+// The bf16 conversion and the mma need sm_80; below it these kernels
+// compile to a trap and the host never launches them (`Gpu::tc_capable`),
+// so the module still loads on older GPUs.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define TC_ARCH 1
+#else
+#define TC_ARCH 0
+#endif
+
 // bf16 (round to nearest even) of f, as the low 16 bits.
 __device__ __forceinline__ u32 bf16_rn(float f) {
+#if TC_ARCH
     unsigned short r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
+#else
+    __trap();
+    return 0;
+#endif
 }
 __device__ __forceinline__ float bf16_f(u32 b) { return __uint_as_float(b << 16); }
 
@@ -1231,11 +1245,15 @@ __device__ __forceinline__ u32 tc_nib2(u32 w, int s) { return ((w >> (4 * s)) & 
 
 // d += A (16 x 16, rows lane/4 and lane/4 + 8) x B (16 x 8).
 __device__ __forceinline__ void tc_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if TC_ARCH
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
 }
 
 // Stages groups [g0, g0 + gn) of one x row for one warp of a tensor-core
