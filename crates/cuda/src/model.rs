@@ -78,13 +78,19 @@ pub enum TensorCoreUse {
 }
 
 impl TensorCoreUse {
-    /// From `SLIPSTREAM_CUDA_TC` (unset or unrecognised: the default).
-    pub fn from_env() -> TensorCoreUse {
-        match std::env::var("SLIPSTREAM_CUDA_TC").as_deref() {
-            Ok("0") => TensorCoreUse::Never,
-            Ok("1") => TensorCoreUse::Always,
+    /// From a `SLIPSTREAM_CUDA_TC` value: `0`, `1`, anything else (or none)
+    /// the default.
+    pub fn parse(v: Option<&str>) -> TensorCoreUse {
+        match v.map(str::trim) {
+            Some("0") => TensorCoreUse::Never,
+            Some("1") => TensorCoreUse::Always,
             _ => TensorCoreUse::Prompt,
         }
+    }
+
+    /// From `SLIPSTREAM_CUDA_TC`.
+    pub fn from_env() -> TensorCoreUse {
+        TensorCoreUse::parse(std::env::var("SLIPSTREAM_CUDA_TC").ok().as_deref())
     }
 }
 
@@ -1679,5 +1685,20 @@ impl Backend for CudaModel {
         }
         .map_err(|e| err(e.into()))?;
         Ok(DAct::T)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TensorCoreUse;
+
+    #[test]
+    fn tensor_core_use_parses_its_values_and_defaults_to_prompt() {
+        assert_eq!(TensorCoreUse::parse(Some("0")), TensorCoreUse::Never);
+        assert_eq!(TensorCoreUse::parse(Some("1")), TensorCoreUse::Always);
+        assert_eq!(TensorCoreUse::parse(Some(" 1 ")), TensorCoreUse::Always);
+        for v in [None, Some("prompt"), Some(""), Some("yes")] {
+            assert_eq!(TensorCoreUse::parse(v), TensorCoreUse::Prompt, "{v:?}");
+        }
     }
 }
