@@ -836,28 +836,8 @@ impl Gpu {
             if n == 1 {
                 return self.matvec_tc(&[w], x, &[y]);
             }
-            // Each token the bits of its one-token launch above.
-            let (xs, gs) = self.tc_split(x, w.cols(), n)?;
-            let grid = (
-                n.div_ceil(TC_TOKENS) as u32,
-                w.rows().div_ceil(32) as u32,
-                1,
-            );
-            if grid.1 as usize <= GRID_Y_MAX {
-                let n_i = n as i32;
-                return self.go_smem(
-                    &self.f.matvec_tc_t,
-                    grid,
-                    256,
-                    self.tc_t_smem() as u32,
-                    &mut args!(w, &xs, &gs, &y, &n_i),
-                );
-            }
-            for t in 0..n {
-                let (xt, yt) = (x + (4 * t * w.cols()) as u64, y + (4 * t * w.rows()) as u64);
-                self.matvec_tc(&[w], xt, &[yt])?;
-            }
-            return Ok(());
+            let split = self.tc_split(x, w.cols(), n)?;
+            return self.matvec_tc_pass(w, x, split, y, n);
         }
         if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_multiple_of(16)) {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
@@ -908,6 +888,20 @@ impl Gpu {
             ));
         }
         if n != 1 {
+            // Matrices of the same columns on tensor cores share one split
+            // of x (the same bits as a split per matrix).
+            let cols = ws.first().map_or(0, |w| w.cols());
+            if ws.len() > 1
+                && ws
+                    .iter()
+                    .all(|w| self.matvec_on_tensor_cores(w) && w.cols() == cols)
+            {
+                let split = self.tc_split(x, cols, n)?;
+                for (w, &y) in ws.iter().zip(ys) {
+                    self.matvec_tc_pass(w, x, split, y, n)?;
+                }
+                return Ok(());
+            }
             for (w, &y) in ws.iter().zip(ys) {
                 self.matvec(w, x, y, n)?;
             }
@@ -956,6 +950,34 @@ impl Gpu {
                 &yd[2], &yd[3]
             ),
         )
+    }
+
+    /// `y[t, :] = W x[t, :]` for `n` > 1 tokens on the tensor-core prefill
+    /// form, x (at `x`) already split by [`Gpu::tc_split`] into `split`;
+    /// each token the bits of its one-token `matvec_tc` launch (which runs
+    /// the pass token by token where the grid would not fit).
+    fn matvec_tc_pass(&self, w: &WDesc, x: u64, split: (u64, u64), y: u64, n: usize) -> Result<()> {
+        let (xs, gs) = split;
+        let grid = (
+            n.div_ceil(TC_TOKENS) as u32,
+            w.rows().div_ceil(32) as u32,
+            1,
+        );
+        if grid.1 as usize <= GRID_Y_MAX {
+            let n_i = n as i32;
+            return self.go_smem(
+                &self.f.matvec_tc_t,
+                grid,
+                256,
+                self.tc_t_smem() as u32,
+                &mut args!(w, &xs, &gs, &y, &n_i),
+            );
+        }
+        for t in 0..n {
+            let (xt, yt) = (x + (4 * t * w.cols()) as u64, y + (4 * t * w.rows()) as u64);
+            self.matvec_tc(&[w], xt, &[yt])?;
+        }
+        Ok(())
     }
 
     /// Whether [`Gpu::matvec`] runs `w` (one token) on the tensor-core

@@ -182,8 +182,9 @@ fn wide_a4_case(g: &Gpu) {
 }
 
 /// A layer's projections in one launch (`matvec_many`: 2 to 4 matrices of
-/// the same columns, ragged rows down to one block's worth and less) give
-/// the bits of one launch per matrix.
+/// the same columns, ragged rows down to one block's worth and less; for a
+/// pass, one split of x shared on tensor cores) give the bits of one
+/// launch per matrix.
 #[test]
 fn many_matvecs_in_one_launch_match_single_launches() {
     let Some(mut g) = gpu() else { return };
@@ -219,25 +220,29 @@ fn many_matvecs_case(g: &Gpu, tc: bool) {
                     .unwrap()
             })
             .collect();
-        let x = rvec(&mut rng, cols, 1.0);
-        let dx = g.upload_f32(&x).unwrap();
-        let ys: Vec<_> = rows
-            .iter()
-            .map(|&r| g.upload_f32(&vec![f32::NAN; r]).unwrap())
-            .collect();
-        let descs: Vec<_> = ws.iter().map(|w| &w.desc).collect();
-        let yp: Vec<u64> = ys.iter().map(|y| y.ptr).collect();
-        g.matvec_many(&descs, dx.ptr, &yp, 1).unwrap();
-        for ((w, y), &r) in ws.iter().zip(&ys).zip(&rows) {
-            let got = g.read_f32(y, 0, r).unwrap();
-            g.matvec(&w.desc, dx.ptr, y.ptr, 1).unwrap();
-            let want = g.read_f32(y, 0, r).unwrap();
-            assert!(
-                got.iter()
-                    .zip(&want)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                "matvec_many [{r}, {cols}] of {rows:?} differs from its own launch (tensor cores: {tc})"
-            );
+        // One token (one launch), then a pass of 11 (one split of x for
+        // all the matrices on tensor cores).
+        for n in [1usize, 11] {
+            let x = rvec(&mut rng, n * cols, 1.0);
+            let dx = g.upload_f32(&x).unwrap();
+            let ys: Vec<_> = rows
+                .iter()
+                .map(|&r| g.upload_f32(&vec![f32::NAN; n * r]).unwrap())
+                .collect();
+            let descs: Vec<_> = ws.iter().map(|w| &w.desc).collect();
+            let yp: Vec<u64> = ys.iter().map(|y| y.ptr).collect();
+            g.matvec_many(&descs, dx.ptr, &yp, n).unwrap();
+            for ((w, y), &r) in ws.iter().zip(&ys).zip(&rows) {
+                let got = g.read_f32(y, 0, n * r).unwrap();
+                g.matvec(&w.desc, dx.ptr, y.ptr, n).unwrap();
+                let want = g.read_f32(y, 0, n * r).unwrap();
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "matvec_many [{r}, {cols}] of {rows:?}, {n} tokens, differs from its own launch (tensor cores: {tc})"
+                );
+            }
         }
     }
 }
