@@ -341,6 +341,7 @@ struct Funcs {
     qk_prep: CudaFunction,
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
+    attn_prompt_tc: CudaFunction,
     gdn_conv: CudaFunction,
     gdn_step: CudaFunction,
     gdn_step_r: CudaFunction,
@@ -383,6 +384,20 @@ fn a4v_tiles_smem(cols: usize) -> usize {
 
 /// Keys per attention split (`ATT_CHUNK` in decode.cu).
 pub const ATT_CHUNK: usize = 128;
+/// Keys per split of the prompt attention (`PA_SPLIT` in decode.cu).
+pub const PA_SPLIT: usize = 1024;
+/// Rows (query, head) per block of the prompt attention (`PA_ROWS`).
+const PA_ROWS: usize = 16;
+/// Keys per step of the prompt attention (`PA_KEYS`).
+const PA_KEYS: usize = 32;
+
+/// Dynamic shared memory of `attn_prompt_tc` for heads of `hd`: the
+/// tile's queries, a block of keys and of values (padded rows), the
+/// block's probabilities and the rows' rescale factors.
+fn prompt_attn_smem(hd: usize) -> usize {
+    4 * (PA_ROWS * (hd + 4) + PA_KEYS * (hd + 4) + PA_KEYS * (hd + 8) + PA_ROWS * (PA_KEYS + 4) + PA_ROWS)
+}
+
 /// Most query heads per KV head (`ATT_MAXG`).
 pub const ATT_MAXG: usize = 16;
 
@@ -445,6 +460,12 @@ pub struct Gpu {
     /// default) or 1 (`SLIPSTREAM_CUDA_TC_TPM=1`, the one-token kernels'
     /// B layout; the same bits where the mma's columns are independent).
     tc_tpm: usize,
+    /// Whether [`Gpu::attention_prompt`] may run (`SLIPSTREAM_CUDA_TC_ATTN=0`
+    /// turns it off, for measuring; the model then runs the prompt's
+    /// attention on the decode kernels).
+    pub prompt_attn_tc: bool,
+    /// Dynamic shared memory `attn_prompt_tc` may take.
+    attn_smem_max: usize,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -559,6 +580,7 @@ impl Gpu {
             qk_prep: lf("qk_prep")?,
             attn_partial: lf("attn_partial")?,
             attn_combine: lf("attn_combine")?,
+            attn_prompt_tc: lf("attn_prompt_tc")?,
             gdn_conv: lf("gdn_conv")?,
             gdn_step: lf("gdn_step")?,
             gdn_step_r: lf("gdn_step_r")?,
@@ -601,6 +623,14 @@ impl Gpu {
                 tc_smem_max as i32,
             )?;
         }
+        // The prompt attention holds a tile's queries and a block of keys
+        // and values: 84 KiB for 256-dimension heads.
+        let attn_smem_max = optin.clamp(48 * 1024, prompt_attn_smem(256));
+        f.attn_prompt_tc.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            attn_smem_max as i32,
+        )?;
+        let prompt_attn_tc = std::env::var("SLIPSTREAM_CUDA_TC_ATTN").map_or(true, |v| v != "0");
         Ok(Gpu {
             ctx,
             stream,
@@ -619,6 +649,8 @@ impl Gpu {
             tc_split_buf: Mutex::new(None),
             tc_down_buf: Mutex::new(None),
             tc_tpm,
+            prompt_attn_tc,
+            attn_smem_max,
         })
     }
 
@@ -1595,6 +1627,7 @@ impl Gpu {
             keys.div_ceil(ATT_CHUNK) as i32,
             per_query as i32,
         );
+        let chunk = ATT_CHUNK as i32;
         self.go(
             &self.f.attn_partial,
             (nkv as u32, nsplit as u32, n as u32),
@@ -1608,8 +1641,93 @@ impl Gpu {
             &self.f.attn_combine,
             (nh as u32, 1, n as u32),
             256,
-            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos, &keys_i, &zs),
+            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos, &keys_i, &zs, &chunk),
         )
+    }
+
+    /// Whether [`Gpu::attention_prompt`] runs heads of `hd` dimensions
+    /// here: tensor cores (sm_80+), `hd` a multiple of 32 up to 256, and the
+    /// shared memory for it.
+    pub fn prompt_attention_on_tensor_cores(&self, hd: usize) -> bool {
+        self.prompt_attn_tc
+            && self.tc_capable
+            && hd.is_multiple_of(32)
+            && (32..=256).contains(&hd)
+            && prompt_attn_smem(hd) <= self.attn_smem_max
+    }
+
+    /// Attention of a prompt pass's `n` queries on tensor cores: query t
+    /// (`q`, `gate`, `out` `[n, nh, hd]`) sits at position `pos0 + t` and
+    /// sees the keys up to its own (the pass's keys are in the caches
+    /// `[keys, nkv*hd]` already). Both products in 3xTF32 (about f32),
+    /// keys in splits of [`PA_SPLIT`] combined in order. Each query's bits
+    /// depend only on its own query, keys and values: a pass of any length
+    /// gives the same as one query per launch. `scratch` holds `n` times
+    /// [`Gpu::prompt_attn_scratch_f32`] for the last query's keys.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_prompt(
+        &self,
+        q: u64,
+        kc: u64,
+        vc: u64,
+        pos0: usize,
+        n: usize,
+        dims: (usize, usize, usize),
+        gate: u64,
+        scratch: &DBuf,
+        out: u64,
+    ) -> Result<()> {
+        let (nh, nkv, hd) = dims;
+        if n == 0 || nkv == 0 || !nh.is_multiple_of(nkv) || !self.prompt_attention_on_tensor_cores(hd) {
+            return Err(CudaError::Invalid(format!(
+                "prompt attention of {n} queries with {nh} heads over {nkv} KV heads of {hd} \
+                 does not run on tensor cores here"
+            )));
+        }
+        let last = pos0 + n;
+        let nsplit = last.div_ceil(PA_SPLIT);
+        let per_query = Self::prompt_attn_scratch_f32(nh, hd, last);
+        let (rows, grid_y) = (n * (nh / nkv), u32::try_from(nsplit));
+        let (Ok(grid_y), Ok(zs)) = (grid_y, i32::try_from(per_query)) else {
+            return Err(CudaError::Invalid(format!("prompt attention over {last} keys is too long")));
+        };
+        if scratch.len_f32() < n * per_query {
+            return Err(CudaError::Invalid("prompt attention scratch too small".into()));
+        }
+        let pm = scratch.ptr;
+        let pl = scratch.f32_at(nh * nsplit);
+        let pacc = scratch.f32_at(2 * nh * nsplit);
+        let scale = 1.0f32 / (hd as f32).sqrt();
+        let (pos0_i, n_i, nh_i, nkv_i, hd_i, keys_i) = (
+            pos0 as i32,
+            n as i32,
+            nh as i32,
+            nkv as i32,
+            hd as i32,
+            (pos0 + 1) as i32,
+        );
+        self.go_smem(
+            &self.f.attn_prompt_tc,
+            (rows.div_ceil(PA_ROWS) as u32, grid_y, nkv as u32),
+            128,
+            prompt_attn_smem(hd) as u32,
+            &mut args!(
+                &q, &kc, &vc, &pos0_i, &n_i, &nh_i, &nkv_i, &hd_i, &scale, &pm, &pl, &pacc, &zs
+            ),
+        )?;
+        let (dpos, chunk, ns_i) = (0u64, PA_SPLIT as i32, nsplit as i32);
+        self.go(
+            &self.f.attn_combine,
+            (nh as u32, 1, n as u32),
+            256,
+            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos, &keys_i, &zs, &chunk),
+        )
+    }
+
+    /// Scratch floats [`Gpu::attention_prompt`] needs per query of `keys`
+    /// keys.
+    pub fn prompt_attn_scratch_f32(nh: usize, hd: usize, keys: usize) -> usize {
+        nh * keys.div_ceil(PA_SPLIT).max(1) * (2 + hd)
     }
 
     /// Scratch floats [`Gpu::attention`] needs for `keys` keys.

@@ -790,14 +790,36 @@ impl CudaModel {
         )?;
         // Each query over the keys up to its own position (causal): the
         // pass's keys are all in the cache already. As many queries per
-        // launch pair as the scratch holds.
+        // launch pair as the scratch holds. The prompt's tokens run on the
+        // tensor-core kernels at every pass length (one token per pass
+        // included, so their bits never depend on the pass length); the
+        // generated tokens on the decode kernels.
+        let on_tc = self.prompt_pass && g.tensor_cores && g.prompt_attention_on_tensor_cores(a.dims.2);
         let row = (a.dims.0 * a.dims.2 * 4) as u64;
-        let per_query = Gpu::attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n);
+        let per_query = if on_tc {
+            Gpu::prompt_attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n)
+        } else {
+            Gpu::attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n)
+        };
         let batch = (self.s_att_scratch.len_f32() / per_query).clamp(1, n);
         for t0 in (0..n).step_by(batch) {
             let m = batch.min(n - t0);
             let off = t0 as u64 * row;
             let gate = if a.gated { self.s_gate.ptr + off } else { 0 };
+            if on_tc {
+                g.attention_prompt(
+                    self.s_q.ptr + off,
+                    a.kc.ptr,
+                    a.vc.ptr,
+                    self.pos + t0,
+                    m,
+                    a.dims,
+                    gate,
+                    &self.s_att_scratch,
+                    self.s_attn.ptr + off,
+                )?;
+                continue;
+            }
             let at_t = match at {
                 Position::Host(p) => Position::Host(p + t0),
                 device => device,
@@ -1464,8 +1486,9 @@ impl Backend for CudaModel {
             TensorCoreUse::Always => true,
         };
         // The pass graph holds the generated tokens' kernels: a prompt pass
-        // on other kernels runs without it.
-        if n > 1 || (self.prompt_pass && self.tc_use == TensorCoreUse::Prompt) {
+        // on other kernels (tensor cores: the prompt attention takes its
+        // position from the host) runs without it.
+        if n > 1 || (self.prompt_pass && self.tc_use != TensorCoreUse::Never) {
             self.mode = PassMode::Plain;
             return Ok(());
         }

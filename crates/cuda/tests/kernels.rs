@@ -867,6 +867,105 @@ fn decode_attention_matches_cpu() {
 }
 
 #[test]
+fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(41);
+    // (nh, nkv, hd, first position, queries, gated): ragged tiles, groups
+    // of 1 to 16, key splits crossed (1024 keys each).
+    for (nh, nkv, hd, p0, n, gated) in [
+        (16usize, 2usize, 256usize, 0usize, 37usize, true),
+        (16, 2, 256, 1000, 50, true),
+        (32, 4, 128, 300, 5, false),
+        (8, 8, 64, 2040, 20, false),
+        (6, 2, 96, 5, 3, true),
+        (4, 1, 32, 0, 70, true),
+        (16, 1, 64, 100, 9, false),
+    ] {
+        if !g.prompt_attention_on_tensor_cores(hd) {
+            assert!(
+                !(g.tc_capable && g.prompt_attn_tc),
+                "head dim {hd} should run on tensor cores on this GPU"
+            );
+            eprintln!("skipped: prompt attention of head dim {hd} does not run on tensor cores here");
+            continue;
+        }
+        let keys = p0 + n;
+        let k = rvec(&mut rng, keys * nkv * hd, 1.0);
+        let v = rvec(&mut rng, keys * nkv * hd, 1.0);
+        // Larger queries than the decode test's: sharper softmaxes.
+        let q = rvec(&mut rng, n * nh * hd, 3.0);
+        let gate = rvec(&mut rng, n * nh * hd, 2.0);
+        let (dq, dk, dv, dg) = (
+            g.upload_f32(&q).unwrap(),
+            g.upload_f32(&k).unwrap(),
+            g.upload_f32(&v).unwrap(),
+            g.upload_f32(&gate).unwrap(),
+        );
+        let scratch = g
+            .alloc(4 * n * Gpu::prompt_attn_scratch_f32(nh, hd, keys))
+            .unwrap();
+        let out = g.upload_f32(&vec![f32::NAN; n * nh * hd]).unwrap();
+        let row = nh * hd;
+        let run = |t0: usize, m: usize| {
+            let off = (t0 * row * 4) as u64;
+            g.attention_prompt(
+                dq.ptr + off,
+                dk.ptr,
+                dv.ptr,
+                p0 + t0,
+                m,
+                (nh, nkv, hd),
+                if gated { dg.ptr + off } else { 0 },
+                &scratch,
+                out.ptr + off,
+            )
+            .unwrap();
+        };
+        run(0, n);
+        let whole = g.read_f32(&out, 0, n * row).unwrap();
+        for t in 0..n {
+            let want = attention_ref(
+                &q[t * row..][..row],
+                &k[..(p0 + t + 1) * nkv * hd],
+                &v[..(p0 + t + 1) * nkv * hd],
+                p0 + t + 1,
+                nh,
+                nkv,
+                hd,
+                gated.then_some(&gate[t * row..][..row]),
+            );
+            let e = rel_err(&whole[t * row..][..row], &want);
+            assert!(
+                e < 1e-4,
+                "prompt attention nh {nh} nkv {nkv} hd {hd} query {t} at {}: {e}",
+                p0 + t
+            );
+        }
+        // One query per launch, then the pass cut in two at a random
+        // point: the same bits as the whole pass.
+        let cut = rng.random_range(1..=n);
+        for pieces in [(0..n).map(|t| (t, 1)).collect::<Vec<_>>(), vec![(0, cut), (cut, n - cut)]] {
+            g.write_f32(&out, &vec![f32::NAN; n * row]).unwrap();
+            for (t0, m) in pieces {
+                if m > 0 {
+                    run(t0, m);
+                }
+            }
+            let parts = g.read_f32(&out, 0, n * row).unwrap();
+            for t in 0..n {
+                assert!(
+                    parts[t * row..][..row]
+                        .iter()
+                        .zip(&whole[t * row..][..row])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "prompt attention query {t} of {n} (nh {nh} hd {hd}, cut {cut}) differs from the whole pass"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn gated_delta_rule_matches_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng64::seed_from_u64(5);

@@ -1256,6 +1256,43 @@ __device__ __forceinline__ void tc_mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3,
 #endif
 }
 
+// tf32 (round to nearest, ties away) of f, as a b32 whose low 13 bits are 0.
+__device__ __forceinline__ u32 tf32_rna(float f) {
+#if TC_ARCH
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(f));
+    return r;
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+// f = hi + lo with both parts tf32 (lo holds the 11 bits after hi's).
+__device__ __forceinline__ void tf32_split(float f, u32& hi, u32& lo) {
+    hi = tf32_rna(f);
+    lo = tf32_rna(f - __uint_as_float(hi));
+}
+
+// d += A (16 x 8, rows lane/4 and lane/4 + 8) x B (8 x 8) in f32 to about
+// 2^-21 relative (3xTF32: hi*hi + hi*lo + lo*hi, the small products
+// first; lo*lo is below f32's last bit).
+__device__ __forceinline__ void tf32x3_mma(float* d, const u32* ah, const u32* al, const u32* bh, const u32* bl) {
+#if TC_ARCH
+#define TF32_MMA(A, B)                                                                                      \
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "      \
+                 "{%8,%9}, {%0,%1,%2,%3};"                                                                  \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                           \
+                 : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(B[0]), "r"(B[1]))
+    TF32_MMA(al, bh);
+    TF32_MMA(ah, bl);
+    TF32_MMA(ah, bh);
+#undef TF32_MMA
+#else
+    __trap();
+#endif
+}
+
 // Stages groups [g0, g0 + gn) of one x row for one warp of a tensor-core
 // kernel: xp[((i * 4 + s) * 4 + c) * 3 + n] (two u32 each) holds part n of
 // x at group g0 + i's columns (16c + s, 16c + s + 4) and (16c + 8 + s,
@@ -2017,7 +2054,7 @@ extern "C" __global__ void qk_prep(const float* __restrict__ q_all, const float*
 // causal batch of queries: query z (q + z nh hd) sees keys + z keys and
 // writes its own scratch (pm, pl, pacc + z zs), each with the numbers of
 // its own one-query launch. 256 threads; group <= ATT_MAXG; hd <= 256.
-__device__ __forceinline__ int att_splits(int keys) { return (keys + ATT_CHUNK - 1) / ATT_CHUNK; }
+__device__ __forceinline__ int att_splits(int keys, int chunk = ATT_CHUNK) { return (keys + chunk - 1) / chunk; }
 extern "C" __global__ void attn_partial(const float* __restrict__ q, const float* __restrict__ kc,
                                        const float* __restrict__ vc, int keys, int nh, int nkv, int hd,
                                        float scale, int nsplit, float* __restrict__ pm, float* __restrict__ pl,
@@ -2109,18 +2146,19 @@ extern "C" __global__ void attn_partial(const float* __restrict__ q, const float
 
 // Decode attention, pass 2: combine the splits of head blockIdx.x and apply
 // the sigmoid output gate (when `gate` is not null); `dpos` as in
-// attn_partial. 256 threads.
+// attn_partial. Splits of `chunk` keys (ATT_CHUNK after attn_partial,
+// PA_SPLIT after attn_prompt_tc). 256 threads.
 extern "C" __global__ void attn_combine(const float* __restrict__ pm, const float* __restrict__ pl,
                                        const float* __restrict__ pacc, int nsplit, int hd,
                                        const float* __restrict__ gate, float* __restrict__ out,
-                                       const int* __restrict__ dpos, int keys, int zs) {
+                                       const int* __restrict__ dpos, int keys, int zs, int chunk) {
     PDL_START();
     if (dpos) {
-        nsplit = att_splits(dpos[0] + 1);
+        nsplit = att_splits(dpos[0] + 1, chunk);
     } else {
         // Query z of a causal batch (see attn_partial).
         const int z = blockIdx.z;
-        nsplit = att_splits(keys + z);
+        nsplit = att_splits(keys + z, chunk);
         pm += (size_t)z * zs;
         pl += (size_t)z * zs;
         pacc += (size_t)z * zs;
@@ -2140,6 +2178,177 @@ extern "C" __global__ void attn_combine(const float* __restrict__ pm, const floa
         float o = a * inv;
         if (gate) o *= sigmoidf_(gate[(size_t)h * hd + d]);
         out[(size_t)h * hd + d] = o;
+    }
+}
+
+// Prompt attention on tensor cores, pass 1. Block (row tile x, key split
+// y, KV head z) takes PA_ROWS rows of the pass, row R = (query R / group,
+// head kvh * group + R % group), over the keys [y PA_SPLIT, ..) up to the
+// tile's last position, PA_KEYS at a time: S = Q K^T and O += P V on
+// tensor cores in 3xTF32 (about f32), online softmax per row. Query t sits
+// at position pos0 + t and sees keys 0 ..= pos0 + t. It writes per (row,
+// split) what attn_partial writes per (head, split): max m, sum l and the
+// unnormalised acc[hd] (query t in its own scratch area z = t of zs
+// floats, split count att_splits(pos0 + t + 1, PA_SPLIT)), for
+// attn_combine with chunk PA_SPLIT. A row's numbers depend only on its
+// own query and keys: key blocks start at multiples of PA_KEYS, a block
+// past a row's position leaves its state exactly as it was (alpha 1, P 0),
+// the mma's rows are independent and every sum runs in a fixed order. So a
+// query gets the same bits in a pass of any length, alone or in a tile with
+// others. 128 threads (warp w: keys 8w.. of S, dims w hd/4.. of O); hd a
+// multiple of 32, at most 256; dynamic smem prompt_attn_smem(hd).
+#define PA_ROWS 16
+#define PA_KEYS 32
+#define PA_SPLIT 1024
+extern "C" __global__ void __launch_bounds__(128) attn_prompt_tc(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, int pos0, int n,
+    int nh, int nkv, int hd, float scale, float* __restrict__ pm, float* __restrict__ pl,
+    float* __restrict__ pacc, int zs) {
+    PDL_START();
+    const int group = nh / nkv, kvh = blockIdx.z, sp = blockIdx.y;
+    const int rows = n * group, r0 = blockIdx.x * PA_ROWS;
+    const int last = pos0 + min(n - 1, (r0 + PA_ROWS - 1) / group);
+    const int k0 = sp * PA_SPLIT;
+    if (k0 > last) return;
+    const int k1 = min(k0 + PA_SPLIT, last + 1);
+    const int sq = hd + 4, sv = hd + 8, spp = PA_KEYS + 4, h4 = hd >> 2;
+    float* qs = (float*)a4v_dyn;
+    float* ks = qs + PA_ROWS * sq;
+    float* vs = ks + PA_KEYS * sq;
+    float* ps = vs + PA_KEYS * sv;
+    float* als = ps + PA_ROWS * spp;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int i = tid; i < PA_ROWS * h4; i += 128) {
+        const int r = i / h4, c = i - r * h4, R = r0 + r;
+        float4 v = zero4;
+        if (R < rows) v = *(const float4*)(q + ((size_t)(R / group) * nh + kvh * group + R % group) * hd + 4 * c);
+        *(float4*)(qs + r * sq + 4 * c) = v;
+    }
+    // The softmax lanes: eight per row, keys 4 sub .. 4 sub + 3 of a block.
+    const int sr = tid >> 3, sub = tid & 7;
+    const int spos = r0 + sr < rows ? pos0 + (r0 + sr) / group : -1;
+    float m_run = -INFINITY, l_run = 0.0f;
+    // O of rows g, g + 8, dims d0 + 8j + 2 t4 (+1).
+    const int nt = hd >> 5, d0 = w * (hd >> 2);
+    float acc[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int j0 = k0; j0 < k1; j0 += PA_KEYS) {
+        for (int i = tid; i < PA_KEYS * h4; i += 128) {
+            const int j = i / h4, c = i - j * h4, key = j0 + j;
+            float4 kv = zero4, vv = zero4;
+            if (key < k1) {
+                const size_t o = ((size_t)key * nkv + kvh) * hd + 4 * c;
+                kv = *(const float4*)(kc + o);
+                vv = *(const float4*)(vc + o);
+            }
+            *(float4*)(ks + j * sq + 4 * c) = kv;
+            *(float4*)(vs + j * sv + 4 * c) = vv;
+        }
+        __syncthreads();
+        {
+            float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const float* qa = qs + g * sq + t4;
+            const float* kb = ks + (8 * w + g) * sq + t4;
+            for (int kk = 0; kk < hd; kk += 8) {
+                u32 ah[4], al[4], bh[2], bl[2];
+                tf32_split(qa[kk], ah[0], al[0]);
+                tf32_split(qa[8 * sq + kk], ah[1], al[1]);
+                tf32_split(qa[kk + 4], ah[2], al[2]);
+                tf32_split(qa[8 * sq + kk + 4], ah[3], al[3]);
+                tf32_split(kb[kk], bh[0], bl[0]);
+                tf32_split(kb[kk + 4], bh[1], bl[1]);
+                tf32x3_mma(s, ah, al, bh, bl);
+            }
+            float* pr = ps + g * spp + 8 * w + 2 * t4;
+            pr[0] = s[0] * scale;
+            pr[1] = s[1] * scale;
+            pr[8 * spp] = s[2] * scale;
+            pr[8 * spp + 1] = s[3] * scale;
+        }
+        __syncthreads();
+        {
+            // Keys of row sr in this block: nv <= 0 leaves its state as is.
+            const int nv = min(PA_KEYS, spos - j0 + 1);
+            float sv4[4], mb = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                sv4[i] = 4 * sub + i < nv ? ps[sr * spp + 4 * sub + i] : -INFINITY;
+                mb = fmaxf(mb, sv4[i]);
+            }
+            for (int o = 4; o > 0; o >>= 1) mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+            float alpha = 1.0f, mn = m_run;
+            if (nv > 0) {
+                mn = fmaxf(m_run, mb);
+                alpha = expf(m_run - mn);
+            }
+            float p[4], sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                p[i] = 4 * sub + i < nv ? expf(sv4[i] - mn) : 0.0f;
+                sum += p[i];
+            }
+            // An xor tree: every lane of the row ends with the same sum.
+            for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            if (nv > 0) {
+                l_run = l_run * alpha + sum;
+                m_run = mn;
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) ps[sr * spp + 4 * sub + i] = p[i];
+            if (sub == 0) als[sr] = alpha;
+        }
+        __syncthreads();
+        {
+            const float a_lo = als[g], a_hi = als[g + 8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                acc[j][0] *= a_lo;
+                acc[j][1] *= a_lo;
+                acc[j][2] *= a_hi;
+                acc[j][3] *= a_hi;
+            }
+#pragma unroll
+            for (int kk = 0; kk < PA_KEYS; kk += 8) {
+                u32 ah[4], al[4];
+                const float* pa = ps + g * spp + kk + t4;
+                tf32_split(pa[0], ah[0], al[0]);
+                tf32_split(pa[8 * spp], ah[1], al[1]);
+                tf32_split(pa[4], ah[2], al[2]);
+                tf32_split(pa[8 * spp + 4], ah[3], al[3]);
+                const float* vb = vs + (kk + t4) * sv + d0 + g;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if (j < nt) {
+                        u32 bh[2], bl[2];
+                        tf32_split(vb[8 * j], bh[0], bl[0]);
+                        tf32_split(vb[4 * sv + 8 * j], bh[1], bl[1]);
+                        tf32x3_mma(acc[j], ah, al, bh, bl);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // Rows with keys in this split write their partials.
+    if (sub == 0 && spos >= k0) {
+        const int t = (r0 + sr) / group, head = kvh * group + (r0 + sr) % group;
+        const int ns = (pos0 + t + PA_SPLIT) / PA_SPLIT;
+        pm[(size_t)t * zs + head * ns + sp] = m_run;
+        pl[(size_t)t * zs + head * ns + sp] = l_run;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int R = r0 + g + 8 * half;
+        if (R >= rows) continue;
+        const int t = R / group, head = kvh * group + R % group;
+        if (pos0 + t < k0) continue;
+        const int ns = (pos0 + t + PA_SPLIT) / PA_SPLIT;
+        float* dst = pacc + (size_t)t * zs + ((size_t)head * ns + sp) * hd + d0 + 2 * t4;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            if (j < nt) *(float2*)(dst + 8 * j) = make_float2(acc[j][2 * half], acc[j][2 * half + 1]);
     }
 }
 
