@@ -4,7 +4,8 @@
 # expert in VRAM, in 64- and 256-token passes (device routing, each twice)
 # and one token per pass (host routing), on the default kernels and on the
 # tensor-core ones; the generated tokens' logits must be the same bits at
-# every pass length; 256 decode tokens for scale; then where a 64-token
+# every pass length; long prompts with and without the prompt attention on
+# tensor cores; 256 decode tokens for scale; then where a 64-token
 # pass's kernel time goes (ncu, summed per kernel). Results under $OUT (one tarball, so
 # the device tool brings everything back).
 #
@@ -82,6 +83,34 @@ for rep in 1 2; do
     pf a64_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=64
     pf a256_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 done
+# Long prompts: the prompt's attention on tensor cores (default) against
+# the decode kernels (SLIPSTREAM_CUDA_TC_ATTN=0), 4096 and 16384 tokens.
+# And the bits of a 2100-token prompt (crossing the tensor-core attention's
+# key splits at 1024 and 2048) in 256-token passes and one token per pass.
+for len in ${LONG_PROMPTS:-4096 16384}; do
+    PL=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range($len)))")
+    for attn in 1 0; do
+        SLIPSTREAM_CUDA_TC_ATTN=$attn timeout 300 $B/slipstream run --model $M --prompt-tokens "$PL" --max-new 8 \
+            --print-ids --backend cuda --resident > /dev/null 2> $W/long${len}_$attn.log
+        echo "--- prompt $len tokens, SLIPSTREAM_CUDA_TC_ATTN=$attn"
+        grep -h "^\[stats\]\|rror" $W/long${len}_$attn.log
+    done
+done
+P2100=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(2100)))")
+for name in l256 l1; do
+    extra=SLIPSTREAM_CUDA_PASS_TOKENS=256
+    [ $name = l1 ] && extra=SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+    env $extra $B/slipstream run --model $M --prompt-tokens "$P2100" --max-new 4 --print-ids --backend cuda \
+        --resident --dump-logits /tmp/pf_$name.npy > $W/ck_$name.ids 2> $W/ck_$name.log || echo "$name failed"
+done
+python3 - <<'PY' || fail=1
+import sys, numpy as np
+a, b = np.load("/tmp/pf_l256.npy"), np.load("/tmp/pf_l1.npy")
+ok = a.shape == b.shape and bool(np.array_equal(a, b))
+print(f"2100-token prompt: rows {a.shape[0]}; 256-token passes bit-identical to one-token passes: {ok}")
+sys.exit(0 if ok else 1)
+PY
+rm -f /tmp/pf_*.npy
 for tc in prompt 0 1; do
     SLIPSTREAM_CUDA_TC=$tc $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids \
         --backend cuda --resident > /dev/null 2> $W/decode$tc.log
