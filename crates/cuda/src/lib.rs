@@ -342,6 +342,7 @@ struct Funcs {
     attn_partial: CudaFunction,
     attn_combine: CudaFunction,
     attn_prompt_tc: CudaFunction,
+    matvec_multi: CudaFunction,
     gdn_conv: CudaFunction,
     gdn_step: CudaFunction,
     gdn_step_r: CudaFunction,
@@ -395,7 +396,11 @@ const PA_KEYS: usize = 32;
 /// tile's queries, a block of keys and of values (padded rows), the
 /// block's probabilities and the rows' rescale factors.
 fn prompt_attn_smem(hd: usize) -> usize {
-    4 * (PA_ROWS * (hd + 4) + PA_KEYS * (hd + 4) + PA_KEYS * (hd + 8) + PA_ROWS * (PA_KEYS + 4) + PA_ROWS)
+    4 * (PA_ROWS * (hd + 4)
+        + PA_KEYS * (hd + 4)
+        + PA_KEYS * (hd + 8)
+        + PA_ROWS * (PA_KEYS + 4)
+        + PA_ROWS)
 }
 
 /// Most query heads per KV head (`ATT_MAXG`).
@@ -581,6 +586,7 @@ impl Gpu {
             attn_partial: lf("attn_partial")?,
             attn_combine: lf("attn_combine")?,
             attn_prompt_tc: lf("attn_prompt_tc")?,
+            matvec_multi: lf("matvec_multi")?,
             gdn_conv: lf("gdn_conv")?,
             gdn_step: lf("gdn_step")?,
             gdn_step_r: lf("gdn_step_r")?,
@@ -908,16 +914,58 @@ impl Gpu {
         self.go(&self.f.matvec, grid, 256, &mut args!(w, &x, &y))
     }
 
-    /// `ys[i][t] = ws[i] x[t]` for `n` tokens. One token: matrices of the
-    /// same column count and wide 4-bit layout (up to 4) in one launch,
-    /// each block computing exactly what its own [`Gpu::matvec`] launch
-    /// would (same bits); otherwise (and for more tokens) one [`Gpu::matvec`]
-    /// launch per matrix.
+    /// Whether [`Gpu::matvec`] runs `w` on the generic `matvec` kernel
+    /// (the 8-bit and float kinds; 4-bit rows it cannot take wide).
+    fn matvec_generic(&self, w: &WDesc) -> bool {
+        let wide = w.a4v_chunks().is_some() && w.codes.is_multiple_of(16);
+        !self.matvec_on_tensor_cores(w) && !wide && w.a4_words().is_none()
+    }
+
+    /// Two to four matrices of the generic kernel over the same `n` rows
+    /// of x in one `matvec_multi` launch (each block the bits of its own
+    /// [`Gpu::matvec`] launch).
+    fn matvec_generic_many(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
+        let mut bounds = [0i32; 4];
+        let mut total = 0usize;
+        for (i, w) in ws.iter().enumerate() {
+            bounds[i] = total as i32;
+            total += w.rows().div_ceil(8);
+        }
+        for b in bounds.iter_mut().skip(ws.len()) {
+            *b = total as i32;
+        }
+        let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
+        let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+        self.go(
+            &self.f.matvec_multi,
+            (total as u32, n as u32, 1),
+            256,
+            &mut args!(
+                wd[0], wd[1], wd[2], wd[3], &bounds[1], &bounds[2], &bounds[3], &x, &yd[0], &yd[1],
+                &yd[2], &yd[3]
+            ),
+        )
+    }
+
+    /// `ys[i][t] = ws[i] x[t]` for `n` tokens, each output the bits of its
+    /// own [`Gpu::matvec`] launch. In one launch: up to four matrices of the
+    /// same column count on the generic kernel (8-bit, float), or one
+    /// token's on the tensor cores or in the wide 4-bit layout; a longer
+    /// pass's tensor-core matrices share one split of x; otherwise one
+    /// [`Gpu::matvec`] launch per matrix.
     pub fn matvec_many(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
         if ws.len() != ys.len() {
             return Err(CudaError::Invalid(
                 "matvec_many: one output per matrix".into(),
             ));
+        }
+        let cols = ws.first().map_or(0, |w| w.cols());
+        if (2..=4).contains(&ws.len())
+            && ws
+                .iter()
+                .all(|w| self.matvec_generic(w) && w.cols() == cols)
+        {
+            return self.matvec_generic_many(ws, x, ys, n);
         }
         if n != 1 {
             // Matrices of the same columns on tensor cores share one split
@@ -1678,7 +1726,11 @@ impl Gpu {
         out: u64,
     ) -> Result<()> {
         let (nh, nkv, hd) = dims;
-        if n == 0 || nkv == 0 || !nh.is_multiple_of(nkv) || !self.prompt_attention_on_tensor_cores(hd) {
+        if n == 0
+            || nkv == 0
+            || !nh.is_multiple_of(nkv)
+            || !self.prompt_attention_on_tensor_cores(hd)
+        {
             return Err(CudaError::Invalid(format!(
                 "prompt attention of {n} queries with {nh} heads over {nkv} KV heads of {hd} \
                  does not run on tensor cores here"
@@ -1689,10 +1741,14 @@ impl Gpu {
         let per_query = Self::prompt_attn_scratch_f32(nh, hd, last);
         let (rows, grid_y) = (n * (nh / nkv), u32::try_from(nsplit));
         let (Ok(grid_y), Ok(zs)) = (grid_y, i32::try_from(per_query)) else {
-            return Err(CudaError::Invalid(format!("prompt attention over {last} keys is too long")));
+            return Err(CudaError::Invalid(format!(
+                "prompt attention over {last} keys is too long"
+            )));
         };
         if scratch.len_f32() < n * per_query {
-            return Err(CudaError::Invalid("prompt attention scratch too small".into()));
+            return Err(CudaError::Invalid(
+                "prompt attention scratch too small".into(),
+            ));
         }
         let pm = scratch.ptr;
         let pl = scratch.f32_at(nh * nsplit);
@@ -1845,7 +1901,7 @@ impl Gpu {
         self.go(
             &self.f.router_topk,
             (tokens as u32, 1, 1),
-            256,
+            32,
             &mut args!(
                 &logits, &e, &k, &r, &ids, &wts, &pubp, &seq, &b.addr, &o0, &o1, &o2, &b.out
             ),

@@ -794,7 +794,8 @@ impl CudaModel {
         // tensor-core kernels at every pass length (one token per pass
         // included, so their bits never depend on the pass length); the
         // generated tokens on the decode kernels.
-        let on_tc = self.prompt_pass && g.tensor_cores && g.prompt_attention_on_tensor_cores(a.dims.2);
+        let on_tc =
+            self.prompt_pass && g.tensor_cores && g.prompt_attention_on_tensor_cores(a.dims.2);
         let row = (a.dims.0 * a.dims.2 * 4) as u64;
         let per_query = if on_tc {
             Gpu::prompt_attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n)
@@ -924,9 +925,8 @@ impl CudaModel {
         self.route_seq = self.route_seq.wrapping_add(1).max(1);
         let seq = self.route_seq;
         {
+            self.router(l, xn_p, 1)?;
             let g = &self.gpu;
-            let layer = &self.layers[l];
-            g.matvec(&layer.router.desc, xn_p, self.s_logits.ptr, 1)?;
             g.router_topk(
                 self.s_logits.ptr,
                 e,
@@ -1059,8 +1059,26 @@ impl CudaModel {
         Ok(Ok(()))
     }
 
+    /// Layer `l`'s router logits into `s_logits` and (with a shared
+    /// expert) its gate into `s_sg`: one launch where both run on the
+    /// generic kernel (each the bits of its own launch).
+    fn router(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
+        let layer = &self.layers[l];
+        match &layer.shared {
+            Some(sh) => self.gpu.matvec_many(
+                &[&layer.router.desc, &sh.sgate.desc],
+                xn_p,
+                &[self.s_logits.ptr, self.s_sg.ptr],
+                n,
+            ),
+            None => self
+                .gpu
+                .matvec(&layer.router.desc, xn_p, self.s_logits.ptr, n),
+        }
+    }
+
     /// Launches layer `l`'s shared expert (if any) on the `n` rows at
-    /// `xn_p` into `s_sh_out` and its gate into `s_sg`.
+    /// `xn_p` into `s_sh_out` (its gate comes with the router).
     fn shared_expert(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
         let Some(sh) = &self.layers[l].shared else {
             return Ok(());
@@ -1077,8 +1095,7 @@ impl CudaModel {
             self.s_sh_h.ptr,
             n,
         )?;
-        g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, n)?;
-        g.matvec(&sh.sgate.desc, xn_p, self.s_sg.ptr, n)
+        g.matvec(&sh.down.desc, self.s_sh_h.ptr, self.s_sh_out.ptr, n)
     }
 
     /// Layer `l`'s shared expert output and gate (0, 0 without one).
@@ -1137,8 +1154,8 @@ impl CudaModel {
             offsets: [self.parts[0].1, self.parts[1].1, self.parts[2].1],
             out: self.s_bases.ptr,
         };
+        self.router(l, xn_p, n)?;
         let g = &self.gpu;
-        g.matvec(&layer.router.desc, xn_p, self.s_logits.ptr, n)?;
         g.router_topk(
             self.s_logits.ptr,
             e,

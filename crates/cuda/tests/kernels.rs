@@ -202,21 +202,32 @@ fn many_matvecs_case(g: &Gpu, tc: bool) {
         group: 64,
         scale: ScaleType::Bf16,
     };
-    for (cols, rows) in [
-        (2048usize, vec![8192usize, 4096, 32, 32]),
-        (2048, vec![4096, 512, 512]),
-        (512, vec![3, 77]),
-        (4096, vec![1000, 1, 300, 9]),
+    let q8 = QuantType::Affine {
+        bits: 8,
+        group: 64,
+        scale: ScaleType::Bf16,
+    };
+    // The last two cases run on the generic kernel (8-bit and f16 rows:
+    // a router with its shared-expert gate, and a ragged mix).
+    for (cols, rows, kinds) in [
+        (2048usize, vec![8192usize, 4096, 32, 32], vec![q; 4]),
+        (2048, vec![4096, 512, 512], vec![q; 3]),
+        (512, vec![3, 77], vec![q; 2]),
+        (4096, vec![1000, 1, 300, 9], vec![q; 4]),
+        (2048, vec![256, 1], vec![q8; 2]),
+        (320, vec![9, 77, 1], vec![q8, QuantType::F16, q8]),
     ] {
         let bufs: Vec<Vec<u8>> = rows
             .iter()
-            .map(|&r| rand_weight(&mut rng, q, r, cols))
+            .zip(&kinds)
+            .map(|(&r, &k)| rand_weight(&mut rng, k, r, cols))
             .collect();
         let ws: Vec<_> = rows
             .iter()
             .zip(&bufs)
-            .map(|(&r, b)| {
-                g.upload_weight(&TensorView::new(q, r, cols, b).unwrap())
+            .zip(&kinds)
+            .map(|((&r, b), &k)| {
+                g.upload_weight(&TensorView::new(k, r, cols, b).unwrap())
                     .unwrap()
             })
             .collect();
@@ -654,7 +665,8 @@ fn grouped_case(g: &Gpu) {
 fn rms_norm_and_rope_match_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng64::seed_from_u64(3);
-    for dim in [1usize, 7, 64, 255, 2048, 5000] {
+    // 2048 and 4096: the register form (dim % 4 == 0, up to 4096); the rest the loop.
+    for dim in [1usize, 7, 64, 255, 2048, 4096, 4100, 5000] {
         let rows = rng.random_range(1..5);
         let x = rvec(&mut rng, rows * dim, 3.0);
         let w = rvec(&mut rng, dim, 1.0);
@@ -886,7 +898,9 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
                 !(g.tc_capable && g.prompt_attn_tc),
                 "head dim {hd} should run on tensor cores on this GPU"
             );
-            eprintln!("skipped: prompt attention of head dim {hd} does not run on tensor cores here");
+            eprintln!(
+                "skipped: prompt attention of head dim {hd} does not run on tensor cores here"
+            );
             continue;
         }
         let keys = p0 + n;
@@ -944,7 +958,10 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
         // One query per launch, then the pass cut in two at a random
         // point: the same bits as the whole pass.
         let cut = rng.random_range(1..=n);
-        for pieces in [(0..n).map(|t| (t, 1)).collect::<Vec<_>>(), vec![(0, cut), (cut, n - cut)]] {
+        for pieces in [
+            (0..n).map(|t| (t, 1)).collect::<Vec<_>>(),
+            vec![(0, cut), (cut, n - cut)],
+        ] {
             g.write_f32(&out, &vec![f32::NAN; n * row]).unwrap();
             for (t0, m) in pieces {
                 if m > 0 {
@@ -1103,6 +1120,7 @@ fn router_topk_and_argmax_match_cpu() {
         (128, 8, false),
         (60, 4, true),
         (1000, 10, true),
+        (1024, 16, false),
         (8, 8, false),
     ] {
         let tokens = 3;

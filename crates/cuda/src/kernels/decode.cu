@@ -1858,16 +1858,38 @@ extern "C" __global__ void moe_down_combine(const float* __restrict__ v, int H, 
     if (row < H) tc_down_sum(v + (size_t)t * K * H + row, H, wts, K, shared, sgate, x, t, H, row);
 }
 
+// Row block `blk` (8 rows, one per warp) of y[t, :] = W x[t, :] for token
+// t = blockIdx.y.
+__device__ __forceinline__ void matvec_rows(const W& w, int blk, const float* __restrict__ x,
+                                            float* __restrict__ y) {
+    const int lane = threadIdx.x & 31;
+    const int r = blk * 8 + (threadIdx.x >> 5);
+    const int t = blockIdx.y;
+    if (r >= w.rows) return;
+    const float v = row_dot(w, r, x + (size_t)t * w.cols, lane);
+    if (lane == 0) y[(size_t)t * w.rows + r] = v;
+}
+
 // y[t, r] = W[r, :] . x[t, :] for `n` tokens. Block: 256 threads, one warp
 // per row; grid (ceil(rows / 8), n).
 extern "C" __global__ void matvec(W w, const float* __restrict__ x, float* __restrict__ y) {
     PDL_START();
-    int lane = threadIdx.x & 31;
-    int r = blockIdx.x * 8 + (threadIdx.x >> 5);
-    int t = blockIdx.y;
-    if (r >= w.rows) return;
-    float v = row_dot(w, r, x + (size_t)t * w.cols, lane);
-    if (lane == 0) y[(size_t)t * w.rows + r] = v;
+    matvec_rows(w, blockIdx.x, x, y);
+}
+
+// matvec of up to four matrices over the same x in one launch (a MoE
+// layer's router and shared-expert gate): blocks [0, b1) run w0's row
+// blocks, [b1, b2) w1's, [b2, b3) w2's, the rest w3's; each block the bits
+// of its own matvec launch. Grid (total row blocks, n), 256 threads.
+extern "C" __global__ void matvec_multi(W w0, W w1, W w2, W w3, int b1, int b2, int b3,
+                                        const float* __restrict__ x, float* __restrict__ y0,
+                                        float* __restrict__ y1, float* __restrict__ y2, float* __restrict__ y3) {
+    PDL_START();
+    const int b = blockIdx.x;
+    if (b < b1) matvec_rows(w0, b, x, y0);
+    else if (b < b2) matvec_rows(w1, b - b1, x, y1);
+    else if (b < b3) matvec_rows(w2, b - b2, x, y2);
+    else matvec_rows(w3, b - b3, x, y3);
 }
 
 // Routed experts' gate and up for `pairs` (token, rank) pairs in one launch:
@@ -1957,12 +1979,62 @@ __device__ void block_sum_d2(double& u, double& v) {
 // out[row] = x[row] * rsqrt(mean(x^2) + eps) * w; grid rows, 256 threads.
 // With `add` (not null) the residual add comes first, x[row] += add[row]
 // (stored; the same bits as add_inplace then rms_norm, one launch fewer).
+// Rows of dim % 4 == 0 up to RMS_VEC * 4 * 256 values (16-byte aligned)
+// are held in registers, every load issued at once (one round trip to
+// memory instead of one per element); others take the loop below.
+#define RMS_VEC 4
 extern "C" __global__ void rms_norm(float* __restrict__ x, const float* __restrict__ w,
                                    float* __restrict__ out, int dim, float eps, const float* __restrict__ add) {
-    PDL_START();
+    PDL_TRIGGER();
     float* xr = x + (size_t)blockIdx.x * dim;
     float* o = out + (size_t)blockIdx.x * dim;
     double ss = 0.0;
+    const int n4 = dim >> 2;
+    const bool vec = (dim & 3) == 0 && n4 <= RMS_VEC * 256 && blockDim.x == 256 &&
+                     (((size_t)xr | (size_t)o | (size_t)w | (size_t)add) & 15) == 0;
+    if (vec) {
+        // The norm weights are read-only: loaded before the wait for x.
+        float4 v[RMS_VEC], wv[RMS_VEC];
+#pragma unroll
+        for (int u = 0; u < RMS_VEC; u++) {
+            const int i = threadIdx.x + 256 * u;
+            if (i < n4) wv[u] = __ldg((const float4*)w + i);
+        }
+        PDL_WAIT();
+#pragma unroll
+        for (int u = 0; u < RMS_VEC; u++) {
+            const int i = threadIdx.x + 256 * u;
+            if (i < n4) {
+                v[u] = ((const float4*)xr)[i];
+                if (add) {
+                    const float4 a = ((const float4*)(add + (size_t)blockIdx.x * dim))[i];
+                    v[u] = make_float4(v[u].x + a.x, v[u].y + a.y, v[u].z + a.z, v[u].w + a.w);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < RMS_VEC; u++) {
+            const int i = threadIdx.x + 256 * u;
+            if (i < n4) {
+                if (add) ((float4*)xr)[i] = v[u];
+                ss += (double)v[u].x * (double)v[u].x;
+                ss += (double)v[u].y * (double)v[u].y;
+                ss += (double)v[u].z * (double)v[u].z;
+                ss += (double)v[u].w * (double)v[u].w;
+            }
+        }
+        ss = block_sum_d(ss);
+        const float inv = 1.0f / sqrtf((float)(ss / dim) + eps);
+#pragma unroll
+        for (int u = 0; u < RMS_VEC; u++) {
+            const int i = threadIdx.x + 256 * u;
+            if (i < n4)
+                ((float4*)o)[i] = make_float4((v[u].x * inv) * wv[u].x, (v[u].y * inv) * wv[u].y,
+                                              (v[u].z * inv) * wv[u].z, (v[u].w * inv) * wv[u].w);
+        }
+        return;
+    }
+    PDL_WAIT();
     if (add) {
         const float* ar = add + (size_t)blockIdx.x * dim;
         for (int i = threadIdx.x; i < dim; i += blockDim.x) {
@@ -2564,81 +2636,79 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
     }
 }
 
-// Router of token blockIdx.x: softmax over E logits, top-K (ties to the
-// lower id), optional renormalisation. 256 threads.
+// Router of token blockIdx.x: softmax over E <= 32 RT_PER logits, top-K
+// (ties to the lower id), optional renormalisation. One warp (32 threads):
+// lane holds logits lane + 32 j in registers, so the K rounds of selection
+// are shuffles, no block barriers.
 //
 // With `pub` set (page-locked host memory the device can write), block 0
 // also publishes its K ids and K weights there, then, after a system-wide
 // fence, `seq` at pub[2K]: the host polls that word instead of waiting for
 // a device-to-host copy and an event.
+#define RT_PER 32
 extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, int K, int renorm,
                                       int* __restrict__ ids, float* __restrict__ wts, u32* pub, u32 seq,
                                       const u64* __restrict__ addr, u64 off0, u64 off1, u64 off2,
                                       u64* __restrict__ bases) {
     PDL_START();
-    __shared__ float p[1024];
-    __shared__ float rv[32];
-    __shared__ int ri[32];
     __shared__ float wsel[64];
     __shared__ int isel[64];
     const float* lg = logits + (size_t)blockIdx.x * E;
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31;
+    float p[RT_PER];
     float m = -INFINITY;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, lg[e]);
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) rv[wid] = m;
-    __syncthreads();
-    m = -INFINITY;
-    for (int i = 0; i < nw; i++) m = fmaxf(m, rv[i]);
-    double sum = 0.0;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float x = expf(lg[e] - m);
-        p[e] = x;
-        sum += x;
+#pragma unroll
+    for (int j = 0; j < RT_PER; j++) {
+        const int e = lane + 32 * j;
+        p[j] = e < E ? lg[e] : -INFINITY;
+        m = fmaxf(m, p[j]);
     }
-    sum = block_sum_d(sum);
-    float inv = (float)(1.0 / sum);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) p[e] *= inv;
-    __syncthreads();
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    double sum = 0.0;
+#pragma unroll
+    for (int j = 0; j < RT_PER; j++) {
+        if (lane + 32 * j < E) {
+            p[j] = expf(p[j] - m);
+            sum += p[j];
+        }
+    }
+    // An xor tree: every lane ends with the same sum.
+    sum = warp_sum_d(sum);
+    const float inv = (float)(1.0 / sum);
+    // Probabilities, -2 past E and for ids already taken (below any).
+#pragma unroll
+    for (int j = 0; j < RT_PER; j++) p[j] = lane + 32 * j < E ? p[j] * inv : -2.0f;
     for (int k = 0; k < K; k++) {
         float bv = -1.0f;
         int bi = 0x7fffffff;
-        for (int e = threadIdx.x; e < E; e += blockDim.x) {
-            float v = p[e];
-            if (v > bv || (v == bv && e < bi)) {
-                bv = v;
+#pragma unroll
+        for (int j = 0; j < RT_PER; j++) {
+            const int e = lane + 32 * j;
+            if (p[j] > bv || (p[j] == bv && e < bi)) {
+                bv = p[j];
                 bi = e;
             }
         }
+        // Ties to the lower id: a total order, so every lane ends with
+        // the same winner.
         for (int o = 16; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > bv || (ov == bv && oi < bi)) {
                 bv = ov;
                 bi = oi;
             }
         }
-        __syncthreads();
         if (lane == 0) {
-            rv[wid] = bv;
-            ri[wid] = bi;
+            ids[(size_t)blockIdx.x * K + k] = bi;
+            isel[k] = bi;
+            wsel[k] = bv;
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float v = rv[0];
-            int i = ri[0];
-            for (int w = 1; w < nw; w++)
-                if (rv[w] > v || (rv[w] == v && ri[w] < i)) {
-                    v = rv[w];
-                    i = ri[w];
-                }
-            ids[(size_t)blockIdx.x * K + k] = i;
-            isel[k] = i;
-            wsel[k] = v;
-            p[i] = -2.0f;
-        }
-        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < RT_PER; j++)
+            if (lane + 32 * j == bi) p[j] = -2.0f;
     }
+    __syncwarp();
     if (threadIdx.x == 0) {
         float s = 0.0f;
         for (int k = 0; k < K; k++) s += wsel[k];
