@@ -2709,35 +2709,31 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
             if (lane + 32 * j == bi) p[j] = -2.0f;
     }
     __syncwarp();
-    // Every lane sums the K weights in the same order (the same bits), then
-    // lane k writes rank k: the stores and the bases table's reads go out
-    // at once instead of one rank after another.
-    float wsum = 0.0f;
-    for (int k = 0; k < K; k++) wsum += wsel[k];
-    for (int k = lane; k < K; k += 32) wts[(size_t)blockIdx.x * K + k] = renorm ? wsel[k] / wsum : wsel[k];
-    if (pub && blockIdx.x == 0) {
-        for (int k = lane; k < K; k += 32) {
-            pub[k] = (u32)isel[k];
-            pub[K + k] = __float_as_uint(renorm ? wsel[k] / wsum : wsel[k]);
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int k = 0; k < K; k++) s += wsel[k];
+        for (int k = 0; k < K; k++) wts[(size_t)blockIdx.x * K + k] = renorm ? wsel[k] / s : wsel[k];
+        if (pub && blockIdx.x == 0) {
+            for (int k = 0; k < K; k++) {
+                pub[k] = (u32)isel[k];
+                pub[K + k] = __float_as_uint(renorm ? wsel[k] / s : wsel[k]);
+            }
+            __threadfence_system();
+            *(volatile u32*)(pub + 2 * K) = seq;
         }
-        // Each lane fences its own writes; after the barrier, the
-        // sequence word.
-        __threadfence_system();
-        __syncwarp();
-        if (lane == 0) *(volatile u32*)(pub + 2 * K) = seq;
-    }
-    // Device routing: the experts' bases table from the expert -> VRAM
-    // record table, in rank order: gate `[T, K]`, then up, then down
-    // (T = tokens = gridDim.x). An id outside 0..E (NaN logits) reads
-    // record 0 and stays visible in `ids` for the host to reject.
-    if (addr) {
-        const size_t tk = (size_t)gridDim.x * K, r0 = (size_t)blockIdx.x * K;
-        for (int k = lane; k < K; k += 32) {
-            const int i = isel[k];
-            const u64 a = addr[(i >= 0 && i < E) ? i : 0];
-            bases[r0 + k] = a + off0;
-            bases[tk + r0 + k] = a + off1;
-            bases[2 * tk + r0 + k] = a + off2;
+        // Device routing: the experts' bases table from the expert -> VRAM
+        // record table, in rank order: gate `[T, K]`, then up, then down
+        // (T = tokens = gridDim.x). An id outside 0..E (NaN logits) reads
+        // record 0 and stays visible in `ids` for the host to reject.
+        if (addr) {
+            const size_t tk = (size_t)gridDim.x * K, r0 = (size_t)blockIdx.x * K;
+            for (int k = 0; k < K; k++) {
+                int i = isel[k];
+                u64 a = addr[(i >= 0 && i < E) ? i : 0];
+                bases[r0 + k] = a + off0;
+                bases[tk + r0 + k] = a + off1;
+                bases[2 * tk + r0 + k] = a + off2;
+            }
         }
     }
 }
