@@ -104,6 +104,32 @@ print(f"{fx}: tokens identical across VRAM slot counts (1, 2, all; 1 + pinned RA
 sys.exit(0 if ok and same else 1)
 PY
 done
+# GGUF imports (llama.cpp's converter; their GGML block types kept): CPU vs
+# CUDA logits, and the same bits at one VRAM slot (host routing, one token
+# per pass) as with every expert resident.
+for fx in gguf_qwen35moe_kquant gguf_qwen35moe_q8_0 gguf_qwen3moe_q4_0 gguf_qwen35moe_f16; do
+    m=/tmp/$fx.slip
+    $B/slipstream repack --input tests/fixtures/$fx/model.gguf --output $m >/dev/null 2>&1 \
+        || { echo "$fx: repack failed" | tee -a "$OUT/model.log"; fail=1; continue; }
+    toks=$(python3 -c "import json;print(','.join(map(str,json.load(open('tests/fixtures/$fx/reference.json'))['prompt_tokens'])))")
+    for s in cpu all 1; do
+        case $s in cpu) extra="--backend cpu";; all) extra="--backend cuda";; *) extra="--backend cuda --vram-slots 1";; esac
+        $B/slipstream run --model $m --prompt-tokens "$toks" --max-new 8 --resident --print-ids $extra \
+            --dump-logits /tmp/$fx.$s.npy > /tmp/$fx.$s.ids 2>>"$OUT/model.stderr" || fail=1
+    done
+    python3 - "$fx" >> "$OUT/model.log" <<'PY' || fail=1
+import sys, numpy as np
+fx = sys.argv[1]
+l = {s: np.load(f"/tmp/{fx}.{s}.npy") for s in ["cpu", "all", "1"]}
+ids = {s: open(f"/tmp/{fx}.{s}.ids").read().split() for s in ["cpu", "all", "1"]}
+rel = float(np.abs(l["all"] - l["cpu"]).max() / np.abs(l["cpu"]).max()) if l["all"].shape == l["cpu"].shape else float("inf")
+bits = bool(np.array_equal(l["all"], l["1"]))
+ok = rel < 1e-3 and bits and ids["all"] == ids["1"] == ids["cpu"]
+print(f"{fx} (GGUF): max rel logit err vs cpu {rel:.2e}; 1 VRAM slot bit-identical to all: {bits}; "
+      f"tokens cpu == cuda == 1 slot: {ids['all'] == ids['1'] == ids['cpu']} {'ok' if ok else 'FAIL'}")
+sys.exit(0 if ok else 1)
+PY
+done
 # The embedded demo model (its default prompt).
 $B/slipstream run --max-new 16 --print-ids --resident --backend cpu --dump-logits /tmp/demo.cpu.npy > /tmp/demo.cpu.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda --dump-logits /tmp/demo.cuda.npy > /tmp/demo.cuda.ids 2>>"$OUT/model.stderr" || fail=1

@@ -85,6 +85,11 @@ pub enum QKind {
     Bf16 = 2,
     Affine4 = 3,
     Affine8 = 4,
+    Q4_0 = 5,
+    Q8_0 = 6,
+    Q4K = 7,
+    Q5K = 8,
+    Q6K = 9,
 }
 
 /// A weight matrix as the kernels see it (`struct W` in decode.cu).
@@ -133,12 +138,28 @@ impl WDesc {
                 let sb = rows * (cols / g) * 2;
                 (k, g, scale == ScaleType::Bf16, cb, sb)
             }
-            #[allow(unreachable_patterns)]
-            other => {
-                return Err(CudaError::Invalid(format!(
-                    "the CUDA backend has no kernel for {} weights yet",
-                    other.name()
-                )))
+            QuantType::Q4_0
+            | QuantType::Q8_0
+            | QuantType::Q4K
+            | QuantType::Q5K
+            | QuantType::Q6K => {
+                // GGML blocks (GGUF import): whole blocks per row, on the
+                // generic kernels; `group` carries the block's elements.
+                let (be, _) = qtype.ggml_block().unwrap_or((1, 0));
+                if !cols.is_multiple_of(be) {
+                    return Err(CudaError::Invalid(format!(
+                        "{} rows of {cols} values are not whole blocks of {be}",
+                        qtype.name()
+                    )));
+                }
+                let k = match qtype {
+                    QuantType::Q4_0 => QKind::Q4_0,
+                    QuantType::Q8_0 => QKind::Q8_0,
+                    QuantType::Q4K => QKind::Q4K,
+                    QuantType::Q5K => QKind::Q5K,
+                    _ => QKind::Q6K,
+                };
+                (k, be, false, qtype.nbytes(rows, cols), 0)
             }
         };
         Ok(WDesc {

@@ -60,6 +60,14 @@ fn qtypes() -> Vec<QuantType> {
             scale: ScaleType::F16,
         });
     }
+    // The GGML block types of GGUF import.
+    v.extend([
+        QuantType::Q4_0,
+        QuantType::Q8_0,
+        QuantType::Q4K,
+        QuantType::Q5K,
+        QuantType::Q6K,
+    ]);
     v
 }
 
@@ -74,6 +82,10 @@ fn cols_for(rng: &mut Rng64, q: QuantType) -> usize {
     match q {
         QuantType::Affine { group, .. } => {
             group as usize * rng.random_range(1..(4096 / group as usize).min(40))
+        }
+        _ if q.is_ggml() => {
+            let (be, _) = q.ggml_block().unwrap();
+            be * rng.random_range(1..(4096 / be).min(40))
         }
         _ => rng.random_range(1..700),
     }
@@ -280,6 +292,10 @@ fn routed_experts_in_one_launch_match_scalar() {
     for (q, h, inter, k, shared) in [
         (QuantType::Q4, 256usize, 128usize, 8usize, true),
         (QuantType::Q4, 640, 192, 3, false),
+        // GGUF imports: K-quant experts with a shared expert, Q4_0 without.
+        (QuantType::Q4K, 512, 256, 4, true),
+        (QuantType::Q6K, 256, 512, 2, true),
+        (QuantType::Q4_0, 96, 64, 3, false),
         (
             QuantType::Affine {
                 bits: 4,

@@ -39,6 +39,14 @@ typedef unsigned long long u64;
 #define QT_BF16 2
 #define QT_A4 3
 #define QT_A8 4
+// GGML block kinds (llama.cpp's types, as GGUF import keeps them): `group`
+// is the block's elements (32, or 256 for the K-quants), the rows are whole
+// blocks back to back in `codes`.
+#define QT_Q4_0 5
+#define QT_Q8_0 6
+#define QT_Q4K 7
+#define QT_Q5K 8
+#define QT_Q6K 9
 
 // One weight matrix `[rows, cols]`; for affine kinds `scales`/`biases` are
 // `[rows, cols / group]`. Mirrors `WDesc` in src/lib.rs (repr(C)).
@@ -98,6 +106,69 @@ __device__ __forceinline__ W at_base_a4(W t, const u8* p) {
     return w;
 }
 
+// Bytes of one block of a GGML kind.
+__device__ __forceinline__ int ggml_block_bytes(int qt) {
+    return qt == QT_Q4_0 ? 18 : qt == QT_Q8_0 ? 34 : qt == QT_Q4K ? 144 : qt == QT_Q5K ? 176 : 210;
+}
+
+__device__ __forceinline__ float f16_at(const u8* b, int i) { return f16_to_f32(__ldg((const u16*)(b + i))); }
+
+// The 32 weights of sub-block `sub` (elements 32 sub ..) of the GGML block
+// at `b`, dequantized with the reference's products (crates/kernels
+// ggml.rs, gguf-py: multiply and subtract never fused), into w.
+__device__ __forceinline__ void ggml_sub(const u8* __restrict__ b, int qt, int sub, float* w) {
+    if (qt == QT_Q4_0) {
+        const float d = f16_at(b, 0);
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            const u32 q = __ldg(b + 2 + j);
+            w[j] = __fmul_rn(d, (float)((int)(q & 15u) - 8));
+            w[j + 16] = __fmul_rn(d, (float)((int)(q >> 4) - 8));
+        }
+    } else if (qt == QT_Q8_0) {
+        const float d = f16_at(b, 0);
+#pragma unroll
+        for (int j = 0; j < 32; j++) w[j] = __fmul_rn((float)(signed char)__ldg(b + 2 + j), d);
+    } else if (qt == QT_Q4K || qt == QT_Q5K) {
+        const bool five = qt == QT_Q5K;
+        const float d = f16_at(b, 0), dmin = f16_at(b, 2);
+        const u8* sc = b + 4;
+        const int j = sub;
+        u32 scj, mj;
+        if (j < 4) {
+            scj = __ldg(sc + j) & 63u;
+            mj = __ldg(sc + j + 4) & 63u;
+        } else {
+            scj = (__ldg(sc + j + 4) & 0xFu) | ((__ldg(sc + j - 4) >> 6) << 4);
+            mj = (__ldg(sc + j + 4) >> 4) | ((__ldg(sc + j) >> 6) << 4);
+        }
+        const float dj = __fmul_rn(d, (float)scj), mm = __fmul_rn(dmin, (float)mj);
+        const u8* qh = b + 16;
+        const u8* ql = b + (five ? 48 : 16) + 32 * (j >> 1);
+        const int shift = 4 * (j & 1);
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            u32 q = (__ldg(ql + l) >> shift) & 15u;
+            if (five) q |= ((__ldg(qh + l) >> j) & 1u) << 4;
+            w[l] = __fsub_rn(__fmul_rn(dj, (float)q), mm);
+        }
+    } else {
+        // Q6_K: element e = h 128 + k 32 + l with sub = 4 h + k.
+        const int h = sub >> 2, k = sub & 3;
+        const float d = f16_at(b, 208);
+        const u8* ql = b + h * 64 + (k & 1) * 32;
+        const u8* qh = b + 128 + h * 32;
+#pragma unroll
+        for (int l = 0; l < 32; l++) {
+            const u32 nibv = (__ldg(ql + l) >> (4 * (k >> 1))) & 15u;
+            const u32 hb = (__ldg(qh + l) >> (2 * k)) & 3u;
+            const int q = (int)(nibv | (hb << 4)) - 32;
+            const float sc = __fmul_rn(d, (float)(signed char)__ldg(b + 192 + (32 * sub + l) / 16));
+            w[l] = __fmul_rn(sc, (float)q);
+        }
+    }
+}
+
 // Dot of row `r` of `w` with `x` (`[cols]`, 16-byte aligned), one warp;
 // the result is valid in every lane.
 __device__ __forceinline__ float row_dot(const W& w, int r, const float* __restrict__ x, int lane) {
@@ -146,6 +217,19 @@ __device__ __forceinline__ float row_dot(const W& w, int r, const float* __restr
     } else if (w.qt == QT_F32) {
         const float* row = (const float*)w.codes + (size_t)r * cols;
         for (int j = lane; j < cols; j += 32) acc += __ldg(row + j) * x[j];
+    } else if (w.qt >= QT_Q4_0) {
+        // GGML blocks: lane takes 32-element sub-blocks lane, lane + 32, ..
+        const int per = w.group >> 5, bb = ggml_block_bytes(w.qt);
+        const u8* row = w.codes + (size_t)r * (cols / w.group) * bb;
+        for (int u = lane; u < (cols >> 5); u += 32) {
+            float wv[32];
+            ggml_sub(row + (size_t)(u / per) * bb, w.qt, u % per, wv);
+            const float* xs = x + 32 * u;
+            float s = 0.0f;
+#pragma unroll
+            for (int l = 0; l < 32; l++) s += wv[l] * xs[l];
+            acc += s;
+        }
     } else {
         const u16* row = (const u16*)w.codes + (size_t)r * cols;
         const int bf = w.qt == QT_BF16;
@@ -2790,6 +2874,16 @@ extern "C" __global__ void embed_rows(W w, const int* __restrict__ ids, float* _
         v = ((const float*)w.codes)[r * w.cols + c];
     } else if (w.qt == QT_F16 || w.qt == QT_BF16) {
         v = half_val(((const u16*)w.codes)[r * w.cols + c], w.qt == QT_BF16);
+    } else if (w.qt >= QT_Q4_0) {
+        // The element's 32-value sub-block, dequantized as in row_dot.
+        const int per = w.group >> 5, u = c >> 5;
+        const u8* row = w.codes + r * (size_t)(w.cols / w.group) * ggml_block_bytes(w.qt);
+        float wv[32];
+        ggml_sub(row + (size_t)(u / per) * ggml_block_bytes(w.qt), w.qt, u % per, wv);
+        v = 0.0f;
+#pragma unroll
+        for (int l = 0; l < 32; l++)
+            if (l == (c & 31)) v = wv[l];
     } else {
         int bits = w.qt == QT_A4 ? 4 : 8;
         size_t j = r * w.cols + c;
