@@ -32,28 +32,4 @@ for steps in 1 $((STEPS + 1)); do
         $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new $steps --backend cuda --resident \
         > "$OUT/ncu_decode_$steps.csv" 2>/dev/null
 done
-python3 - "$OUT/ncu_decode_1.csv" "$OUT/ncu_decode_$((STEPS + 1)).csv" "$STEPS" <<'PY'
-import collections, csv, sys
-def load(path):
-    rows = [r for r in csv.reader(open(path)) if len(r) > 10]
-    h = rows[0]
-    ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
-    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-    tot, cnt = collections.Counter(), collections.Counter()
-    for r in rows[1:]:
-        try:
-            v = float(r[vi].replace(",", "")) * scale[r[ui]]
-        except (ValueError, KeyError):
-            continue
-        name = r[ki].split("(")[0]
-        tot[name] += v
-        cnt[name] += 1
-    return tot, cnt
-(t1, c1), (tn, cn), steps = load(sys.argv[1]), load(sys.argv[2]), int(sys.argv[3])
-per = {k: (tn[k] - t1[k]) / steps for k in tn}
-launches = {k: (cn[k] - c1[k]) / steps for k in cn}
-s = sum(per.values())
-print(f"ncu, per generated token (average of {steps}): kernel time {s / 1000:.3f} ms, {sum(launches.values()):.0f} launches")
-for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:18]:
-    print(f"  {k}: {v:.1f} us ({100 * v / s:.0f} %), {launches[k]:.0f} launches, {v / max(launches[k], 1):.2f} us each")
-PY
+python3 scripts/ncu_sum.py steps "$OUT/ncu_decode_1.csv" "$OUT/ncu_decode_$((STEPS + 1)).csv" "$STEPS"

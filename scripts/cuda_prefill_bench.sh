@@ -125,26 +125,7 @@ if [ -x "$NCU" ]; then
         $B/slipstream run --model $M --prompt-tokens "$P64" --max-new 1 --backend cuda --resident \
         > $W/ncu64_$cfg.csv 2>/dev/null
     echo "--- ncu: SLIPSTREAM_CUDA_TC=$cfg"
-    python3 - $W/ncu64_$cfg.csv <<'PY'
-import collections, csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
-h = rows[0]
-ki, vi, ui = h.index("Kernel Name"), h.index("Metric Value"), h.index("Metric Unit")
-scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-tot, cnt = collections.Counter(), collections.Counter()
-for r in rows[1:]:
-    try:
-        v = float(r[vi].replace(",", "")) * scale[r[ui]]
-    except (ValueError, KeyError):
-        continue
-    name = r[ki].split("(")[0]
-    tot[name] += v
-    cnt[name] += 1
-s = sum(tot.values())
-print(f"ncu, 64-token pass + 1 decode step: kernel time {s / 1000:.2f} ms")
-for n, v in tot.most_common(14):
-    print(f"  {n}: {v / 1000:.2f} ms ({100 * v / s:.0f} %), {cnt[n]} launches")
-PY
+    python3 scripts/ncu_sum.py pass $W/ncu64_$cfg.csv "64-token pass + 1 decode step"
     done
     # NCU_DETAIL=regex: speed of light, warp stalls and memory sections of
     # the first 3 launches of the matching kernels in the same pass.

@@ -413,6 +413,29 @@ const PA_ROWS: usize = 16;
 /// Keys per step of the prompt attention (`PA_KEYS`).
 const PA_KEYS: usize = 32;
 
+/// The block ranges of a launch over up to four matrices (`MULTI_ARGS` in
+/// decode.cu): matrix i's blocks of `block_rows` rows start at `bounds[i]`
+/// (absent matrices get empty ranges at the end), `total` blocks in all;
+/// the matrices and outputs padded to four with the last one.
+fn multi_layout<'a>(
+    ws: &[&'a WDesc],
+    ys: &[u64],
+    block_rows: usize,
+) -> ([i32; 4], usize, [&'a WDesc; 4], [u64; 4]) {
+    let mut bounds = [0i32; 4];
+    let mut total = 0usize;
+    for (i, w) in ws.iter().enumerate() {
+        bounds[i] = total as i32;
+        total += w.rows().div_ceil(block_rows);
+    }
+    for b in bounds.iter_mut().skip(ws.len()) {
+        *b = total as i32;
+    }
+    let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
+    let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+    (bounds, total, wd, yd)
+}
+
 /// Dynamic shared memory of `attn_prompt_tc` for heads of `hd`: the
 /// tile's queries, a block of keys and of values (padded rows), the
 /// block's probabilities and the rows' rescale factors.
@@ -946,17 +969,7 @@ impl Gpu {
     /// of x in one `matvec_multi` launch (each block the bits of its own
     /// [`Gpu::matvec`] launch).
     fn matvec_generic_many(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
-        let mut bounds = [0i32; 4];
-        let mut total = 0usize;
-        for (i, w) in ws.iter().enumerate() {
-            bounds[i] = total as i32;
-            total += w.rows().div_ceil(8);
-        }
-        for b in bounds.iter_mut().skip(ws.len()) {
-            *b = total as i32;
-        }
-        let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
-        let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+        let (bounds, total, wd, yd) = multi_layout(ws, ys, 8);
         self.go(
             &self.f.matvec_multi,
             (total as u32, n as u32, 1),
@@ -1029,17 +1042,7 @@ impl Gpu {
         };
         let brows = ws[0].a4v_block_rows(8 / c);
         // Block boundaries b1..b3; absent matrices get empty ranges.
-        let mut bounds = [0i32; 4];
-        let mut total = 0usize;
-        for (i, w) in ws.iter().enumerate() {
-            bounds[i] = total as i32;
-            total += w.rows().div_ceil(brows);
-        }
-        for b in bounds.iter_mut().skip(ws.len()) {
-            *b = total as i32;
-        }
-        let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
-        let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+        let (bounds, total, wd, yd) = multi_layout(ws, ys, brows);
         let f = &self.f.matvec_a4v_multi[c.trailing_zeros() as usize];
         self.go_smem(
             f,
@@ -1144,17 +1147,7 @@ impl Gpu {
     /// One launch of `matvec_tc` over up to 4 matrices of the same columns
     /// (each checked by [`Gpu::matvec_on_tensor_cores`]).
     fn matvec_tc(&self, ws: &[&WDesc], x: u64, ys: &[u64]) -> Result<()> {
-        let mut bounds = [0i32; 4];
-        let mut total = 0usize;
-        for (i, w) in ws.iter().enumerate() {
-            bounds[i] = total as i32;
-            total += w.rows().div_ceil(32);
-        }
-        for b in bounds.iter_mut().skip(ws.len()) {
-            *b = total as i32;
-        }
-        let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
-        let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+        let (bounds, total, wd, yd) = multi_layout(ws, ys, 32);
         let smem = tc_smem_quarters(ws[0].cols()) as u32;
         self.go_smem(
             &self.f.matvec_tc,
