@@ -413,6 +413,17 @@ const PA_ROWS: usize = 16;
 /// Keys per step of the prompt attention (`PA_KEYS`).
 const PA_KEYS: usize = 32;
 
+/// The split attention's partials in `scratch` (query z's at z times its
+/// stride): the splits' maxima `[nh, nsplit]`, sums `[nh, nsplit]`, then
+/// unnormalised outputs `[nh, nsplit, hd]`, as addresses.
+fn attn_partials(scratch: &DBuf, nh: usize, nsplit: usize) -> (u64, u64, u64) {
+    (
+        scratch.ptr,
+        scratch.f32_at(nh * nsplit),
+        scratch.f32_at(2 * nh * nsplit),
+    )
+}
+
 /// The block ranges of a launch over up to four matrices (`MULTI_ARGS` in
 /// decode.cu): matrix i's blocks of `block_rows` rows start at `bounds[i]`
 /// (absent matrices get empty ranges at the end), `total` blocks in all;
@@ -1677,9 +1688,7 @@ impl Gpu {
         if scratch.len_f32() < n * per_query {
             return Err(CudaError::Invalid("attention scratch too small".into()));
         }
-        let pm = scratch.ptr;
-        let pl = scratch.f32_at(nh * nsplit);
-        let pacc = scratch.f32_at(2 * nh * nsplit);
+        let (pm, pl, pacc) = attn_partials(scratch, nh, nsplit);
         let scale = 1.0f32 / (hd as f32).sqrt();
         let (keys_i, nh_i, nkv_i, hd_i, ns_i, zs) = (
             keys as i32,
@@ -1764,9 +1773,7 @@ impl Gpu {
                 "prompt attention scratch too small".into(),
             ));
         }
-        let pm = scratch.ptr;
-        let pl = scratch.f32_at(nh * nsplit);
-        let pacc = scratch.f32_at(2 * nh * nsplit);
+        let (pm, pl, pacc) = attn_partials(scratch, nh, nsplit);
         let scale = 1.0f32 / (hd as f32).sqrt();
         let (pos0_i, n_i, nh_i, nkv_i, hd_i, keys_i) = (
             pos0 as i32,
