@@ -114,6 +114,18 @@ impl WDesc {
     /// The descriptor of a `[rows, cols]` tensor of `qtype` stored at device
     /// address `base` (affine: codes, scales, biases back to back).
     pub fn new(qtype: QuantType, rows: usize, cols: usize, base: u64) -> Result<WDesc> {
+        // GGML blocks (GGUF import): whole blocks per row, on the generic
+        // kernels; `group` carries the block's elements.
+        let ggml = |k: QKind| {
+            let be = qtype.ggml_block().map_or(1, |(be, _)| be);
+            if !cols.is_multiple_of(be) {
+                return Err(CudaError::Invalid(format!(
+                    "{} rows of {cols} values are not whole blocks of {be}",
+                    qtype.name()
+                )));
+            }
+            Ok((k, be, false, qtype.nbytes(rows, cols), 0))
+        };
         let (qt, group, sbf, cb, sb) = match qtype {
             QuantType::F32 => (QKind::F32, 0, false, 0, 0),
             QuantType::F16 => (QKind::F16, 0, false, 0, 0),
@@ -138,29 +150,11 @@ impl WDesc {
                 let sb = rows * (cols / g) * 2;
                 (k, g, scale == ScaleType::Bf16, cb, sb)
             }
-            QuantType::Q4_0
-            | QuantType::Q8_0
-            | QuantType::Q4K
-            | QuantType::Q5K
-            | QuantType::Q6K => {
-                // GGML blocks (GGUF import): whole blocks per row, on the
-                // generic kernels; `group` carries the block's elements.
-                let (be, _) = qtype.ggml_block().unwrap_or((1, 0));
-                if !cols.is_multiple_of(be) {
-                    return Err(CudaError::Invalid(format!(
-                        "{} rows of {cols} values are not whole blocks of {be}",
-                        qtype.name()
-                    )));
-                }
-                let k = match qtype {
-                    QuantType::Q4_0 => QKind::Q4_0,
-                    QuantType::Q8_0 => QKind::Q8_0,
-                    QuantType::Q4K => QKind::Q4K,
-                    QuantType::Q5K => QKind::Q5K,
-                    _ => QKind::Q6K,
-                };
-                (k, be, false, qtype.nbytes(rows, cols), 0)
-            }
+            QuantType::Q4_0 => ggml(QKind::Q4_0)?,
+            QuantType::Q8_0 => ggml(QKind::Q8_0)?,
+            QuantType::Q4K => ggml(QKind::Q4K)?,
+            QuantType::Q5K => ggml(QKind::Q5K)?,
+            QuantType::Q6K => ggml(QKind::Q6K)?,
         };
         Ok(WDesc {
             codes: base,
@@ -1015,7 +1009,6 @@ impl Gpu {
         if n != 1 {
             // Matrices of the same columns on tensor cores share one split
             // of x (the same bits as a split per matrix).
-            let cols = ws.first().map_or(0, |w| w.cols());
             if ws.len() > 1
                 && ws
                     .iter()
@@ -2065,4 +2058,33 @@ fn same_layout(a: &WDesc, b: &WDesc) -> bool {
 pub fn bytemuck_f32(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding or invalid bit patterns; u8 alignment is 1.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{QKind, WDesc};
+    use slipstream_core::QuantType;
+
+    #[test]
+    fn ggml_descriptors_take_whole_blocks_only() {
+        let w = WDesc::new(QuantType::Q4K, 3, 512, 1000).unwrap();
+        assert_eq!(
+            (w.qt, w.group, w.rows(), w.cols()),
+            (QKind::Q4K as i32, 256, 3, 512)
+        );
+        assert_eq!(w.codes, 1000);
+        let q = WDesc::new(QuantType::Q4_0, 2, 64, 0).unwrap();
+        assert_eq!((q.qt, q.group), (QKind::Q4_0 as i32, 32));
+        for (t, cols) in [
+            (QuantType::Q4K, 100usize),
+            (QuantType::Q6K, 128),
+            (QuantType::Q8_0, 48),
+        ] {
+            assert!(
+                WDesc::new(t, 1, cols, 0).is_err(),
+                "{} of {cols} columns",
+                t.name()
+            );
+        }
+    }
 }
