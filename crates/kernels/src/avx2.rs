@@ -307,13 +307,110 @@ pub(crate) fn q4_rows(
     let cols = w.cols;
     let (c, s, b) = w.affine_parts();
     let row = |r: usize| AffineRow::from_parts(c, s, b, cols, 4, group, r);
-    block_loop!(4, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
-        rs.map(row),
-        tk.map(|t| (&t.xp[..], t.gsum.as_slice())),
-        bf16,
-        group,
-        cols
-    ));
+    let ntok = toks.len();
+    if ntok >= 4 {
+        block_loop!(4, r0, r1, toks, out, |rs, tk| q4_block::<_, _>(
+            rs.map(row),
+            tk.map(|t| (&t.xp[..], t.gsum.as_slice())),
+            bf16,
+            group,
+            cols
+        ));
+        return;
+    }
+    // Few tokens (decode): one row at a time, so the weights stream in
+    // address order (interleaving rows halves what DRAM delivers per core).
+    for (t, tok) in toks.iter().enumerate() {
+        for r in r0..r1 {
+            out[(r - r0) * ntok + t] = q4_row(&row(r), &tok.xp, &tok.gsum, bf16, group, cols);
+        }
+    }
+}
+
+/// Groups of one row in flight at a time in [`q4_row`].
+const ROW_GROUPS: usize = 4;
+
+/// One row of [`q4_block`] for one token, with [`ROW_GROUPS`] groups' chains
+/// in flight instead of several rows': the same per-group chains, folded into
+/// the accumulators in group order, so the bits are [`q4_block`]'s.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn q4_row(row: &AffineRow, x: &[f32], gsum: &[f32], bf16: bool, group: usize, cols: usize) -> f32 {
+    let ng = cols / group;
+    let gbytes = group / 2;
+    assert!(row.codes.len() >= ng * gbytes && row.scales.len() >= ng * 2);
+    assert!(x.len() >= cols && gsum.len() >= ng.next_multiple_of(8));
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut gb = 0;
+    while gb < ng {
+        let sc = scales8(row.scales, gb, ng, bf16);
+        let n = (ng - gb).min(8);
+        let mut gi = 0;
+        while gi < n {
+            let g = gb + gi;
+            let q = (n - gi).min(ROW_GROUPS);
+            // SAFETY: groups g..g + q < ng lie inside the codes and inputs
+            // (lengths asserted above).
+            unsafe {
+                let cp = row.codes.as_ptr().add(g * gbytes);
+                let xp = x.as_ptr().add(g * group);
+                if q == ROW_GROUPS {
+                    let ch = q4_chains::<ROW_GROUPS>(cp, xp, group);
+                    for (j, [a0, a1]) in ch.iter().enumerate() {
+                        let s = _mm256_set1_ps(sc[gi + j]);
+                        acc0 = _mm256_fmadd_ps(s, *a0, acc0);
+                        acc1 = _mm256_fmadd_ps(s, *a1, acc1);
+                    }
+                } else {
+                    for j in 0..q {
+                        let [[a0, a1]] =
+                            q4_chains::<1>(cp.add(j * gbytes), xp.add(j * group), group);
+                        let s = _mm256_set1_ps(sc[gi + j]);
+                        acc0 = _mm256_fmadd_ps(s, a0, acc0);
+                        acc1 = _mm256_fmadd_ps(s, a1, acc1);
+                    }
+                }
+            }
+            gi += q;
+        }
+        gb += 8;
+    }
+    q4_finish(acc0, acc1) + bias_term(row.biases, gsum, ng, bf16)
+}
+
+/// The chains `[a0, a1]` of `Q` consecutive groups (see [`q4_block`]), steps
+/// interleaved across the groups.
+///
+/// # Safety
+/// `cp` must be valid for `Q * group / 2` code bytes and `xp` for
+/// `Q * group` split inputs.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q4_chains<const Q: usize>(
+    cp: *const u8,
+    xp: *const f32,
+    group: usize,
+) -> [[__m256; 2]; Q] {
+    let m_lo = _mm256_set1_epi32(0x0F);
+    let m_hi = _mm256_set1_epi32(0xF0);
+    let gbytes = group / 2;
+    let mut ch = [[_mm256_setzero_ps(); 2]; Q];
+    for k in 0..group / 16 {
+        for (j, [a0, a1]) in ch.iter_mut().enumerate() {
+            // SAFETY: step k of group j reads 8 code bytes and 16 inputs
+            // inside the ranges the caller guarantees.
+            unsafe {
+                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(cp.add(j * gbytes + k * 8).cast()));
+                let lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, m_lo));
+                let hi = _mm256_cvtepi32_ps(_mm256_and_si256(v, m_hi));
+                let x = xp.add(j * group + k * 16);
+                *a0 = _mm256_fmadd_ps(lo, ld_f32(x), *a0);
+                *a1 = _mm256_fmadd_ps(hi, ld_f32(x.add(8)), *a1);
+            }
+        }
+    }
+    ch
 }
 
 /// The bias term of an affine row, `sum_g bias[g] * gsum[g]`: an 8-lane FMA
