@@ -1,9 +1,14 @@
 //! Quick kernel timing: `cargo run --release -p slipstream-kernels --example kbench -- [threads] [exact|int16]`.
+//! Decode attention of one KV head's 8 query heads (hd 256) at several
+//! context lengths: `... --example kbench -- attn`.
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, TensorView};
 use slipstream_kernels::*;
 
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("attn") {
+        return attention();
+    }
     let threads: usize = std::env::args()
         .nth(1)
         .map(|s| s.parse().unwrap())
@@ -63,6 +68,51 @@ fn main() {
                 2.0 * (rows * cols * n) as f64 / best / 1e9
             );
         });
+    }
+}
+
+/// `attention::attend_group` at the 35B model's shape (8 query heads per KV
+/// head, head dim 256, 2 KV heads per cache row): time per call and the
+/// rate at which it reads the K and V rows.
+fn attention() {
+    let (group, hd, nkv) = (8usize, 256usize, 2usize);
+    let stride = nkv * hd;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+    let q: Vec<f32> = (0..group * hd)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    for keys in [256usize, 1024, 4096, 16384] {
+        let kv: Vec<f32> = (0..keys * stride)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut scores = vec![0f32; group * keys];
+        let mut out = vec![0f32; group * hd];
+        let iters = (400_000 / keys).max(3);
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            for _ in 0..iters {
+                attention::attend_group(
+                    &q,
+                    &kv,
+                    &kv[hd / 2..],
+                    stride,
+                    keys,
+                    hd,
+                    0.0625,
+                    &mut scores,
+                    &mut out,
+                );
+                std::hint::black_box(&out);
+            }
+            best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+        }
+        let bytes = (2 * keys * hd * 4) as f64;
+        println!(
+            "attend_group keys={keys}: {:.1} us, {:.2} GB/s of K and V",
+            best * 1e6,
+            bytes / best / 1e9
+        );
     }
 }
 

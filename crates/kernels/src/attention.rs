@@ -11,8 +11,8 @@
 //! Nothing depends on how many tokens or heads a call handles, so prefill
 //! chunking and decode agree bit for bit.
 
-/// Keys whose dot products run side by side (independent chains).
-const KEYS: usize = 4;
+/// Keys per score tile.
+const KEYS: usize = 2;
 /// Output columns per pass of the weighted sum (4 vectors of 8).
 const COLS: usize = 32;
 
@@ -59,13 +59,31 @@ fn attend_group_avx2(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    attend_group_impl(q, k, v, stride, keys, hd, scale, scores, out)
+    attend_group_tiles::<true>(q, k, v, stride, keys, hd, scale, scores, out)
 }
 
 /// The portable body of [`attend_group`] (also its reference).
 #[allow(clippy::too_many_arguments)]
-#[inline(always)]
 pub fn attend_group_impl(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    stride: usize,
+    keys: usize,
+    hd: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    attend_group_tiles::<false>(q, k, v, stride, keys, hd, scale, scores, out)
+}
+
+/// [`attend_group`] with its score and weighted-sum tiles in AVX2
+/// intrinsics (`AVX`, only from [`attend_group_avx2`]) or portable code:
+/// the same lanes and the same fused multiply-adds, so the same bits.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn attend_group_tiles<const AVX: bool>(
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -91,80 +109,325 @@ pub fn attend_group_impl(
     );
     let scores = &mut scores[..group * keys];
 
-    // Scores: KEYS keys at a time share each load of the query.
-    for (qh, sc) in q.chunks_exact(hd).zip(scores.chunks_exact_mut(keys)) {
-        let mut j = 0;
-        while j + KEYS <= keys {
-            let mut rows: [&[f32]; KEYS] = [&[]; KEYS];
-            for (m, r) in rows.iter_mut().enumerate() {
-                *r = &k[(j + m) * stride..][..hd];
+    // Scores: tiles of up to HEADS query heads x KEYS keys, so each load of
+    // a query chunk serves KEYS keys and each key chunk HEADS heads (every
+    // K row is read once per tile row of heads, not once per head).
+    // Blocks of KEY_BLOCK keys outermost, so a block's K rows are read from
+    // memory once for all tiles of heads.
+    for kb in (0..keys).step_by(KEY_BLOCK) {
+        let ks = kb..(kb + KEY_BLOCK).min(keys);
+        let mut h = 0;
+        while h < group {
+            let nh = (group - h).min(HEADS);
+            let ks = ks.clone();
+            match nh {
+                4 => score_heads::<4, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
+                3 => score_heads::<3, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
+                2 => score_heads::<2, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
+                _ => score_heads::<1, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
             }
-            let d = dots::<KEYS>(qh, rows);
-            for m in 0..KEYS {
-                sc[j + m] = d[m] * scale;
-            }
-            j += KEYS;
-        }
-        while j < keys {
-            sc[j] = dots::<1>(qh, [&k[j * stride..][..hd]])[0] * scale;
-            j += 1;
+            h += nh;
         }
     }
     for sc in scores.chunks_exact_mut(keys) {
         softmax(sc);
     }
 
-    // Weighted sum: COLS output columns at a time, a chain over keys each.
-    for (o, p) in out.chunks_exact_mut(hd).zip(scores.chunks_exact(keys)) {
-        let mut c0 = 0;
-        while c0 + COLS <= hd {
-            let mut acc = [0f32; COLS];
-            for (j, &pj) in p.iter().enumerate() {
-                let vr: &[f32; COLS] = v[j * stride + c0..][..COLS].try_into().unwrap();
-                for c in 0..COLS {
-                    acc[c] = pj.mul_add(vr[c], acc[c]);
+    // Weighted sum, each output element a chain over the keys in order from
+    // zero: blocks of KEY_BLOCK keys outermost (a block's V rows stay in L2
+    // while every column tile passes over them, so V is read from memory
+    // once), then COLS columns x 2 heads in registers, carried from one
+    // key block to the next through `out`.
+    let full = hd / COLS * COLS;
+    for kb in (0..keys).step_by(KEY_BLOCK) {
+        let ke = (kb + KEY_BLOCK).min(keys);
+        for c0 in (0..full).step_by(COLS) {
+            let mut h = 0;
+            while h < group {
+                if h + 2 <= group {
+                    weigh_cols::<2, AVX>(scores, v, stride, keys, hd, kb..ke, c0, h, out);
+                    h += 2;
+                } else {
+                    weigh_cols::<1, AVX>(scores, v, stride, keys, hd, kb..ke, c0, h, out);
+                    h += 1;
                 }
             }
-            o[c0..c0 + COLS].copy_from_slice(&acc);
-            c0 += COLS;
         }
-        for c in c0..hd {
-            let mut acc = 0f32;
-            for (j, &pj) in p.iter().enumerate() {
-                acc = pj.mul_add(v[j * stride + c], acc);
+        for (o, p) in out.chunks_exact_mut(hd).zip(scores.chunks_exact(keys)) {
+            for c in full..hd {
+                let mut acc = if kb == 0 { 0.0 } else { o[c] };
+                for j in kb..ke {
+                    acc = p[j].mul_add(v[j * stride + c], acc);
+                }
+                o[c] = acc;
             }
-            o[c] = acc;
         }
     }
 }
 
-/// Dot products of `a` with `N` rows of its length: per row an 8-lane
-/// `mul_add` chain, the fixed horizontal sum, then the tail in order.
+/// Query heads per score tile.
+const HEADS: usize = 4;
+/// Keys per block of the weighted sum: 64 rows of a 256-wide head are 64 KiB.
+const KEY_BLOCK: usize = 64;
+
+/// Scores of query heads `h0..h0 + H` over the keys `ks` into `scores`
+/// (`[group, keys]`), [`KEYS`] keys at a time (then one at a time).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn score_heads<const H: usize, const AVX: bool>(
+    q: &[f32],
+    k: &[f32],
+    stride: usize,
+    keys: usize,
+    ks: std::ops::Range<usize>,
+    hd: usize,
+    scale: f32,
+    h0: usize,
+    scores: &mut [f32],
+) {
+    let mut qs: [&[f32]; H] = [&[]; H];
+    for (i, qh) in qs.iter_mut().enumerate() {
+        *qh = &q[(h0 + i) * hd..][..hd];
+    }
+    let mut j = ks.start;
+    while j + KEYS <= ks.end {
+        let mut rows: [&[f32]; KEYS] = [&[]; KEYS];
+        for (m, r) in rows.iter_mut().enumerate() {
+            *r = &k[(j + m) * stride..][..hd];
+        }
+        let d = dots_tile::<H, KEYS, AVX>(qs, rows);
+        for i in 0..H {
+            for m in 0..KEYS {
+                scores[(h0 + i) * keys + j + m] = d[i][m] * scale;
+            }
+        }
+        j += KEYS;
+    }
+    while j < ks.end {
+        let d = dots_tile::<H, 1, AVX>(qs, [&k[j * stride..][..hd]]);
+        for i in 0..H {
+            scores[(h0 + i) * keys + j] = d[i][0] * scale;
+        }
+        j += 1;
+    }
+}
+
+/// Continues output columns `c0..c0 + COLS` of heads `h0..h0 + H` over the
+/// keys `ks` (from zero when `ks` starts at key 0, else from `out`).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn dots<const N: usize>(a: &[f32], rows: [&[f32]; N]) -> [f32; N] {
-    let full = a.len() / 8 * 8;
-    let mut acc = [[0f32; 8]; N];
+fn weigh_cols<const H: usize, const AVX: bool>(
+    scores: &[f32],
+    v: &[f32],
+    stride: usize,
+    keys: usize,
+    hd: usize,
+    ks: std::ops::Range<usize>,
+    c0: usize,
+    h0: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [[0f32; COLS]; H];
+    if ks.start > 0 {
+        for i in 0..H {
+            acc[i].copy_from_slice(&out[(h0 + i) * hd + c0..][..COLS]);
+        }
+    }
+    let mut ps: [&[f32]; H] = [&[]; H];
+    for (i, p) in ps.iter_mut().enumerate() {
+        *p = &scores[(h0 + i) * keys..][..keys];
+    }
+    #[cfg(target_arch = "x86_64")]
+    if AVX {
+        // SAFETY: `AVX` is only set by `attend_group_avx2`, whose callers
+        // checked AVX2 and FMA.
+        unsafe { avx2::weigh(&ps, v, stride, ks, c0, &mut acc) };
+        for i in 0..H {
+            out[(h0 + i) * hd + c0..][..COLS].copy_from_slice(&acc[i]);
+        }
+        return;
+    }
+    for j in ks {
+        let vr: &[f32; COLS] = v[j * stride + c0..][..COLS].try_into().unwrap();
+        for i in 0..H {
+            let pj = ps[i][j];
+            for c in 0..COLS {
+                acc[i][c] = pj.mul_add(vr[c], acc[i][c]);
+            }
+        }
+    }
+    for i in 0..H {
+        out[(h0 + i) * hd + c0..][..COLS].copy_from_slice(&acc[i]);
+    }
+}
+
+/// Dot products of `H` vectors with `N` rows of their length: per (vector,
+/// row) an 8-lane `mul_add` chain, the fixed horizontal sum, then the tail in
+/// order.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+fn dots<const H: usize, const N: usize>(a: [&[f32]; H], rows: [&[f32]; N]) -> [[f32; N]; H] {
+    let len = a[0].len();
+    let full = len / 8 * 8;
+    let mut acc = [[[0f32; 8]; N]; H];
     for i in (0..full).step_by(8) {
-        let av: &[f32; 8] = a[i..i + 8].try_into().unwrap();
+        let mut bv: [&[f32; 8]; N] = [&[0f32; 8]; N];
         for m in 0..N {
-            let bv: &[f32; 8] = rows[m][i..i + 8].try_into().unwrap();
-            for l in 0..8 {
-                acc[m][l] = av[l].mul_add(bv[l], acc[m][l]);
+            bv[m] = rows[m][i..i + 8].try_into().unwrap();
+        }
+        for h in 0..H {
+            let av: &[f32; 8] = a[h][i..i + 8].try_into().unwrap();
+            for m in 0..N {
+                for l in 0..8 {
+                    acc[h][m][l] = av[l].mul_add(bv[m][l], acc[h][m][l]);
+                }
             }
         }
     }
     // Loops rather than `array::from_fn` or iterator closures, which would
     // not be compiled with the caller's target features.
-    let mut out = [0f32; N];
-    for m in 0..N {
-        let mut s = hsum8(&acc[m]);
-        for i in full..a.len() {
-            s = a[i].mul_add(rows[m][i], s);
+    let mut out = [[0f32; N]; H];
+    for h in 0..H {
+        for m in 0..N {
+            let mut s = hsum8(&acc[h][m]);
+            for i in full..len {
+                s = a[h][i].mul_add(rows[m][i], s);
+            }
+            out[h][m] = s;
         }
-        out[m] = s;
     }
     out
+}
+
+/// [`dots`], in AVX2 intrinsics when `AVX` (same lanes, same bits).
+#[inline(always)]
+fn dots_tile<const H: usize, const N: usize, const AVX: bool>(
+    a: [&[f32]; H],
+    rows: [&[f32]; N],
+) -> [[f32; N]; H] {
+    #[cfg(target_arch = "x86_64")]
+    if AVX {
+        // SAFETY: `AVX` is only set by `attend_group_avx2`, whose callers
+        // checked AVX2 and FMA.
+        return unsafe { avx2::dots(a, rows) };
+    }
+    dots(a, rows)
+}
+
+/// The tiles of [`attend_group_tiles`] in AVX2 intrinsics: one 8-lane
+/// register per chain of the portable code.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::COLS;
+    use std::arch::x86_64::*;
+
+    /// [`super::dots`]: chains in registers, then [`super::hsum8`]'s order.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)]
+    pub(super) fn dots<const H: usize, const N: usize>(
+        a: [&[f32]; H],
+        rows: [&[f32]; N],
+    ) -> [[f32; N]; H] {
+        let len = a[0].len();
+        for h in 0..H {
+            assert_eq!(a[h].len(), len);
+        }
+        for m in 0..N {
+            assert_eq!(rows[m].len(), len);
+        }
+        let full = len / 8 * 8;
+        let mut acc = [[_mm256_setzero_ps(); N]; H];
+        for i in (0..full).step_by(8) {
+            // SAFETY: i + 8 <= full <= len, the length of every slice
+            // (asserted above).
+            unsafe {
+                let mut b = [_mm256_setzero_ps(); N];
+                for m in 0..N {
+                    b[m] = _mm256_loadu_ps(rows[m].as_ptr().add(i));
+                }
+                for h in 0..H {
+                    let av = _mm256_loadu_ps(a[h].as_ptr().add(i));
+                    for m in 0..N {
+                        acc[h][m] = _mm256_fmadd_ps(av, b[m], acc[h][m]);
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; N]; H];
+        for h in 0..H {
+            for m in 0..N {
+                let mut s = hsum(acc[h][m]);
+                for i in full..len {
+                    s = a[h][i].mul_add(rows[m][i], s);
+                }
+                out[h][m] = s;
+            }
+        }
+        out
+    }
+
+    /// `hsum8`: lanes `l` and `l + 4`, then pairs two apart, then the last
+    /// two.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// The weighted-sum tile of [`super::weigh_cols`]: `acc[i][c] =
+    /// p_i[j] * v[j * stride + c0 + c] + acc[i][c]` for `j` in `ks`, in order.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    #[allow(clippy::needless_range_loop)]
+    pub(super) fn weigh<const H: usize>(
+        ps: &[&[f32]; H],
+        v: &[f32],
+        stride: usize,
+        ks: std::ops::Range<usize>,
+        c0: usize,
+        acc: &mut [[f32; COLS]; H],
+    ) {
+        const V: usize = COLS / 8;
+        if ks.is_empty() {
+            return;
+        }
+        assert!((ks.end - 1) * stride + c0 + COLS <= v.len());
+        for p in ps {
+            assert!(p.len() >= ks.end);
+        }
+        let mut a = [[_mm256_setzero_ps(); V]; H];
+        // SAFETY: every load below reads inside `acc`, `v` (asserted above)
+        // or the score rows (length asserted above).
+        unsafe {
+            for i in 0..H {
+                for c in 0..V {
+                    a[i][c] = _mm256_loadu_ps(acc[i].as_ptr().add(8 * c));
+                }
+            }
+            for j in ks {
+                let vr = v.as_ptr().add(j * stride + c0);
+                let mut vv = [_mm256_setzero_ps(); V];
+                for c in 0..V {
+                    vv[c] = _mm256_loadu_ps(vr.add(8 * c));
+                }
+                for i in 0..H {
+                    let p = _mm256_set1_ps(*ps[i].get_unchecked(j));
+                    for c in 0..V {
+                        a[i][c] = _mm256_fmadd_ps(p, vv[c], a[i][c]);
+                    }
+                }
+            }
+            for i in 0..H {
+                for c in 0..V {
+                    _mm256_storeu_ps(acc[i].as_mut_ptr().add(8 * c), a[i][c]);
+                }
+            }
+        }
+    }
 }
 
 /// The horizontal sum order of the AVX2 kernels: lanes `l` and `l + 4`,
