@@ -185,6 +185,11 @@ impl ReaderPool {
         }
     }
 
+    /// A finished read, if one is waiting (never blocks).
+    pub fn try_wait(&self) -> Option<Done> {
+        self.done.try_recv().ok()
+    }
+
     /// Blocks until a read finishes.
     pub fn wait(&self) -> Done {
         self.done.recv().unwrap_or(Done {

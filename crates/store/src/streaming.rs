@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use memmap2::MmapMut;
+use rayon::prelude::*;
 use slipstream_core::{BoxError, ExpertRequest, ExpertSource, ExpertWeights};
 use slipstream_format::SlipModel;
 
@@ -273,55 +274,95 @@ impl ExpertSource for StreamingStore {
             compute(&hits);
         }
         drop(hits);
-        // Then each miss as it lands.
+        // Then the misses as they land: every read finished by the time
+        // the previous batch is done forms the next batch, so misses that
+        // land together run in parallel like the hits.
         let mut first_err: Option<BoxError> = None;
-        while self.pending.as_ref().is_some_and(|p| p.in_flight > 0) {
+        while first_err.is_none() && self.pending.as_ref().is_some_and(|p| p.in_flight > 0) {
             let t = Instant::now();
-            let done = self.pool.wait();
+            let mut done = vec![self.pool.wait()];
             self.counters.read_wait_ns += t.elapsed().as_nanos() as u64;
+            while let Some(d) = self.pool.try_wait() {
+                done.push(d);
+            }
             let Some(p) = self.pending.as_mut() else {
                 break;
             };
-            let Some(place) = p.place.get(done.id).copied().flatten() else {
-                first_err.get_or_insert_with(|| "expert store: unknown read completion".into());
-                break;
-            };
-            p.in_flight -= 1;
-            let expert = experts[done.id];
-            let ok = match done.result {
-                Err(e) => Err(BoxError::from(format!(
-                    "reading expert {expert} of layer {layer}: {e}"
-                ))),
-                Ok(()) => {
-                    let bytes = self.place_bytes(layer, place);
-                    self.model
-                        .verify_expert(layer, expert as usize, bytes)
-                        .map_err(BoxError::from)
-                }
-            };
-            match ok {
-                Ok(()) if first_err.is_none() => {
-                    let bytes = self.place_bytes(layer, place);
-                    match self.model.expert_views(bytes) {
-                        Ok(w) => compute(&[(expert, w)]),
-                        Err(e) => first_err = Some(e.into()),
+            // (request index, place, read result) of each completion.
+            let mut landed = Vec::with_capacity(done.len());
+            for d in done {
+                p.in_flight = p.in_flight.saturating_sub(1);
+                match p.place.get(d.id).copied().flatten() {
+                    Some(place) => landed.push((d.id, place, d.result)),
+                    None => {
+                        first_err
+                            .get_or_insert_with(|| "expert store: unknown read completion".into());
                     }
                 }
-                Ok(()) => {}
-                Err(e) => {
-                    // Never keep bad bytes in a slot.
-                    self.caches[layer].invalidate(expert);
-                    first_err.get_or_insert(e);
+            }
+            // Checksums in parallel (a record is ~1.8 MB of hashing).
+            let model = &*self.model;
+            let records: Vec<&[u8]> = landed
+                .iter()
+                .map(|(_, place, _)| self.place_bytes(layer, *place))
+                .collect();
+            let checked: Vec<Result<(), BoxError>> = landed
+                .par_iter()
+                .zip(&records)
+                .map(|((i, _, result), record)| {
+                    let expert = experts[*i];
+                    match result {
+                        Err(e) => Err(BoxError::from(format!(
+                            "reading expert {expert} of layer {layer}: {e}"
+                        ))),
+                        Ok(()) => model
+                            .verify_expert(layer, expert as usize, record)
+                            .map_err(BoxError::from),
+                    }
+                })
+                .collect();
+            let mut batch = Vec::with_capacity(landed.len());
+            let mut bad = Vec::new();
+            for (((i, _, _), ok), record) in landed.iter().zip(checked).zip(&records) {
+                let expert = experts[*i];
+                match ok {
+                    Ok(()) if first_err.is_none() => match model.expert_views(record) {
+                        Ok(w) => batch.push((expert, w)),
+                        Err(e) => first_err = Some(e.into()),
+                    },
+                    Ok(()) => {}
+                    Err(e) => {
+                        bad.push(expert);
+                        first_err.get_or_insert(e);
+                    }
                 }
             }
-            if let (Place::Scratch(buf), Some(p)) = (place, self.pending.as_mut()) {
-                p.free_scratch.push(buf);
+            if first_err.is_none() && !batch.is_empty() {
+                compute(&batch);
+            }
+            drop(batch);
+            drop(records);
+            // Never keep bad bytes in a slot.
+            for expert in bad {
+                self.caches[layer].invalidate(expert);
+            }
+            if let Some(p) = self.pending.as_mut() {
+                for (_, place, _) in &landed {
+                    if let Place::Scratch(buf) = *place {
+                        p.free_scratch.push(buf);
+                    }
+                }
             }
             if first_err.is_none() {
                 self.submit_streamed();
             } else if let Some(p) = self.pending.as_mut() {
                 p.streamed.clear();
             }
+        }
+        if first_err.is_some() {
+            // Reads still in flight target slot and scratch memory: wait for
+            // them before anything else may touch it.
+            self.drain();
         }
         self.pending = None;
         match first_err {
