@@ -81,8 +81,8 @@ pub struct BenchArgs {
     /// Decode steps left out of the sustained decode rate.
     #[arg(long, default_value_t = 8)]
     pub skip_steps: usize,
-    /// Relative decode change of the repeated first run above which the
-    /// whole run is marked discarded.
+    /// Relative change of the repeated first run (decode rate or time to
+    /// first token) above which the whole run is marked discarded.
     #[arg(long, default_value_t = 0.05)]
     pub drift_threshold: f64,
     /// Prompt text file instead of the bundled KJV text.

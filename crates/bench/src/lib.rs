@@ -5,9 +5,9 @@
 //! `llama-bench`) that meets the file cache in the same stated state
 //! (cold: the model files evicted; warm: pre-read), optionally inside a
 //! cgroup v1 memory cap that counts the page cache too. The first run is
-//! repeated at the end; when the two sustained decode rates differ by more
-//! than the threshold (5 %) the whole run is marked discarded (and still
-//! written). Output: `results.csv`, `results.json`, `table.md` and three
+//! repeated at the end; when its sustained decode rate or its time to first
+//! token differs from the first run's by more than the threshold (5 %) the
+//! whole run is marked discarded (and still written). Output: `results.csv`, `results.json`, `table.md` and three
 //! charts as SVG and PNG, rewritten after every run so an interrupted
 //! benchmark keeps what it measured, plus one log directory per run.
 

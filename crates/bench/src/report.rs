@@ -100,8 +100,12 @@ pub struct Drift {
     /// Sustained decode tokens/s of each.
     pub first_decode_tok_s: Option<f64>,
     pub repeat_decode_tok_s: Option<f64>,
-    /// |repeat - first| / first.
+    /// |repeat - first| / first of the decode rate.
     pub relative: Option<f64>,
+    /// Time to first token of each, and its relative change.
+    pub first_ttft_s: Option<f64>,
+    pub repeat_ttft_s: Option<f64>,
+    pub ttft_relative: Option<f64>,
     pub threshold: f64,
     /// True when the relative change exceeds the threshold or could not be
     /// computed (a run that did not finish): the results are still written
@@ -110,48 +114,84 @@ pub struct Drift {
     pub note: String,
 }
 
-/// Compares the repeat with the first run.
+/// Compares the repeat with the first run: both the decode rate and the
+/// time to first token must stay within the threshold (a prompt can drift
+/// while decode holds: the file cache and memory state reach prefill first).
 pub fn drift(records: &[Record], threshold: f64) -> Option<Drift> {
     let rep = records.iter().find(|r| r.repeat_of.is_some())?;
     let first = records.iter().find(|r| Some(r.index) == rep.repeat_of)?;
     let rate = |r: &Record| r.decode_tok_s.or(r.decode_all_tok_s);
     let (a, b) = (rate(first), rate(rep));
-    let relative = match (a, b) {
-        (Some(a), Some(b)) if a > 0.0 => Some((b - a).abs() / a),
-        _ => None,
-    };
-    let (discarded, note) = match relative {
-        Some(d) if d > threshold => (
-            true,
-            format!(
-                "decode moved {:.1} % (> {:.1} %): discarded",
-                d * 100.0,
-                threshold * 100.0
-            ),
-        ),
-        Some(d) => (
-            false,
-            format!(
-                "decode moved {:.1} % (<= {:.1} %)",
-                d * 100.0,
-                threshold * 100.0
-            ),
-        ),
-        None => (
-            true,
-            "no decode figure for the first run or its repeat: discarded".to_string(),
-        ),
-    };
+    let relative = moved(a, b);
+    let ttft_relative = moved(first.ttft_s, rep.ttft_s);
+    let (discarded, note) = drift_verdict(relative, ttft_relative, threshold);
     Some(Drift {
         first: first.index,
         repeat: rep.index,
         first_decode_tok_s: a,
         repeat_decode_tok_s: b,
         relative,
+        first_ttft_s: first.ttft_s,
+        repeat_ttft_s: rep.ttft_s,
+        ttft_relative,
         threshold,
         discarded,
         note,
     })
+}
+
+/// `|b - a| / a`, when both exist and `a > 0`.
+fn moved(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if a > 0.0 => Some((b - a).abs() / a),
+        _ => None,
+    }
+}
+
+/// Whether a run is discarded, and why, from the relative changes of its
+/// repeated decode rate (required) and time to first token (counted when
+/// both runs have one).
+fn drift_verdict(decode: Option<f64>, ttft: Option<f64>, threshold: f64) -> (bool, String) {
+    let Some(d) = decode else {
+        return (
+            true,
+            "no decode figure for the first run or its repeat: discarded".to_string(),
+        );
+    };
+    let pct = |x: f64| x * 100.0;
+    let mut note = format!("decode moved {:.1} %", pct(d));
+    if let Some(t) = ttft {
+        note.push_str(&format!(", time to first token {:.1} %", pct(t)));
+    }
+    let over = d > threshold || ttft.is_some_and(|t| t > threshold);
+    if over {
+        note.push_str(&format!(" (> {:.1} %): discarded", pct(threshold)));
+    } else {
+        note.push_str(&format!(" (<= {:.1} %)", pct(threshold)));
+    }
+    (over, note)
+}
+
+#[cfg(test)]
+mod drift_tests {
+    use super::*;
+
+    #[test]
+    fn either_figure_past_the_threshold_discards() {
+        assert!(!drift_verdict(Some(0.01), Some(0.04), 0.05).0);
+        assert!(drift_verdict(Some(0.06), Some(0.01), 0.05).0);
+        // Decode held, the prompt did not (run 12 of 2026-12-04: 0.051 and
+        // 0.456).
+        let (discarded, note) = drift_verdict(Some(0.01), Some(0.456), 0.05);
+        assert!(discarded);
+        assert!(note.contains("time to first token 45.6 %"), "{note}");
+        // No time to first token on one side: decode alone decides.
+        assert!(!drift_verdict(Some(0.01), None, 0.05).0);
+        assert!(drift_verdict(None, Some(0.0), 0.05).0);
+        assert_eq!(moved(Some(10.0), Some(9.0)), Some(0.1));
+        assert_eq!(moved(Some(0.0), Some(9.0)), None);
+        assert_eq!(moved(None, Some(9.0)), None);
+    }
 }
 
 /// Everything about a benchmark run that is not a record.
