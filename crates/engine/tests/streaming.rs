@@ -135,6 +135,62 @@ fn corrupted_record_read_at_run_time_names_layer_and_expert() {
     );
 }
 
+/// A batch whose reads fail verification leaves none of its experts in a
+/// slot: the reads still in flight when the first bad record is found are
+/// waited for and forgotten, never kept as unverified hits.
+#[test]
+fn failed_batch_keeps_no_unverified_expert() {
+    use slipstream_core::{ExpertRequest, ExpertSource};
+    use slipstream_store::{ExpertStore, StreamingStore};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
+    let file = slipstream_format::SlipModel::open(&model).unwrap();
+    let pool = &file.manifest.experts;
+    let (layer, experts) = (2usize, pool.num_experts);
+    let offsets: Vec<usize> = (0..experts)
+        .map(|e| pool.record_offset(layer, e) as usize + 64)
+        .collect();
+    drop(file);
+    let path = model.join("experts.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    for off in offsets {
+        bytes[off] ^= 0x01;
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
+    let mut store = StreamingStore::open(
+        file,
+        StreamConfig {
+            slots: experts,
+            io_threads: 4,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let all: Vec<u32> = (0..experts as u32).collect();
+    let counts = vec![1u32; experts];
+    let req = ExpertRequest {
+        layer,
+        experts: &all,
+        counts: &counts,
+        tokens: experts as u32,
+    };
+    let mut computed = 0;
+    let err = store
+        .with_expert_batches(&req, &mut |batch| computed += batch.len())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("checksum") && err.contains("layer 2"), "{err}");
+    assert_eq!(computed, 0, "no corrupt expert may be computed");
+    assert!(
+        store.resident_experts()[layer].is_empty(),
+        "unverified experts kept: {:?}",
+        store.resident_experts()[layer]
+    );
+    // The store stays usable: the same batch fails again the same way.
+    assert!(store.with_expert_batches(&req, &mut |_| {}).is_err());
+}
+
 #[test]
 fn replaying_the_route_trace_reproduces_the_runtime_counters() {
     let tmp = tempfile::tempdir().unwrap();

@@ -361,8 +361,9 @@ impl ExpertSource for StreamingStore {
         }
         if first_err.is_some() {
             // Reads still in flight target slot and scratch memory: wait for
-            // them before anything else may touch it.
-            self.drain();
+            // them before anything else may touch it, and forget the experts
+            // they were filling (their bytes were never verified).
+            self.drain_forgetting(layer, &experts);
         }
         self.pending = None;
         match first_err {
@@ -373,6 +374,23 @@ impl ExpertSource for StreamingStore {
 }
 
 impl StreamingStore {
+    /// Waits for every read in flight after an error in layer `layer`'s
+    /// batch and drops the experts those reads were filling from the
+    /// layer's slots, so no unverified record is ever a hit.
+    fn drain_forgetting(&mut self, layer: usize, experts: &[u32]) {
+        let Some(p) = self.pending.take() else {
+            return;
+        };
+        for _ in 0..p.in_flight {
+            let done = self.pool.wait();
+            if let (Some(Some(Place::Slot(_))), Some(&e)) =
+                (p.place.get(done.id), experts.get(done.id))
+            {
+                self.caches[layer].invalidate(e);
+            }
+        }
+    }
+
     /// Waits for every read in flight (after a protocol error).
     fn drain(&mut self) {
         if let Some(p) = self.pending.take() {
