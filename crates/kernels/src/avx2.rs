@@ -318,17 +318,74 @@ pub(crate) fn q4_rows(
         ));
         return;
     }
-    // Few tokens (decode): one row at a time, so the weights stream in
-    // address order (interleaving rows halves what DRAM delivers per core).
-    for (t, tok) in toks.iter().enumerate() {
-        for r in r0..r1 {
-            out[(r - r0) * ntok + t] = q4_row(&row(r), &tok.xp, &tok.gsum, bf16, group, cols);
-        }
-    }
+    q4_rows_one_by_one!(r0, r1, toks, out, row, bf16, group, cols);
 }
 
+/// The few-token (decode) form of `q4_rows` in both widths: one row at a
+/// time per token, so the weights stream in address order (interleaving
+/// rows halves what DRAM delivers per core). `$row(r)` gives row `r`'s
+/// `AffineRow`; the calling module's `q4_row` computes each element.
+macro_rules! q4_rows_one_by_one {
+    ($r0:expr, $r1:expr, $toks:expr, $out:expr, $row:expr, $bf16:expr, $group:expr, $cols:expr) => {{
+        let ntok = $toks.len();
+        for (t, tok) in $toks.iter().enumerate() {
+            for r in $r0..$r1 {
+                $out[(r - $r0) * ntok + t] =
+                    q4_row(&$row(r), &tok.xp, &tok.gsum, $bf16, $group, $cols);
+            }
+        }
+    }};
+}
+pub(crate) use q4_rows_one_by_one;
+
+/// The group walk of `q4_row` in both widths: the groups of one row,
+/// [`ROW_GROUPS`] at a time (the calling module's `q4_chains`), then one at
+/// a time, handing each group's scale and chains to `$fold` in group order.
+/// Checks the row's and the input's lengths first.
+macro_rules! q4_group_walk {
+    ($row:expr, $x:expr, $gsum:expr, $bf16:expr, $group:expr, $cols:expr, |$s:ident, $ch:ident| $fold:block) => {{
+        let (row, x, group) = ($row, $x, $group);
+        let ng = $cols / group;
+        let gbytes = group / 2;
+        assert!(row.codes.len() >= ng * gbytes && row.scales.len() >= ng * 2);
+        assert!(x.len() >= $cols && $gsum.len() >= ng.next_multiple_of(8));
+        let mut gb = 0;
+        while gb < ng {
+            let sc = scales8(row.scales, gb, ng, $bf16);
+            let n = (ng - gb).min(8);
+            let mut gi = 0;
+            while gi < n {
+                let g = gb + gi;
+                let q = (n - gi).min(ROW_GROUPS);
+                // SAFETY: groups g..g + q < ng lie inside the codes and
+                // inputs (lengths asserted above).
+                unsafe {
+                    let cp = row.codes.as_ptr().add(g * gbytes);
+                    let xp = x.as_ptr().add(g * group);
+                    if q == ROW_GROUPS {
+                        let chains = q4_chains::<ROW_GROUPS>(cp, xp, group);
+                        for (j, c) in chains.into_iter().enumerate() {
+                            let ($s, $ch) = (sc[gi + j], c);
+                            $fold
+                        }
+                    } else {
+                        for j in 0..q {
+                            let [c] = q4_chains::<1>(cp.add(j * gbytes), xp.add(j * group), group);
+                            let ($s, $ch) = (sc[gi + j], c);
+                            $fold
+                        }
+                    }
+                }
+                gi += q;
+            }
+            gb += 8;
+        }
+    }};
+}
+pub(crate) use q4_group_walk;
+
 /// Groups of one row in flight at a time in [`q4_row`].
-const ROW_GROUPS: usize = 4;
+pub(crate) const ROW_GROUPS: usize = 4;
 
 /// One row of [`q4_block`] for one token, with [`ROW_GROUPS`] groups' chains
 /// in flight instead of several rows': the same per-group chains, folded into
@@ -336,47 +393,15 @@ const ROW_GROUPS: usize = 4;
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn q4_row(row: &AffineRow, x: &[f32], gsum: &[f32], bf16: bool, group: usize, cols: usize) -> f32 {
-    let ng = cols / group;
-    let gbytes = group / 2;
-    assert!(row.codes.len() >= ng * gbytes && row.scales.len() >= ng * 2);
-    assert!(x.len() >= cols && gsum.len() >= ng.next_multiple_of(8));
     let mut acc0 = _mm256_setzero_ps();
     let mut acc1 = _mm256_setzero_ps();
-    let mut gb = 0;
-    while gb < ng {
-        let sc = scales8(row.scales, gb, ng, bf16);
-        let n = (ng - gb).min(8);
-        let mut gi = 0;
-        while gi < n {
-            let g = gb + gi;
-            let q = (n - gi).min(ROW_GROUPS);
-            // SAFETY: groups g..g + q < ng lie inside the codes and inputs
-            // (lengths asserted above).
-            unsafe {
-                let cp = row.codes.as_ptr().add(g * gbytes);
-                let xp = x.as_ptr().add(g * group);
-                if q == ROW_GROUPS {
-                    let ch = q4_chains::<ROW_GROUPS>(cp, xp, group);
-                    for (j, [a0, a1]) in ch.iter().enumerate() {
-                        let s = _mm256_set1_ps(sc[gi + j]);
-                        acc0 = _mm256_fmadd_ps(s, *a0, acc0);
-                        acc1 = _mm256_fmadd_ps(s, *a1, acc1);
-                    }
-                } else {
-                    for j in 0..q {
-                        let [[a0, a1]] =
-                            q4_chains::<1>(cp.add(j * gbytes), xp.add(j * group), group);
-                        let s = _mm256_set1_ps(sc[gi + j]);
-                        acc0 = _mm256_fmadd_ps(s, a0, acc0);
-                        acc1 = _mm256_fmadd_ps(s, a1, acc1);
-                    }
-                }
-            }
-            gi += q;
-        }
-        gb += 8;
-    }
-    q4_finish(acc0, acc1) + bias_term(row.biases, gsum, ng, bf16)
+    q4_group_walk!(row, x, gsum, bf16, group, cols, |s, ch| {
+        let [a0, a1] = ch;
+        let s = _mm256_set1_ps(s);
+        acc0 = _mm256_fmadd_ps(s, a0, acc0);
+        acc1 = _mm256_fmadd_ps(s, a1, acc1);
+    });
+    q4_finish(acc0, acc1) + bias_term(row.biases, gsum, cols / group, bf16)
 }
 
 /// The chains `[a0, a1]` of `Q` consecutive groups (see [`q4_block`]), steps

@@ -25,7 +25,8 @@
 use std::arch::x86_64::*;
 
 use crate::avx2::{
-    bias_term, block_loop, decode_q4_panel, q4_finish, scales8, GEMM_COLS, GEMM_ROWS,
+    bias_term, block_loop, decode_q4_panel, q4_finish, q4_group_walk, q4_rows_one_by_one, scales8,
+    GEMM_COLS, GEMM_ROWS, ROW_GROUPS,
 };
 use crate::scalar::AffineRow;
 use crate::Token;
@@ -251,17 +252,8 @@ pub(crate) unsafe fn q4_rows(
         ));
         return;
     }
-    // Few tokens (decode): one row at a time, so the weights stream in
-    // address order (interleaving rows halves what DRAM delivers per core).
-    for (t, tok) in toks.iter().enumerate() {
-        for r in r0..r1 {
-            out[(r - r0) * ntok + t] = q4_row(&row(r), &tok.xp, &tok.gsum, bf16, group, cols);
-        }
-    }
+    q4_rows_one_by_one!(r0, r1, toks, out, row, bf16, group, cols);
 }
-
-/// Groups of one row in flight at a time in [`q4_row`].
-const ROW_GROUPS: usize = 4;
 
 /// One row of [`q4_block`] for one token, with [`ROW_GROUPS`] groups' chains
 /// in flight instead of several rows': the same per-group chains, folded into
@@ -269,41 +261,11 @@ const ROW_GROUPS: usize = 4;
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 #[inline]
 fn q4_row(row: &AffineRow, x: &[f32], gsum: &[f32], bf16: bool, group: usize, cols: usize) -> f32 {
-    let ng = cols / group;
-    let gbytes = group / 2;
-    assert!(row.codes.len() >= ng * gbytes && row.scales.len() >= ng * 2);
-    assert!(x.len() >= cols && gsum.len() >= ng.next_multiple_of(8));
     let mut acc = _mm512_setzero_ps();
-    let mut gb = 0;
-    while gb < ng {
-        let sc = scales8(row.scales, gb, ng, bf16);
-        let n = (ng - gb).min(8);
-        let mut gi = 0;
-        while gi < n {
-            let g = gb + gi;
-            let q = (n - gi).min(ROW_GROUPS);
-            // SAFETY: groups g..g + q < ng lie inside the codes and inputs
-            // (lengths asserted above).
-            unsafe {
-                let cp = row.codes.as_ptr().add(g * gbytes);
-                let xp = x.as_ptr().add(g * group);
-                if q == ROW_GROUPS {
-                    let ch = q4_chains::<ROW_GROUPS>(cp, xp, group);
-                    for (j, c) in ch.iter().enumerate() {
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[gi + j]), *c, acc);
-                    }
-                } else {
-                    for j in 0..q {
-                        let [c] = q4_chains::<1>(cp.add(j * gbytes), xp.add(j * group), group);
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[gi + j]), c, acc);
-                    }
-                }
-            }
-            gi += q;
-        }
-        gb += 8;
-    }
-    finish(acc) + bias_term(row.biases, gsum, ng, bf16)
+    q4_group_walk!(row, x, gsum, bf16, group, cols, |s, ch| {
+        acc = _mm512_fmadd_ps(_mm512_set1_ps(s), ch, acc);
+    });
+    finish(acc) + bias_term(row.biases, gsum, cols / group, bf16)
 }
 
 /// The 16-lane chains of `Q` consecutive groups (see [`q4_block`]), steps
