@@ -193,6 +193,10 @@ struct StoreArgs {
     /// Read-ahead advice on the expert file: default, off, random.
     #[arg(long, default_value = "default")]
     readahead: Readahead,
+    /// With at least as many slots as experts, do not read the experts
+    /// nobody asked for yet into the free slots in the background.
+    #[arg(long)]
+    no_background_fill: bool,
     /// Read every expert into memory at start (no streaming).
     #[arg(long)]
     resident: bool,
@@ -392,6 +396,7 @@ fn run(args: RunArgs) -> Result<()> {
                 args.store.memory_budget,
             )?,
             readahead: args.store.readahead,
+            background_fill: !args.store.no_background_fill,
         })
     };
     let mut engine = Engine::open(
@@ -653,10 +658,11 @@ fn run(args: RunArgs) -> Result<()> {
         s.peak_rss_bytes as f64 / 1e6,
     );
     eprintln!(
-        "[experts] {} | hits {} misses {} | decode: {:.1} misses/token, {:.2} MB read/token, {:.2} ms read wait/token | prefill: {} misses, {:.1} MB read",
+        "[experts] {} | hits {} misses {} background fills {} | decode: {:.1} misses/token, {:.2} MB read/token, {:.2} ms read wait/token | prefill: {} misses, {:.1} MB read",
         engine.store_description(),
         s.expert_hits,
         s.expert_misses,
+        s.expert_fills,
         s.decode_misses_per_token,
         s.decode_bytes_read_per_token / 1e6,
         s.decode_read_wait_ms_per_token,

@@ -213,6 +213,9 @@ pub struct GenerationStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
     pub expert_bytes_read: u64,
+    /// Background reads into free slots started during the call (their
+    /// bytes are in the `bytes_read` figures).
+    pub expert_fills: u64,
 }
 
 impl Engine {
@@ -847,6 +850,7 @@ impl Engine {
             expert_hits: after.hits - before.hits,
             expert_misses: after.misses - before.misses,
             expert_bytes_read: after.bytes_read - before.bytes_read,
+            expert_fills: after.fills - before.fills,
         };
         let phases = match (phases_start, phases_prefill, phases_end) {
             (Some(a), Some(b), Some(c)) => {

@@ -66,6 +66,7 @@ fn every_slot_count_policy_and_io_mode_is_bit_identical() {
                             io_threads: 3,
                             direct_io,
                             readahead: Readahead::Random,
+                            background_fill: true,
                         };
                         let (t, l, misses) = generate(&model, StoreChoice::Streaming(cfg), chunk);
                         let what = format!(
@@ -386,6 +387,7 @@ fn synthetic_model_is_bit_identical_at_every_slot_count() {
                     io_threads: 2,
                     direct_io,
                     readahead: Readahead::Default,
+                    background_fill: true,
                 };
                 let (t, l, _) = generate(&model, StoreChoice::Streaming(cfg), 5);
                 let what = format!("synthetic: slots {slots} {policy} direct {direct_io}");
@@ -467,4 +469,97 @@ fn auto_direct_io_follows_slots_and_memory() {
         why.starts_with("auto:") && why.contains("expert file"),
         "{why}"
     );
+}
+
+/// With a slot for every expert, idle readers fill the free slots: every
+/// expert ends up resident without being asked for, later requests are all
+/// hits over the same bytes, and a record corrupted on disk is still caught
+/// (on its first use) and never computed.
+#[test]
+fn background_fill_makes_every_expert_resident_and_verifies_on_use() {
+    use slipstream_core::{ExpertRequest, ExpertSource};
+    use slipstream_store::{ExpertStore, StreamingStore};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
+    let file = slipstream_format::SlipModel::open(&model).unwrap();
+    let pool = &file.manifest.experts;
+    let (layers, experts) = (pool.num_layers, pool.num_experts);
+    let (bad_layer, bad_expert) = (1usize, 3u32);
+    let off = pool.record_offset(bad_layer, bad_expert as usize) as usize + 64;
+    drop(file);
+    let path = model.join("experts.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[off] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+    let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
+    let open = |fill| {
+        StreamingStore::open(
+            file.clone(),
+            StreamConfig {
+                slots: experts,
+                io_threads: 3,
+                background_fill: fill,
+                ..Default::default()
+            },
+        )
+        .unwrap()
+    };
+    let mut store = open(true);
+    let mut plain = open(false);
+    // One demand request starts the fill.
+    let one = [0u32];
+    let req = ExpertRequest {
+        layer: 0,
+        experts: &one,
+        counts: &[1],
+        tokens: 1,
+    };
+    store.with_experts(&req, &mut |_, _| {}).unwrap();
+    let resident = store.finish_background_fill().unwrap();
+    assert_eq!(resident, layers * experts, "every expert resident");
+    assert_eq!(store.counters().misses, 1);
+    assert_eq!(store.counters().fills as usize, layers * experts - 1);
+    assert_eq!(
+        plain.finish_background_fill().unwrap(),
+        0,
+        "fill off: nothing read unasked"
+    );
+    // Every later request is a hit (bar the corrupt record) over the bytes a
+    // demand read gives.
+    let all: Vec<u32> = (0..experts as u32).collect();
+    let counts = vec![1u32; experts];
+    for layer in 0..layers {
+        let req = ExpertRequest {
+            layer,
+            experts: &all,
+            counts: &counts,
+            tokens: experts as u32,
+        };
+        let grab = |s: &mut StreamingStore| {
+            let mut got: Vec<(u32, Vec<u8>)> = Vec::new();
+            let r = s.with_experts(&req, &mut |e, w| {
+                got.push((e, [w.gate.data, w.down.data].concat()))
+            });
+            got.sort();
+            (r.map_err(|e| e.to_string()), got)
+        };
+        let hits_before = store.counters().hits;
+        let (r, got) = grab(&mut store);
+        let (r_plain, want) = grab(&mut plain);
+        if layer == bad_layer {
+            let err = r.unwrap_err();
+            assert!(err.contains("checksum") && err.contains("layer 1"), "{err}");
+            assert!(r_plain.is_err());
+            assert!(
+                !got.iter().any(|(e, _)| *e == bad_expert),
+                "a corrupt record was computed"
+            );
+            assert!(!store.resident_experts()[layer].contains(&bad_expert));
+        } else {
+            r.unwrap();
+            r_plain.unwrap();
+            assert_eq!(got, want, "layer {layer}: filled bytes differ");
+            assert_eq!(store.counters().hits - hits_before, experts as u64);
+        }
+    }
 }

@@ -32,6 +32,9 @@ pub struct StoreCounters {
     pub bytes_read: u64,
     /// Time the compute thread spent blocked on expert reads.
     pub read_wait_ns: u64,
+    /// Background reads started into free slots (their bytes are in
+    /// `bytes_read`; a request they serve counts as a hit).
+    pub fills: u64,
 }
 
 impl StoreCounters {
@@ -42,6 +45,7 @@ impl StoreCounters {
             misses: self.misses - earlier.misses,
             bytes_read: self.bytes_read - earlier.bytes_read,
             read_wait_ns: self.read_wait_ns - earlier.read_wait_ns,
+            fills: self.fills - earlier.fills,
         }
     }
 }

@@ -239,9 +239,47 @@ impl LayerCache {
         self.slot_of.get(expert as usize).copied().flatten()
     }
 
-    /// Experts resident now, by slot order.
+    /// Experts resident now, by slot order (slots held for a background
+    /// read that has not landed are not counted).
     pub fn resident(&self) -> Vec<u32> {
-        self.holder.iter().flatten().copied().collect()
+        self.holder
+            .iter()
+            .enumerate()
+            .filter_map(|(s, h)| h.filter(|&e| self.slot_of[e as usize] == Some(s)))
+            .collect()
+    }
+
+    /// Holds a free slot for a background read of `expert`, which is not
+    /// resident: no request takes the slot, but the expert is not a hit
+    /// until [`LayerCache::commit_fill`]. `None` when the expert is resident
+    /// or no slot is free. Never evicts, so it cannot change what later
+    /// requests would evict while slots stay free.
+    pub fn reserve_fill(&mut self, expert: u32) -> Option<usize> {
+        if self.slot_of.get(expert as usize)?.is_some() {
+            return None;
+        }
+        let slot = self.holder.iter().position(|h| h.is_none())?;
+        self.holder[slot] = Some(expert);
+        Some(slot)
+    }
+
+    /// The background read into `slot` (from [`LayerCache::reserve_fill`])
+    /// landed: `expert` is resident from now on. Counts neither a hit nor a
+    /// miss, and tells the policy of an insert requested by no token.
+    pub fn commit_fill(&mut self, expert: u32, slot: usize) {
+        if self.holder.get(slot) == Some(&Some(expert)) && self.slot_of[expert as usize].is_none() {
+            self.slot_of[expert as usize] = Some(slot);
+            self.policy.on_insert(expert, 0);
+        }
+    }
+
+    /// The background read into `slot` failed: the slot is free again.
+    pub fn cancel_fill(&mut self, slot: usize) {
+        if let Some(Some(e)) = self.holder.get(slot).copied() {
+            if self.slot_of[e as usize] != Some(slot) {
+                self.holder[slot] = None;
+            }
+        }
     }
 
     /// Decides hits and misses for one batch (`experts` distinct, ascending,
@@ -383,6 +421,31 @@ mod tests {
                 evicted: None
             }
         );
+    }
+
+    #[test]
+    fn fills_hold_their_slot_until_committed() {
+        let mut c = LayerCache::new(PolicyKind::Aging.build(4), 4, 4);
+        c.access(&[1], &[1], 1);
+        assert_eq!(c.reserve_fill(1), None, "resident experts are not filled");
+        let s2 = c.reserve_fill(2).unwrap();
+        let s3 = c.reserve_fill(3).unwrap();
+        assert_eq!(c.resident(), vec![1]);
+        // A request for another expert takes the remaining free slot, not a
+        // held one.
+        let out = c.access(&[0], &[1], 1);
+        let Outcome::Miss { slot: Some(s0), .. } = out[0] else {
+            panic!("{out:?}")
+        };
+        assert!(s0 != s2 && s0 != s3);
+        c.commit_fill(2, s2);
+        c.cancel_fill(s3);
+        assert_eq!(c.access(&[2], &[1], 1), vec![Outcome::Hit { slot: s2 }]);
+        let mut now = c.resident();
+        now.sort();
+        assert_eq!(now, vec![0, 1, 2]);
+        assert_eq!((c.hits, c.misses), (1, 2));
+        assert_eq!(c.reserve_fill(3), Some(s3));
     }
 
     #[test]

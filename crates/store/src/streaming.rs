@@ -6,8 +6,15 @@
 //! and then each miss as it arrives. Misses that cannot take a slot (a batch
 //! needing more experts than there are slots, or a policy refusing
 //! admission) stream through a few scratch buffers.
+//!
+//! When a layer's slots can hold every one of its experts nothing is ever
+//! evicted, so idle reader threads fill the free slots in the background
+//! ([`StreamConfig::background_fill`]): the cache converges to fully
+//! resident without a token waiting for those reads. A request for an
+//! expert whose fill is in flight waits for that read. Filled records are
+//! verified on first use, like every other record before it is computed.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,6 +38,9 @@ pub struct StreamConfig {
     /// Open the pool with O_DIRECT (no second copy in the page cache).
     pub direct_io: bool,
     pub readahead: Readahead,
+    /// With at least as many slots as experts, let idle reader threads read
+    /// the experts not yet resident into the free slots.
+    pub background_fill: bool,
 }
 
 impl Default for StreamConfig {
@@ -41,12 +51,25 @@ impl Default for StreamConfig {
             io_threads: 4,
             direct_io: false,
             readahead: Readahead::Default,
+            background_fill: true,
         }
     }
 }
 
 /// Scratch buffers for streamed misses (reads in flight at once beyond the slots).
 const SCRATCH_BUFFERS: usize = 8;
+
+/// Read ids at and above this are background fills (`FILL_ID + layer *
+/// experts + expert`); below it, indices into the pending request.
+const FILL_ID: usize = 1 << 40;
+
+/// A background read in flight into a held slot.
+#[derive(Debug, Clone, Copy)]
+struct Fill {
+    layer: usize,
+    expert: u32,
+    slot: usize,
+}
 
 /// Where a requested expert's bytes are (or will be).
 #[derive(Debug, Clone, Copy)]
@@ -81,6 +104,17 @@ pub struct StreamingStore {
     stride: usize,
     record_bytes: usize,
     pending: Option<Pending>,
+    /// Background fills in flight, by read id.
+    fills: HashMap<usize, Fill>,
+    /// Next (layer * experts + expert) the fill sweep looks at.
+    fill_cursor: usize,
+    /// Whether the sweep may still find an expert to fill.
+    fill_active: bool,
+    /// Background fills at once (leaves readers free for demand misses).
+    max_fills: usize,
+    /// `unverified[layer * slots_per_layer + slot]`: a filled record whose
+    /// checksum is checked on its first use.
+    unverified: Vec<bool>,
     counters: StoreCounters,
     config: StreamConfig,
 }
@@ -108,6 +142,7 @@ impl StreamingStore {
         let caches = (0..layers)
             .map(|_| LayerCache::new(config.policy.build(experts), experts, slots_per_layer))
             .collect();
+        let fill_active = config.background_fill && slots_per_layer >= experts && experts > 0;
         Ok(StreamingStore {
             pool,
             model,
@@ -118,12 +153,38 @@ impl StreamingStore {
             stride,
             record_bytes,
             pending: None,
+            fills: HashMap::new(),
+            fill_cursor: 0,
+            fill_active,
+            max_fills: (config.io_threads / 2).max(1),
+            unverified: vec![false; layers * slots_per_layer],
             counters: StoreCounters::default(),
             config: StreamConfig {
                 slots: slots_per_layer,
                 ..config
             },
         })
+    }
+
+    /// Runs the background fill to its end: blocks until every expert of
+    /// every layer is resident (when [`StreamConfig::background_fill`] is
+    /// on and the slots can hold them all). Reads that fail leave their
+    /// expert to be read on demand. Returns the experts now resident.
+    pub fn finish_background_fill(&mut self) -> Result<usize, BoxError> {
+        if self.pending.is_some() {
+            return Err("expert store: a request is pending".into());
+        }
+        loop {
+            self.top_up_fills();
+            if self.fills.is_empty() {
+                break;
+            }
+            let d = self.pool.wait();
+            if !self.settle_fill(d.id, &d.result) {
+                return Err("expert store: unknown read completion".into());
+            }
+        }
+        Ok(self.caches.iter().map(|c| c.resident().len()).sum())
     }
 
     /// Bytes of slot memory (all layers).
@@ -187,12 +248,148 @@ impl StreamingStore {
             self.submit(layer, expert, i, Place::Scratch(buf));
         }
     }
+
+    fn fill_id(&self, layer: usize, expert: u32) -> usize {
+        FILL_ID + layer * self.model.manifest.experts.num_experts + expert as usize
+    }
+
+    /// Starts background fills up to `max_fills`, sweeping (layer, expert)
+    /// pairs in order; stops for good once a sweep finds nothing to read.
+    fn top_up_fills(&mut self) {
+        let experts = self.model.manifest.experts.num_experts;
+        let total = self.caches.len() * experts;
+        let mut looked = 0;
+        while self.fill_active && self.fills.len() < self.max_fills {
+            if looked == total {
+                // Every expert is resident or being filled: once those land
+                // there is nothing left, and no eviction can undo it.
+                self.fill_active = !self.fills.is_empty();
+                return;
+            }
+            let at = self.fill_cursor;
+            self.fill_cursor = (at + 1) % total;
+            looked += 1;
+            let (layer, expert) = (at / experts, (at % experts) as u32);
+            let id = self.fill_id(layer, expert);
+            if self.fills.contains_key(&id) {
+                continue;
+            }
+            if let Some(slot) = self.caches[layer].reserve_fill(expert) {
+                self.fills.insert(
+                    id,
+                    Fill {
+                        layer,
+                        expert,
+                        slot,
+                    },
+                );
+                self.submit(layer, expert, id, Place::Slot(slot));
+                self.counters.fills += 1;
+            }
+        }
+    }
+
+    /// Settles a finished background read: the expert becomes resident
+    /// (verified on first use) or, when the read failed, the slot is free
+    /// again. Returns false for an id that is no fill.
+    fn settle_fill(&mut self, id: usize, result: &std::io::Result<()>) -> bool {
+        let Some(f) = self.fills.remove(&id) else {
+            return false;
+        };
+        match result {
+            Ok(()) => {
+                self.caches[f.layer].commit_fill(f.expert, f.slot);
+                self.unverified[f.layer * self.slots_per_layer + f.slot] = true;
+            }
+            Err(_) => {
+                // Not fatal: a request for the expert reads it again and
+                // reports the error then.
+                self.caches[f.layer].cancel_fill(f.slot);
+            }
+        }
+        true
+    }
+
+    /// Settles fills that finished without blocking, then blocks until no
+    /// fill of `experts` (in `layer`) is in flight. Called with no request
+    /// pending, so every completion is a fill.
+    fn settle_fills_for(&mut self, layer: usize, experts: &[u32]) -> Result<(), BoxError> {
+        while let Some(d) = self.pool.try_wait() {
+            if !self.settle_fill(d.id, &d.result) {
+                return Err("expert store: unknown read completion".into());
+            }
+        }
+        while experts
+            .iter()
+            .any(|&e| self.fills.contains_key(&self.fill_id(layer, e)))
+        {
+            let t = Instant::now();
+            let d = self.pool.wait();
+            self.counters.read_wait_ns += t.elapsed().as_nanos() as u64;
+            if !self.settle_fill(d.id, &d.result) {
+                return Err("expert store: unknown read completion".into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the records of hits that a background fill brought in and
+    /// nobody has used yet; a bad one is dropped from its slot.
+    fn verify_filled_hits(
+        &mut self,
+        layer: usize,
+        experts: &[u32],
+        outcomes: &[Outcome],
+    ) -> Result<(), BoxError> {
+        let base = layer * self.slots_per_layer;
+        let to_check: Vec<(u32, usize)> = experts
+            .iter()
+            .zip(outcomes)
+            .filter_map(|(&e, o)| match *o {
+                Outcome::Hit { slot } if self.unverified[base + slot] => Some((e, slot)),
+                _ => None,
+            })
+            .collect();
+        if to_check.is_empty() {
+            return Ok(());
+        }
+        let model = &*self.model;
+        let records: Vec<&[u8]> = to_check
+            .iter()
+            .map(|&(_, slot)| self.place_bytes(layer, Place::Slot(slot)))
+            .collect();
+        let checked: Vec<Result<(), BoxError>> = to_check
+            .par_iter()
+            .zip(&records)
+            .map(|(&(e, _), record)| {
+                model
+                    .verify_expert(layer, e as usize, record)
+                    .map_err(BoxError::from)
+            })
+            .collect();
+        drop(records);
+        let mut first_err = None;
+        for ((e, slot), ok) in to_check.into_iter().zip(checked) {
+            match ok {
+                Ok(()) => self.unverified[base + slot] = false,
+                Err(err) => {
+                    self.unverified[base + slot] = false;
+                    self.caches[layer].invalidate(e);
+                    first_err.get_or_insert(err);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
 }
 
 impl ExpertSource for StreamingStore {
     fn begin(&mut self, req: &ExpertRequest<'_>) -> Result<(), BoxError> {
         if self.pending.is_some() {
             return Err("expert store: begin called twice without with_experts".into());
+        }
+        if !self.fills.is_empty() {
+            self.settle_fills_for(req.layer, req.experts)?;
         }
         let outcomes = self.caches[req.layer].access(req.experts, req.counts, req.tokens);
         let mut p = Pending {
@@ -228,6 +425,8 @@ impl ExpertSource for StreamingStore {
             self.submit(layer, experts[i], i, Place::Slot(s));
         }
         self.submit_streamed();
+        // Behind the demand reads in the readers' queue.
+        self.top_up_fills();
         Ok(())
     }
 
@@ -262,22 +461,31 @@ impl ExpertSource for StreamingStore {
                 return Err("expert store: with_experts does not match begin".into());
             }
         };
-        // Hits first: their bytes are already here and verified.
-        let mut hits = Vec::with_capacity(outcomes.len());
-        for (i, o) in outcomes.iter().enumerate() {
-            if let Outcome::Hit { slot } = *o {
-                let bytes = self.place_bytes(layer, Place::Slot(slot));
-                hits.push((experts[i], self.model.expert_views(bytes)?));
+        // Hits first: their bytes are already here and verified (filled
+        // records on their first use).
+        let mut first_err: Option<BoxError> =
+            self.verify_filled_hits(layer, &experts, &outcomes).err();
+        if first_err.is_none() {
+            let mut hits = Vec::with_capacity(outcomes.len());
+            for (i, o) in outcomes.iter().enumerate() {
+                if let Outcome::Hit { slot } = *o {
+                    let bytes = self.place_bytes(layer, Place::Slot(slot));
+                    match self.model.expert_views(bytes) {
+                        Ok(w) => hits.push((experts[i], w)),
+                        Err(e) => {
+                            first_err = Some(e.into());
+                            break;
+                        }
+                    }
+                }
+            }
+            if first_err.is_none() && !hits.is_empty() {
+                compute(&hits);
             }
         }
-        if !hits.is_empty() {
-            compute(&hits);
-        }
-        drop(hits);
         // Then the misses as they land: every read finished by the time
         // the previous batch is done forms the next batch, so misses that
         // land together run in parallel like the hits.
-        let mut first_err: Option<BoxError> = None;
         while first_err.is_none() && self.pending.as_ref().is_some_and(|p| p.in_flight > 0) {
             let t = Instant::now();
             let mut done = vec![self.pool.wait()];
@@ -285,6 +493,7 @@ impl ExpertSource for StreamingStore {
             while let Some(d) = self.pool.try_wait() {
                 done.push(d);
             }
+            done.retain(|d| !self.settle_fill(d.id, &d.result));
             let Some(p) = self.pending.as_mut() else {
                 break;
             };
@@ -355,6 +564,7 @@ impl ExpertSource for StreamingStore {
             }
             if first_err.is_none() {
                 self.submit_streamed();
+                self.top_up_fills();
             } else if let Some(p) = self.pending.as_mut() {
                 p.streamed.clear();
             }
@@ -381,8 +591,16 @@ impl StreamingStore {
         let Some(p) = self.pending.take() else {
             return;
         };
-        for _ in 0..p.in_flight {
+        let mut left = p.in_flight;
+        while left > 0 {
             let done = self.pool.wait();
+            if done.id == usize::MAX {
+                return; // the readers are gone: nothing is in flight
+            }
+            if self.settle_fill(done.id, &done.result) {
+                continue;
+            }
+            left -= 1;
             if let (Some(Some(Place::Slot(_))), Some(&e)) =
                 (p.place.get(done.id), experts.get(done.id))
             {
@@ -391,11 +609,17 @@ impl StreamingStore {
         }
     }
 
-    /// Waits for every read in flight (after a protocol error).
+    /// Waits for every read in flight, background fills included (after a
+    /// protocol error, and before the memory the reads target goes away).
     fn drain(&mut self) {
-        if let Some(p) = self.pending.take() {
-            for _ in 0..p.in_flight {
-                self.pool.wait();
+        let mut left = self.pending.take().map_or(0, |p| p.in_flight);
+        while left > 0 || !self.fills.is_empty() {
+            let done = self.pool.wait();
+            if done.id == usize::MAX {
+                return; // the readers are gone: nothing is in flight
+            }
+            if !self.settle_fill(done.id, &done.result) {
+                left = left.saturating_sub(1);
             }
         }
     }
@@ -408,13 +632,20 @@ impl ExpertStore for StreamingStore {
 
     fn describe(&self) -> String {
         format!(
-            "streaming: {} slots/layer ({:.1} MB), policy {}, {} reader threads{}",
+            "streaming: {} slots/layer ({:.1} MB), policy {}, {} reader threads{}{}",
             self.config.slots,
             self.slots.len() as f64 / 1e6,
             self.config.policy,
             self.config.io_threads,
             if self.config.direct_io {
                 ", direct I/O"
+            } else {
+                ""
+            },
+            if self.config.background_fill
+                && self.slots_per_layer >= self.model.manifest.experts.num_experts
+            {
+                ", background fill"
             } else {
                 ""
             }
