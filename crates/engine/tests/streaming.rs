@@ -42,6 +42,16 @@ fn generate(model: &Path, store: StoreChoice, chunk: usize) -> (Vec<u32>, Vec<f3
     (gen.tokens, gen.logits, engine.store_counters().misses)
 }
 
+/// Flips one bit at each byte offset of the model's expert pool file.
+fn corrupt_pool(model: &Path, offsets: &[usize]) {
+    let path = model.join("experts.bin");
+    let mut bytes = std::fs::read(&path).unwrap();
+    for &off in offsets {
+        bytes[off] ^= 0x01;
+    }
+    std::fs::write(&path, bytes).unwrap();
+}
+
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
@@ -110,10 +120,7 @@ fn corrupted_record_read_at_run_time_names_layer_and_expert() {
     let file = slipstream_format::SlipModel::open(&model).unwrap();
     let off = file.manifest.experts.record_offset(2, 5) as usize + 64;
     drop(file);
-    let path = model.join("experts.bin");
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[off] ^= 0x01;
-    std::fs::write(&path, bytes).unwrap();
+    corrupt_pool(&model, &[off]);
     let mut engine = Engine::open(&model, EngineConfig::default()).unwrap();
     // Route every token of a long prompt so expert 5 of layer 2 is needed.
     let err = engine
@@ -152,12 +159,7 @@ fn failed_batch_keeps_no_unverified_expert() {
         .map(|e| pool.record_offset(layer, e) as usize + 64)
         .collect();
     drop(file);
-    let path = model.join("experts.bin");
-    let mut bytes = std::fs::read(&path).unwrap();
-    for off in offsets {
-        bytes[off] ^= 0x01;
-    }
-    std::fs::write(&path, bytes).unwrap();
+    corrupt_pool(&model, &offsets);
     let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
     let mut store = StreamingStore::open(
         file,
@@ -487,10 +489,7 @@ fn background_fill_makes_every_expert_resident_and_verifies_on_use() {
     let (bad_layer, bad_expert) = (1usize, 3u32);
     let off = pool.record_offset(bad_layer, bad_expert as usize) as usize + 64;
     drop(file);
-    let path = model.join("experts.bin");
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[off] ^= 0x01;
-    std::fs::write(&path, bytes).unwrap();
+    corrupt_pool(&model, &[off]);
     let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
     let open = |fill| {
         StreamingStore::open(

@@ -179,10 +179,7 @@ impl StreamingStore {
             if self.fills.is_empty() {
                 break;
             }
-            let d = self.pool.wait();
-            if !self.settle_fill(d.id, &d.result) {
-                return Err("expert store: unknown read completion".into());
-            }
+            self.wait_for_fill()?;
         }
         Ok(self.caches.iter().map(|c| c.resident().len()).sum())
     }
@@ -254,16 +251,17 @@ impl StreamingStore {
     }
 
     /// Starts background fills up to `max_fills`, sweeping (layer, expert)
-    /// pairs in order; stops for good once a sweep finds nothing to read.
+    /// pairs in order; stops for good once a whole sweep finds nothing to
+    /// read (a fill that fails later leaves its expert to a demand read).
     fn top_up_fills(&mut self) {
         let experts = self.model.manifest.experts.num_experts;
         let total = self.caches.len() * experts;
         let mut looked = 0;
         while self.fill_active && self.fills.len() < self.max_fills {
             if looked == total {
-                // Every expert is resident or being filled: once those land
-                // there is nothing left, and no eviction can undo it.
-                self.fill_active = !self.fills.is_empty();
+                // Every expert is resident or being filled, and no eviction
+                // can undo that: never sweep again.
+                self.fill_active = false;
                 return;
             }
             let at = self.fill_cursor;
@@ -310,6 +308,19 @@ impl StreamingStore {
         true
     }
 
+    /// Blocks for the next completion, which must be a fill (no request
+    /// pending), and settles it; the wait counts as read wait.
+    fn wait_for_fill(&mut self) -> Result<(), BoxError> {
+        let t = Instant::now();
+        let d = self.pool.wait();
+        self.counters.read_wait_ns += t.elapsed().as_nanos() as u64;
+        if self.settle_fill(d.id, &d.result) {
+            Ok(())
+        } else {
+            Err("expert store: unknown read completion".into())
+        }
+    }
+
     /// Settles fills that finished without blocking, then blocks until no
     /// fill of `experts` (in `layer`) is in flight. Called with no request
     /// pending, so every completion is a fill.
@@ -323,12 +334,7 @@ impl StreamingStore {
             .iter()
             .any(|&e| self.fills.contains_key(&self.fill_id(layer, e)))
         {
-            let t = Instant::now();
-            let d = self.pool.wait();
-            self.counters.read_wait_ns += t.elapsed().as_nanos() as u64;
-            if !self.settle_fill(d.id, &d.result) {
-                return Err("expert store: unknown read completion".into());
-            }
+            self.wait_for_fill()?;
         }
         Ok(())
     }
