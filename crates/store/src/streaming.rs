@@ -222,9 +222,16 @@ impl StreamingStore {
             Place::Scratch(b) => self.scratch_ptr(b),
         };
         // SAFETY: `dest` is a whole stride-sized buffer that nothing reads
-        // until this job's completion is received in `with_experts`, which
-        // drains every job before returning.
-        unsafe { self.pool.submit(id, offset, self.stride, dest) };
+        // until this job's completion is received (`with_experts` drains
+        // every demand read before returning; a fill's slot is held by
+        // `reserve_fill` until its completion is settled).
+        unsafe {
+            if id >= FILL_ID {
+                self.pool.submit_background(id, offset, self.stride, dest)
+            } else {
+                self.pool.submit(id, offset, self.stride, dest)
+            }
+        };
         self.counters.bytes_read += self.stride as u64;
     }
 
