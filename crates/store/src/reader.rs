@@ -2,18 +2,20 @@
 //! caller-provided memory, optionally with O_DIRECT.
 //!
 //! Reads are demand reads (a token waits for them) or background reads
-//! (`submit_background`: the store's fill of free slots). A background
-//! read goes in pieces of [`BACKGROUND_PIECE`] bytes and, before each
-//! piece, waits while any reader is busy with a demand read, so a demand
-//! read shares the disk with at most one piece per background reader
-//! instead of whole records (on a slow disk a 1.8 MB record in front of
-//! a miss is tens of milliseconds of wait).
+//! (`submit_background`: the store's fill of free slots). Demand reads are
+//! always taken first. A background read goes in pieces of
+//! [`BACKGROUND_PIECE`] bytes; before each piece its reader serves every
+//! demand read still queued, then waits while another reader is busy with
+//! one. So a miss shares the disk with at most one piece per background
+//! reader instead of whole records (on a slow disk a 1.8 MB record in front
+//! of a miss is tens of milliseconds), also with a single reader thread.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -99,60 +101,137 @@ struct Job {
     offset: u64,
     len: usize,
     dest: Dest,
-    background: bool,
 }
 
-/// Demand reads being read right now (taken by a reader, not yet done).
+/// The readers' shared state: queued jobs and demand reads in progress.
 #[derive(Default)]
-struct DemandGate {
-    active: Mutex<usize>,
-    idle: Condvar,
+struct Queues {
+    demand: VecDeque<Job>,
+    background: VecDeque<Job>,
+    /// Demand reads taken by a reader and not yet done.
+    demand_active: usize,
+    closed: bool,
 }
 
-impl DemandGate {
-    fn begin(&self) {
-        if let Ok(mut n) = self.active.lock() {
-            *n += 1;
+#[derive(Default)]
+struct Shared {
+    queues: Mutex<Queues>,
+    /// Signalled when a job is queued, the pool closes, or the last demand
+    /// read in progress ends.
+    changed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> Option<MutexGuard<'_, Queues>> {
+        self.queues.lock().ok()
+    }
+
+    /// Blocks for the next job, demand reads first; `None` once closed and
+    /// drained.
+    fn next_job(&self) -> Option<(Job, bool)> {
+        let mut q = self.lock()?;
+        loop {
+            if let Some(job) = q.demand.pop_front() {
+                q.demand_active += 1;
+                return Some((job, false));
+            }
+            if let Some(job) = q.background.pop_front() {
+                return Some((job, true));
+            }
+            if q.closed {
+                return None;
+            }
+            q = self.changed.wait(q).ok()?;
         }
     }
 
-    fn end(&self) {
-        if let Ok(mut n) = self.active.lock() {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                self.idle.notify_all();
+    /// Before a background piece: takes a queued demand read if there is
+    /// one (the caller serves it and asks again), else waits while another
+    /// reader is busy with a demand read. The timeout bounds a wait should
+    /// a notification be missed.
+    fn demand_before_piece(&self) -> Option<Job> {
+        let mut q = self.lock()?;
+        loop {
+            if let Some(job) = q.demand.pop_front() {
+                q.demand_active += 1;
+                return Some(job);
+            }
+            if q.demand_active == 0 || q.closed {
+                return None;
+            }
+            q = match self.changed.wait_timeout(q, Duration::from_millis(50)) {
+                Ok((guard, _)) => guard,
+                Err(_) => return None,
+            };
+        }
+    }
+
+    fn demand_done(&self) {
+        if let Some(mut q) = self.lock() {
+            q.demand_active = q.demand_active.saturating_sub(1);
+            if q.demand_active == 0 {
+                self.changed.notify_all();
             }
         }
     }
+}
 
-    /// Blocks while a demand read is in progress. Only readers that took a
-    /// job count, so a demand read still queued (every reader busy) never
-    /// holds a background read back: no wait can deadlock. The timeout
-    /// bounds a wait should a notification be missed.
-    fn wait_idle(&self) {
-        let Ok(mut n) = self.active.lock() else {
-            return;
+/// One reader thread: takes jobs until the pool closes or the store stops
+/// listening.
+fn reader_loop(file: &File, shared: &Shared, done: &Sender<Done>) {
+    while let Some((job, background)) = shared.next_job() {
+        let result = if background {
+            match read_in_pieces(file, &job, shared, done) {
+                Some(r) => r,
+                None => return,
+            }
+        } else {
+            read_demand(file, &job, shared)
         };
-        while *n > 0 {
-            match self.idle.wait_timeout(n, Duration::from_millis(50)) {
-                Ok((guard, _)) => n = guard,
-                Err(_) => return,
-            }
+        if done.send(Done { id: job.id, result }).is_err() {
+            return;
         }
     }
 }
 
-/// Reads `buf.len()` bytes at `offset` in pieces of [`BACKGROUND_PIECE`],
-/// letting every demand read in progress finish before each piece.
-fn read_in_pieces(file: &File, buf: &mut [u8], offset: u64, gate: &DemandGate) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        gate.wait_idle();
-        let n = (buf.len() - done).min(BACKGROUND_PIECE);
-        file.read_exact_at(&mut buf[done..done + n], offset + done as u64)?;
-        done += n;
+fn read_demand(file: &File, job: &Job, shared: &Shared) -> std::io::Result<()> {
+    // SAFETY: see `Dest`: this thread is the only writer of `dest[..len]`
+    // until it sends `Done`.
+    let buf = unsafe { std::slice::from_raw_parts_mut(job.dest.0, job.len) };
+    let result = file.read_exact_at(buf, job.offset);
+    shared.demand_done();
+    result
+}
+
+/// Reads a background job in pieces of [`BACKGROUND_PIECE`], serving the
+/// queued demand reads and letting those in progress finish before each
+/// piece. `None` when the store stopped listening.
+fn read_in_pieces(
+    file: &File,
+    job: &Job,
+    shared: &Shared,
+    done: &Sender<Done>,
+) -> Option<std::io::Result<()>> {
+    let mut at = 0;
+    while at < job.len {
+        while let Some(demand) = shared.demand_before_piece() {
+            let result = read_demand(file, &demand, shared);
+            done.send(Done {
+                id: demand.id,
+                result,
+            })
+            .ok()?;
+        }
+        let n = (job.len - at).min(BACKGROUND_PIECE);
+        // SAFETY: see `Dest`: this thread is the only writer of the job's
+        // range until it sends `Done`; `at + n <= len`.
+        let piece = unsafe { std::slice::from_raw_parts_mut(job.dest.0.add(at), n) };
+        if let Err(e) = file.read_exact_at(piece, job.offset + at as u64) {
+            return Some(Err(e));
+        }
+        at += n;
     }
-    Ok(())
+    Some(Ok(()))
 }
 
 /// A finished read.
@@ -162,7 +241,7 @@ pub struct Done {
 }
 
 pub struct ReaderPool {
-    jobs: Option<Sender<Job>>,
+    shared: Arc<Shared>,
     done: Receiver<Done>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -203,44 +282,21 @@ pub fn open_pool_file(path: &Path, direct: bool, readahead: Readahead) -> std::i
 impl ReaderPool {
     pub fn new(file: File, threads: usize) -> Self {
         let file = Arc::new(file);
-        let (job_tx, job_rx) = channel::<Job>();
+        let shared = Arc::new(Shared::default());
         let (done_tx, done_rx) = channel::<Done>();
-        let job_rx = Arc::new(Mutex::new(job_rx));
-        let gate = Arc::new(DemandGate::default());
         let threads = (0..threads.max(1))
             .map(|i| {
                 let file = file.clone();
-                let job_rx = job_rx.clone();
+                let shared = shared.clone();
                 let done_tx = done_tx.clone();
-                let gate = gate.clone();
                 std::thread::Builder::new()
                     .name(format!("expert-reader-{i}"))
-                    .spawn(move || loop {
-                        let job = match job_rx.lock() {
-                            Ok(rx) => rx.recv(),
-                            Err(_) => return,
-                        };
-                        let Ok(job) = job else { return };
-                        // SAFETY: see `Dest`: this thread is the only writer
-                        // of `dest[..len]` until it sends `Done`.
-                        let buf = unsafe { std::slice::from_raw_parts_mut(job.dest.0, job.len) };
-                        let result = if job.background {
-                            read_in_pieces(&file, buf, job.offset, &gate)
-                        } else {
-                            gate.begin();
-                            let r = file.read_exact_at(buf, job.offset);
-                            gate.end();
-                            r
-                        };
-                        if done_tx.send(Done { id: job.id, result }).is_err() {
-                            return;
-                        }
-                    })
+                    .spawn(move || reader_loop(&file, &shared, &done_tx))
                     .expect("spawning a reader thread")
             })
             .collect();
         ReaderPool {
-            jobs: Some(job_tx),
+            shared,
             done: done_rx,
             threads,
         }
@@ -252,31 +308,33 @@ impl ReaderPool {
     /// `dest..dest+len` must stay valid and untouched by the caller until
     /// the matching [`Done`] has been received.
     pub unsafe fn submit(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.send(id, offset, len, dest, false) }
+        self.queue(id, offset, len, dest, false);
     }
 
-    /// Queues a background read: like [`ReaderPool::submit`], but read in
-    /// pieces that give way to demand reads (see the module doc).
+    /// Queues a background read: like [`ReaderPool::submit`], but taken
+    /// only when no demand read is queued, and read in pieces that give way
+    /// to demand reads (see the module doc).
     ///
     /// # Safety
     /// As for [`ReaderPool::submit`].
     pub unsafe fn submit_background(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
-        // SAFETY: forwarded from the caller.
-        unsafe { self.send(id, offset, len, dest, true) }
+        self.queue(id, offset, len, dest, true);
     }
 
-    /// # Safety
-    /// As for [`ReaderPool::submit`].
-    unsafe fn send(&self, id: usize, offset: u64, len: usize, dest: *mut u8, background: bool) {
-        if let Some(tx) = &self.jobs {
-            let _ = tx.send(Job {
-                id,
-                offset,
-                len,
-                dest: Dest(dest),
-                background,
-            });
+    fn queue(&self, id: usize, offset: u64, len: usize, dest: *mut u8, background: bool) {
+        let job = Job {
+            id,
+            offset,
+            len,
+            dest: Dest(dest),
+        };
+        if let Some(mut q) = self.shared.lock() {
+            if background {
+                q.background.push_back(job);
+            } else {
+                q.demand.push_back(job);
+            }
+            self.shared.changed.notify_all();
         }
     }
 
@@ -296,7 +354,12 @@ impl ReaderPool {
 
 impl Drop for ReaderPool {
     fn drop(&mut self) {
-        self.jobs.take();
+        // Readers finish the jobs already queued (their memory is the
+        // store's, which outlives the pool), then stop.
+        if let Some(mut q) = self.shared.lock() {
+            q.closed = true;
+        }
+        self.shared.changed.notify_all();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
@@ -341,22 +404,37 @@ mod tests {
 
     #[test]
     fn background_pieces_wait_for_demand_reads_in_progress() {
-        let gate = Arc::new(DemandGate::default());
-        gate.begin();
+        let shared = Arc::new(Shared::default());
+        // A demand read taken by another reader.
+        shared.lock().unwrap().demand_active = 1;
         let passed = Arc::new(AtomicBool::new(false));
         let waiter = {
-            let (gate, passed) = (gate.clone(), passed.clone());
+            let (shared, passed) = (shared.clone(), passed.clone());
             std::thread::spawn(move || {
-                gate.wait_idle();
+                let served = shared.demand_before_piece();
                 passed.store(true, Ordering::SeqCst);
+                served.is_none()
             })
         };
-        // Longer than the gate's timeout: a wait that wakes up must see
+        // Longer than the wait's timeout: a wait that wakes up must see
         // the demand read still running and wait again.
         std::thread::sleep(Duration::from_millis(120));
         assert!(!passed.load(Ordering::SeqCst), "background piece ran beside a demand read");
-        gate.end();
-        waiter.join().unwrap();
+        shared.demand_done();
+        assert!(waiter.join().unwrap());
         assert!(passed.load(Ordering::SeqCst));
+        // A queued demand read is handed to the background reader first.
+        let mut byte = 0u8;
+        shared.lock().unwrap().demand.push_back(Job {
+            id: 3,
+            offset: 0,
+            len: 1,
+            dest: Dest(&mut byte),
+        });
+        let job = shared.demand_before_piece().expect("queued demand read");
+        assert_eq!(job.id, 3);
+        assert_eq!(shared.lock().unwrap().demand_active, 1);
+        shared.demand_done();
+        assert!(shared.demand_before_piece().is_none());
     }
 }
