@@ -10,10 +10,10 @@
 //! reader instead of whole records (on a slow disk a 1.8 MB record in front
 //! of a miss is tens of milliseconds), also with a single reader thread.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
-use std::collections::VecDeque;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -419,7 +419,10 @@ mod tests {
         // Longer than the wait's timeout: a wait that wakes up must see
         // the demand read still running and wait again.
         std::thread::sleep(Duration::from_millis(120));
-        assert!(!passed.load(Ordering::SeqCst), "background piece ran beside a demand read");
+        assert!(
+            !passed.load(Ordering::SeqCst),
+            "background piece ran beside a demand read"
+        );
         shared.demand_done();
         assert!(waiter.join().unwrap());
         assert!(passed.load(Ordering::SeqCst));
