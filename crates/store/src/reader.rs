@@ -308,7 +308,8 @@ impl ReaderPool {
     /// `dest..dest+len` must stay valid and untouched by the caller until
     /// the matching [`Done`] has been received.
     pub unsafe fn submit(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
-        self.queue(id, offset, len, dest, false);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.queue(id, offset, len, dest, false) };
     }
 
     /// Queues a background read: like [`ReaderPool::submit`], but taken
@@ -318,10 +319,13 @@ impl ReaderPool {
     /// # Safety
     /// As for [`ReaderPool::submit`].
     pub unsafe fn submit_background(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
-        self.queue(id, offset, len, dest, true);
+        // SAFETY: forwarded from the caller.
+        unsafe { self.queue(id, offset, len, dest, true) };
     }
 
-    fn queue(&self, id: usize, offset: u64, len: usize, dest: *mut u8, background: bool) {
+    /// # Safety
+    /// As for [`ReaderPool::submit`]: a reader writes `dest..dest+len`.
+    unsafe fn queue(&self, id: usize, offset: u64, len: usize, dest: *mut u8, background: bool) {
         let job = Job {
             id,
             offset,
