@@ -362,6 +362,15 @@ macro_rules! q4_group_walk {
                 unsafe {
                     let cp = row.codes.as_ptr().add(g * gbytes);
                     let xp = x.as_ptr().add(g * group);
+                    // The hardware prefetcher alone leaves one core at
+                    // about 60 % of its DRAM read rate on this stream.
+                    let mut o = 0;
+                    while o < q * gbytes {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            cp.wrapping_add($crate::avx2::ROW_PREFETCH_BYTES + o).cast(),
+                        );
+                        o += 64;
+                    }
                     if q == ROW_GROUPS {
                         let chains = q4_chains::<ROW_GROUPS>(cp, xp, group);
                         for (j, c) in chains.into_iter().enumerate() {
@@ -383,6 +392,12 @@ macro_rules! q4_group_walk {
     }};
 }
 pub(crate) use q4_group_walk;
+
+/// How far ahead of the codes [`q4_row`] reads it asks for them (bytes;
+/// prefetches never fault, so running past a matrix's end is harmless).
+/// Measured on the 4-layer 35B cut's decode: 512 -> 31.0 ms per token,
+/// 1024 -> 28.6, 2048 -> 28.4, 4096 -> 29.3, none -> 42.6.
+pub(crate) const ROW_PREFETCH_BYTES: usize = 2048;
 
 /// Groups of one row in flight at a time in [`q4_row`].
 pub(crate) const ROW_GROUPS: usize = 4;
