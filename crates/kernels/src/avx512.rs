@@ -114,20 +114,10 @@ pub(crate) unsafe fn q4_gemm_rows(
                             group,
                             gs: gs.clone(),
                         };
-                        if ri == TILE_ROWS {
-                            match ti {
-                                3 => tile.run::<4, 3>(i, t, &mut acc),
-                                2 => tile.run::<4, 2>(i, t, &mut acc),
-                                _ => tile.run::<4, 1>(i, t, &mut acc),
-                            }
+                        if group == 64 {
+                            tile.run_all::<4>(i, t, ri, ti, &mut acc);
                         } else {
-                            for k in i..i + ri {
-                                match ti {
-                                    3 => tile.run::<1, 3>(k, t, &mut acc),
-                                    2 => tile.run::<1, 2>(k, t, &mut acc),
-                                    _ => tile.run::<1, 1>(k, t, &mut acc),
-                                }
-                            }
+                            tile.run_all::<0>(i, t, ri, ti, &mut acc);
                         }
                     }
                 }
@@ -158,16 +148,52 @@ struct Tile<'a, 'b> {
 }
 
 impl Tile<'_, '_> {
+    /// The tile at panel rows `i..i + ri`, block tokens `t..t + ti` (at most
+    /// [`TILE_ROWS`] x [`TILE_TOKENS`]), with `S` steps per group (0: from
+    /// `group`).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    #[inline]
+    fn run_all<const S: usize>(
+        &self,
+        i: usize,
+        t: usize,
+        ri: usize,
+        ti: usize,
+        acc: &mut [__m512],
+    ) {
+        if ri == TILE_ROWS {
+            match ti {
+                3 => self.run::<4, 3, S>(i, t, acc),
+                2 => self.run::<4, 2, S>(i, t, acc),
+                _ => self.run::<4, 1, S>(i, t, acc),
+            }
+        } else {
+            for k in i..i + ri {
+                match ti {
+                    3 => self.run::<1, 3, S>(k, t, acc),
+                    2 => self.run::<1, 2, S>(k, t, acc),
+                    _ => self.run::<1, 1, S>(k, t, acc),
+                }
+            }
+        }
+    }
+
     /// Continues the accumulators of panel rows `i..i + R` and block tokens
     /// `t..t + T` (`acc[row * BLOCK_TOKENS + token]`) over the groups `gs`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
     #[inline]
     #[allow(clippy::needless_range_loop)]
-    fn run<const R: usize, const T: usize>(&self, i: usize, t: usize, acc: &mut [__m512]) {
+    fn run<const R: usize, const T: usize, const S: usize>(
+        &self,
+        i: usize,
+        t: usize,
+        acc: &mut [__m512],
+    ) {
         let (cols, ng) = (self.cols, self.ng);
         let end = self.gs.end * self.group;
         assert!((i + R) * cols <= self.panel.len() && (i + R) * ng <= self.scales.len());
-        assert!(self.toks.len() == T && end <= cols);
+        assert!(self.toks.len() == T && end <= cols && self.gs.end <= ng);
+        assert!(S == 0 || S * 16 == self.group);
         assert!((i + R - 1) * BLOCK_TOKENS + t + T <= acc.len());
         let mut panels: [&[f32]; R] = [&[]; R];
         for r in 0..R {
@@ -183,7 +209,9 @@ impl Tile<'_, '_> {
                 a[r][k] = acc[(i + r) * BLOCK_TOKENS + t + k];
             }
         }
-        let steps = self.group / 16;
+        // S > 0: the group's steps known at compile time, so the step loop
+        // unrolls and the per-group overhead shrinks.
+        let steps = if S > 0 { S } else { self.group / 16 };
         for g in self.gs.clone() {
             let mut ch = [[_mm512_setzero_ps(); T]; R];
             for k in 0..steps {
@@ -206,7 +234,9 @@ impl Tile<'_, '_> {
                 }
             }
             for r in 0..R {
-                let s = _mm512_set1_ps(self.scales[(i + r) * ng + g]);
+                // SAFETY: g < gs.end <= ng and (i + R) * ng <= scales.len()
+                // (asserted above).
+                let s = _mm512_set1_ps(unsafe { *self.scales.as_ptr().add((i + r) * ng + g) });
                 for j in 0..T {
                     a[r][j] = _mm512_fmadd_ps(s, ch[r][j], a[r][j]);
                 }
