@@ -214,7 +214,7 @@ pub fn run(cfg: &Config, log: &mut dyn FnMut(&str)) -> std::io::Result<Report> {
         machine: Machine {
             cpus,
             cpu_model: cpu_model(),
-            isa: format!("{:?}", k::Isa::detect()),
+            isa: k::Isa::detect().describe().to_string(),
             load_avg_start,
             load_avg_end: load_avg(),
         },

@@ -62,6 +62,18 @@ impl Isa {
         }
     }
 
+    /// What the kernels of this instruction set run on this CPU, for
+    /// reports: the AVX2 set takes its 4-bit paths on AVX-512 (F + VL) where
+    /// the CPU has it, with the same results.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 if avx512_supported() => "AVX2+FMA+F16C, 4-bit products on AVX-512",
+            Isa::Avx2 => "AVX2+FMA+F16C",
+            Isa::Neon => "NEON",
+        }
+    }
+
     /// Whether this CPU can run kernels of this instruction set.
     pub fn is_supported(self) -> bool {
         match self {
@@ -89,6 +101,16 @@ fn avx2_supported() -> bool {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn avx2_supported() -> bool {
+    false
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx512_supported() -> bool {
+    avx512::supported()
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx512_supported() -> bool {
     false
 }
 

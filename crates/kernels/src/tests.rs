@@ -474,3 +474,12 @@ fn thread_cpu_ns() -> u64 {
         .and_then(|s| s.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
 }
+
+#[test]
+fn isa_description_names_the_paths_this_cpu_takes() {
+    assert_eq!(Isa::Scalar.describe(), "scalar");
+    let avx2 = Isa::Avx2.describe();
+    assert!(avx2.starts_with("AVX2+FMA+F16C"));
+    // The AVX-512 note appears exactly when the 4-bit paths would take it.
+    assert_eq!(avx2.contains("AVX-512"), crate::avx512_supported());
+}
