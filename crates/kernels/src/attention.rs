@@ -1,5 +1,5 @@
 //! Softmax attention of the query heads that share one KV head, for one
-//! token (SIMD by recompilation, as in [`crate::recurrence`]: the AVX2 + FMA
+//! token or a run of consecutive prompt tokens (SIMD by recompilation, as in [`crate::recurrence`]: the AVX2 + FMA
 //! build runs the same per-element arithmetic, and `f32::mul_add` is one
 //! rounding on every target, so both builds give the same bits).
 //!
@@ -36,30 +36,74 @@ pub fn attend_group(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
-        return unsafe { attend_group_avx2(q, k, v, stride, keys, hd, scale, scores, out) };
-    }
-    attend_group_impl(q, k, v, stride, keys, hd, scale, scores, out)
+    let kv = KvRows { k, v, stride, hd };
+    attend_tokens(q, &kv, 1, keys, scale, scores, out)
 }
 
-/// [`attend_group_impl`] compiled for AVX2 + FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn attend_group_avx2(
+/// One KV head's cached keys and values: position `j`'s rows at
+/// `k[j * stride..][..hd]` and `v[j * stride..][..hd]` (`stride >= hd`, the
+/// layout of a KV cache holding every KV head of a position).
+#[derive(Clone, Copy)]
+pub struct KvRows<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub stride: usize,
+    pub hd: usize,
+}
+
+/// [`attend_group`] for `tokens` consecutive tokens at once: token `g` sees
+/// the first `first_keys + g` positions (causal prefill). Each key block is
+/// read from memory once for all the tokens' heads instead of once per
+/// token; every output is bit-identical to [`attend_group`] of its token
+/// alone.
+///
+/// * `q`: `[tokens, group, hd]`.
+/// * `scores`: scratch of at least `tokens * group * (first_keys + tokens - 1)`.
+/// * `out`: `[tokens, group, hd]`, overwritten (zeros for a token that sees
+///   no keys).
+pub fn attend_tokens(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    stride: usize,
-    keys: usize,
-    hd: usize,
+    kv: &KvRows,
+    tokens: usize,
+    first_keys: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    attend_group_tiles::<true>(q, k, v, stride, keys, hd, scale, scores, out)
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+        return unsafe { attend_tokens_avx2(q, kv, tokens, first_keys, scale, scores, out) };
+    }
+    attend_tokens_impl(q, kv, tokens, first_keys, scale, scores, out)
+}
+
+/// [`attend_tokens_impl`] compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_tokens_avx2(
+    q: &[f32],
+    kv: &KvRows,
+    tokens: usize,
+    first_keys: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    attend_tiles::<true>(q, kv, tokens, first_keys, scale, scores, out)
+}
+
+/// The portable body of [`attend_tokens`] (also its reference).
+pub fn attend_tokens_impl(
+    q: &[f32],
+    kv: &KvRows,
+    tokens: usize,
+    first_keys: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    attend_tiles::<false>(q, kv, tokens, first_keys, scale, scores, out)
 }
 
 /// The portable body of [`attend_group`] (also its reference).
@@ -75,31 +119,39 @@ pub fn attend_group_impl(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    attend_group_tiles::<false>(q, k, v, stride, keys, hd, scale, scores, out)
+    let kv = KvRows { k, v, stride, hd };
+    attend_tiles::<false>(q, &kv, 1, keys, scale, scores, out)
 }
 
-/// [`attend_group`] with its score and weighted-sum tiles in AVX2
-/// intrinsics (`AVX`, only from [`attend_group_avx2`]) or portable code:
+/// [`attend_tokens`] with its score and weighted-sum tiles in AVX2
+/// intrinsics (`AVX`, only from [`attend_tokens_avx2`]) or portable code:
 /// the same lanes and the same fused multiply-adds, so the same bits.
-#[allow(clippy::too_many_arguments)]
+/// Score rows are `keys` (the last token's count) apart in `scores`.
 #[inline(always)]
-fn attend_group_tiles<const AVX: bool>(
+fn attend_tiles<const AVX: bool>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    stride: usize,
-    keys: usize,
-    hd: usize,
+    kv: &KvRows,
+    tokens: usize,
+    first_keys: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    assert!(hd > 0 && stride >= hd && q.len().is_multiple_of(hd));
-    let group = q.len() / hd;
-    assert_eq!(out.len(), group * hd, "out must be [group, hd]");
-    assert!(scores.len() >= group * keys, "scores scratch too small");
+    let KvRows { k, v, stride, hd } = *kv;
+    assert!(hd > 0 && stride >= hd && tokens > 0 && q.len().is_multiple_of(tokens * hd));
+    let group = q.len() / (tokens * hd);
+    assert_eq!(out.len(), q.len(), "out must be [tokens, group, hd]");
+    let keys = first_keys + tokens - 1;
+    assert!(
+        scores.len() >= tokens * group * keys,
+        "scores scratch too small"
+    );
+    // Keys token `g` sees.
+    let keys_of = |g: usize| first_keys + g;
+    if first_keys == 0 {
+        out[..group * hd].fill(0.0);
+    }
     if keys == 0 {
-        out.fill(0.0);
         return;
     }
     let last = (keys - 1) * stride + hd;
@@ -107,7 +159,9 @@ fn attend_group_tiles<const AVX: bool>(
         k.len() >= last && v.len() >= last,
         "k/v shorter than keys rows"
     );
-    let scores = &mut scores[..group * keys];
+    let scores = &mut scores[..tokens * group * keys];
+    // One token's query heads, scores and outputs.
+    let tq = |g: usize| &q[g * group * hd..][..group * hd];
 
     // Scores: tiles of up to HEADS query heads x KEYS keys, so each load of
     // a query chunk serves KEYS keys and each key chunk HEADS heads (every
@@ -118,9 +172,8 @@ fn attend_group_tiles<const AVX: bool>(
     // thousand keys the prefetches only cost instructions).
     let from_memory = 2 * keys * hd * 4 > PREFETCH_ABOVE;
     // Blocks of KEY_BLOCK keys outermost, so a block's K rows are read from
-    // memory once for all tiles of heads.
+    // memory once for all tiles of heads of all tokens.
     for kb in (0..keys).step_by(KEY_BLOCK) {
-        let ks = kb..(kb + KEY_BLOCK).min(keys);
         if AVX {
             prefetch_rows(
                 k,
@@ -129,53 +182,72 @@ fn attend_group_tiles<const AVX: bool>(
                 kb + KEY_BLOCK..(kb + 2 * KEY_BLOCK).min(keys),
             );
         }
-        let mut h = 0;
-        while h < group {
-            let nh = (group - h).min(HEADS);
-            let ks = ks.clone();
-            match nh {
-                4 => score_heads::<4, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
-                3 => score_heads::<3, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
-                2 => score_heads::<2, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
-                _ => score_heads::<1, AVX>(q, k, stride, keys, ks, hd, scale, h, scores),
+        for g in 0..tokens {
+            let ks = kb..(kb + KEY_BLOCK).min(keys_of(g));
+            if ks.is_empty() {
+                continue;
             }
-            h += nh;
+            let (qg, sg) = (tq(g), &mut scores[g * group * keys..][..group * keys]);
+            let mut h = 0;
+            while h < group {
+                let nh = (group - h).min(HEADS);
+                let ks = ks.clone();
+                match nh {
+                    4 => score_heads::<4, AVX>(qg, k, stride, keys, ks, hd, scale, h, sg),
+                    3 => score_heads::<3, AVX>(qg, k, stride, keys, ks, hd, scale, h, sg),
+                    2 => score_heads::<2, AVX>(qg, k, stride, keys, ks, hd, scale, h, sg),
+                    _ => score_heads::<1, AVX>(qg, k, stride, keys, ks, hd, scale, h, sg),
+                }
+                h += nh;
+            }
         }
     }
-    for sc in scores.chunks_exact_mut(keys) {
-        softmax(sc);
+    for (r, sc) in scores.chunks_exact_mut(keys).enumerate() {
+        let kg = keys_of(r / group);
+        if kg > 0 {
+            softmax(&mut sc[..kg]);
+        }
     }
 
     // Weighted sum, each output element a chain over the keys in order from
     // zero: blocks of KEY_BLOCK keys outermost (a block's V rows stay in L2
-    // while every column tile passes over them, so V is read from memory
-    // once), then COLS columns x 2 heads in registers, carried from one
-    // key block to the next through `out`.
+    // while every column tile of every token passes over them, so V is read
+    // from memory once), then COLS columns x 2 heads in registers, carried
+    // from one key block to the next through `out`.
     let full = hd / COLS * COLS;
     for kb in (0..keys).step_by(KEY_BLOCK) {
         let ke = (kb + KEY_BLOCK).min(keys);
         if AVX && from_memory {
             prefetch_rows(v, stride, hd, ke..(ke + KEY_BLOCK).min(keys));
         }
-        for c0 in (0..full).step_by(COLS) {
-            let mut h = 0;
-            while h < group {
-                if h + 2 <= group {
-                    weigh_cols::<2, AVX>(scores, v, stride, keys, hd, kb..ke, c0, h, out);
-                    h += 2;
-                } else {
-                    weigh_cols::<1, AVX>(scores, v, stride, keys, hd, kb..ke, c0, h, out);
-                    h += 1;
+        for g in 0..tokens {
+            let ks = kb..ke.min(keys_of(g));
+            if ks.is_empty() {
+                continue;
+            }
+            let sg = &scores[g * group * keys..][..group * keys];
+            let og = &mut out[g * group * hd..][..group * hd];
+            for c0 in (0..full).step_by(COLS) {
+                let mut h = 0;
+                while h < group {
+                    let ks = ks.clone();
+                    if h + 2 <= group {
+                        weigh_cols::<2, AVX>(sg, v, stride, keys, hd, ks, c0, h, og);
+                        h += 2;
+                    } else {
+                        weigh_cols::<1, AVX>(sg, v, stride, keys, hd, ks, c0, h, og);
+                        h += 1;
+                    }
                 }
             }
-        }
-        for (o, p) in out.chunks_exact_mut(hd).zip(scores.chunks_exact(keys)) {
-            for c in full..hd {
-                let mut acc = if kb == 0 { 0.0 } else { o[c] };
-                for j in kb..ke {
-                    acc = p[j].mul_add(v[j * stride + c], acc);
+            for (o, p) in og.chunks_exact_mut(hd).zip(sg.chunks_exact(keys)) {
+                for c in full..hd {
+                    let mut acc = if kb == 0 { 0.0 } else { o[c] };
+                    for j in ks.clone() {
+                        acc = p[j].mul_add(v[j * stride + c], acc);
+                    }
+                    o[c] = acc;
                 }
-                o[c] = acc;
             }
         }
     }
@@ -284,7 +356,7 @@ fn weigh_cols<const H: usize, const AVX: bool>(
     }
     #[cfg(target_arch = "x86_64")]
     if AVX {
-        // SAFETY: `AVX` is only set by `attend_group_avx2`, whose callers
+        // SAFETY: `AVX` is only set by `attend_tokens_avx2`, whose callers
         // checked AVX2 and FMA.
         unsafe { avx2::weigh(&ps, v, stride, ks, c0, &mut acc) };
         for i in 0..H {
@@ -352,14 +424,14 @@ fn dots_tile<const H: usize, const N: usize, const AVX: bool>(
 ) -> [[f32; N]; H] {
     #[cfg(target_arch = "x86_64")]
     if AVX {
-        // SAFETY: `AVX` is only set by `attend_group_avx2`, whose callers
+        // SAFETY: `AVX` is only set by `attend_tokens_avx2`, whose callers
         // checked AVX2 and FMA.
         return unsafe { avx2::dots(a, rows) };
     }
     dots(a, rows)
 }
 
-/// The tiles of [`attend_group_tiles`] in AVX2 intrinsics: one 8-lane
+/// The tiles of [`attend_tiles`] in AVX2 intrinsics: one 8-lane
 /// register per chain of the portable code.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
@@ -556,6 +628,70 @@ mod tests {
         assert_eq!(bits(&o1), bits(&o2));
     }
 
+    /// Each token of a multi-token call, against `attend_group` of that
+    /// token alone (bits), in the dispatched and the portable build.
+    fn check_tokens_match_one_by_one(
+        hd: usize,
+        group: usize,
+        tokens: usize,
+        first_keys: usize,
+        stride: usize,
+        seed: u64,
+    ) -> Result<(), TestCaseError> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let keys = first_keys + tokens - 1;
+        let n = keys.max(1) * stride;
+        let mut vals =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+        let (q, k, v) = (vals(tokens * group * hd), vals(n), vals(n));
+        let scale = 1.0 / (hd as f32).sqrt();
+        let kv = KvRows {
+            k: &k,
+            v: &v,
+            stride,
+            hd,
+        };
+        let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut scores = vec![0f32; tokens * group * keys];
+        let mut fast = vec![9f32; tokens * group * hd];
+        let mut portable = vec![9f32; tokens * group * hd];
+        attend_tokens(&q, &kv, tokens, first_keys, scale, &mut scores, &mut fast);
+        attend_tokens_impl(
+            &q,
+            &kv,
+            tokens,
+            first_keys,
+            scale,
+            &mut scores,
+            &mut portable,
+        );
+        prop_assert_eq!(bits(&fast), bits(&portable));
+        for g in 0..tokens {
+            let kg = first_keys + g;
+            let qg = &q[g * group * hd..][..group * hd];
+            let mut s1 = vec![0f32; group * kg];
+            let mut alone = vec![5f32; group * hd];
+            attend_group(qg, &k, &v, stride, kg, hd, scale, &mut s1, &mut alone);
+            prop_assert_eq!(
+                bits(&fast[g * group * hd..][..group * hd]),
+                bits(&alone),
+                "token {} of {} ({} keys)",
+                g,
+                tokens,
+                kg
+            );
+        }
+        Ok(())
+    }
+
+    /// A block of prompt tokens across several key blocks (the model's
+    /// shape: 8 heads of 256 per KV head, two KV heads in the cache).
+    #[test]
+    fn token_block_matches_one_by_one_at_model_shape() {
+        check_tokens_match_one_by_one(256, 8, 8, 130, 512, 3).unwrap();
+        check_tokens_match_one_by_one(256, 8, 5, 60, 512, 4).unwrap();
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(300))]
 
@@ -594,6 +730,21 @@ mod tests {
             } else {
                 prop_assert!(o1.iter().all(|&x| x == 0.0));
             }
+        }
+
+        /// Multi-token calls give each token's one-token bits, for ragged
+        /// head sizes, groups, token counts and key counts (first token
+        /// with no keys included).
+        #[test]
+        fn tokens_match_one_by_one(
+            hd in prop_oneof![1usize..40, Just(64usize), Just(256)],
+            group in 1usize..9,
+            tokens in 1usize..11,
+            first_keys in 0usize..140,
+            pad in 0usize..3,
+            seed in any::<u64>(),
+        ) {
+            check_tokens_match_one_by_one(hd, group, tokens, first_keys, hd * (1 + pad) + pad, seed)?;
         }
     }
 }

@@ -195,35 +195,8 @@ pub fn matmul_act(isa: Isa, act: Activations, w: &TensorView, x: &[f32], n: usiz
         .collect();
     if n == 1 {
         run_rows(isa, w, &toks, y);
-        return;
-    }
-    // Kernels write [rows, n]; transpose into the token-major output.
-    let mut tmp = vec![0f32; w.rows * n];
-    run_rows(isa, w, &toks, &mut tmp);
-    transpose_into(&tmp, w.rows, n, y);
-}
-
-/// `y[t, r] = tmp[r, t]` for `tmp` `[rows, n]` and `y` `[n, rows]`: blocks of
-/// 16 tokens in parallel, each walked 64 rows at a time so the lines written
-/// (16 tokens x 64 rows) stay in L1.
-fn transpose_into(tmp: &[f32], rows: usize, n: usize, y: &mut [f32]) {
-    const TOKENS: usize = 16;
-    const ROWS: usize = 64;
-    let block = |(bi, ych): (usize, &mut [f32])| {
-        let t0 = bi * TOKENS;
-        let nt = ych.len() / rows;
-        for rb in (0..rows).step_by(ROWS) {
-            for r in rb..(rb + ROWS).min(rows) {
-                for (k, &v) in tmp[r * n + t0..][..nt].iter().enumerate() {
-                    ych[k * rows + r] = v;
-                }
-            }
-        }
-    };
-    if rows * n < PAR_MIN_WORK {
-        y.chunks_mut(TOKENS * rows).enumerate().for_each(block);
     } else {
-        y.par_chunks_mut(TOKENS * rows).enumerate().for_each(block);
+        run_rows_token_major(isa, w, &toks, y);
     }
 }
 
@@ -406,30 +379,39 @@ fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], o
     }
 }
 
+/// Rows per thread chunk when a product of `w` with `ntok` tokens is split
+/// across the rayon pool, or `None` when it runs on the calling thread.
+/// Chunks are a multiple of 4 rows (the kernels' row block).
+fn parallel_chunk_rows(w: &TensorView, ntok: usize) -> Option<usize> {
+    let work = w.rows * w.cols * ntok;
+    let threads = rayon::current_num_threads();
+    if work < PAR_MIN_WORK || threads <= 1 || w.rows < 8 {
+        return None;
+    }
+    // Decode-sized products (an expert's matrix: ~1M multiply-adds, tens of
+    // microseconds) get one chunk per thread: every extra chunk is another
+    // hand-off between threads, which costs more than the imbalance it
+    // evens out. Larger ones get a few chunks per thread for balance, each
+    // at least ~16K multiply-adds.
+    let per_thread = if work < SMALL_PRODUCT { 1 } else { 4 };
+    let min_rows = (1usize << 14).div_ceil(w.cols * ntok).max(1);
+    Some(
+        w.rows
+            .div_ceil(threads * per_thread)
+            .max(min_rows)
+            .next_multiple_of(4),
+    )
+}
+
 /// Computes all rows into `out` (`[rows, toks.len()]`), splitting rows across
 /// the rayon pool when the product is large. Row splits never change the
 /// arithmetic of an element.
 fn run_rows(isa: Isa, w: &TensorView, toks: &[Token], out: &mut [f32]) {
     let ntok = toks.len();
-    let work = w.rows * w.cols * ntok;
-    let threads = rayon::current_num_threads();
-    if work < PAR_MIN_WORK || threads <= 1 || w.rows < 8 {
+    let Some(chunk_rows) = parallel_chunk_rows(w, ntok) else {
         kernel_rows(isa, w, 0, w.rows, toks, out);
         return;
-    }
-    // Decode-sized products (an expert's matrix: ~1M multiply-adds, tens of
-    // microseconds) get one chunk per thread: every extra chunk is another
-    // hand-off between threads, which costs more than the imbalance it
-    // evens out. Larger ones get a few chunks per thread for balance. Chunks
-    // are a multiple of 4 rows (the kernels' row block) and at least ~16K
-    // multiply-adds.
-    let per_thread = if work < SMALL_PRODUCT { 1 } else { 4 };
-    let min_rows = (1usize << 14).div_ceil(w.cols * ntok).max(1);
-    let chunk_rows = w
-        .rows
-        .div_ceil(threads * per_thread)
-        .max(min_rows)
-        .next_multiple_of(4);
+    };
     out.par_chunks_mut(chunk_rows * ntok)
         .enumerate()
         .for_each(|(i, o)| {
@@ -437,4 +419,79 @@ fn run_rows(isa: Isa, w: &TensorView, toks: &[Token], out: &mut [f32]) {
             let r1 = r0 + o.len() / ntok;
             kernel_rows(isa, w, r0, r1, toks, o);
         });
+}
+
+/// Largest row-major staging block (f32 elements) of
+/// [`run_rows_token_major`]: small enough to stay in L2 between the kernel
+/// writing it and the scatter reading it back.
+const STAGING_ELEMS: usize = 1 << 16;
+
+/// [`run_rows`] into a token-major `y` (`[toks.len(), rows]`): each thread
+/// runs its rows a block at a time into a small row-major staging buffer
+/// and scatters it into `y` while it is still in cache, so no full-size
+/// row-major copy is allocated, zeroed and transposed.
+fn run_rows_token_major(isa: Isa, w: &TensorView, toks: &[Token], y: &mut [f32]) {
+    let (rows, ntok) = (w.rows, toks.len());
+    assert_eq!(y.len(), rows * ntok);
+    // Blocks of at least 32 rows (the GEMM path's panel) and a multiple of
+    // 4 (the kernels' row block).
+    let block_rows = (STAGING_ELEMS / ntok.max(1)).max(32).next_multiple_of(4);
+    let out = TokenMajorOut {
+        ptr: y.as_mut_ptr(),
+        rows,
+        ntok,
+    };
+    let rows_into = |r0: usize, r1: usize| {
+        let mut staging = vec![0f32; block_rows.min(r1 - r0) * ntok];
+        for b0 in (r0..r1).step_by(block_rows) {
+            let b1 = (b0 + block_rows).min(r1);
+            let part = &mut staging[..(b1 - b0) * ntok];
+            kernel_rows(isa, w, b0, b1, toks, part);
+            // SAFETY: b0..b1 lies in 0..rows, and the row ranges handed to
+            // `rows_into` are disjoint, so no other thread writes these
+            // rows; `y` is borrowed mutably for the whole call.
+            unsafe { out.write_rows(b0, b1, part) };
+        }
+    };
+    match parallel_chunk_rows(w, ntok) {
+        None => rows_into(0, rows),
+        Some(chunk_rows) => (0..rows.div_ceil(chunk_rows))
+            .into_par_iter()
+            .for_each(|i| rows_into(i * chunk_rows, ((i + 1) * chunk_rows).min(rows))),
+    }
+}
+
+/// A token-major output `[ntok, rows]` that threads fill by disjoint row
+/// ranges (each range is strided across the buffer, so it cannot be split
+/// into slices).
+struct TokenMajorOut {
+    ptr: *mut f32,
+    rows: usize,
+    ntok: usize,
+}
+
+// SAFETY: `write_rows` callers write disjoint rows, so sharing the pointer
+// across threads never makes two threads write one element.
+unsafe impl Sync for TokenMajorOut {}
+
+impl TokenMajorOut {
+    /// Writes rows `r0..r1` of every token from `part` (`[r1 - r0, ntok]`).
+    ///
+    /// # Safety
+    /// `r0 <= r1 <= rows`, the buffer `[ntok, rows]` is still mutably
+    /// borrowed by the caller, and no other thread writes rows `r0..r1`
+    /// meanwhile.
+    unsafe fn write_rows(&self, r0: usize, r1: usize, part: &[f32]) {
+        assert!(r0 <= r1 && r1 <= self.rows && part.len() == (r1 - r0) * self.ntok);
+        for t in 0..self.ntok {
+            // SAFETY: t * rows + r1 <= ntok * rows, inside the buffer (the
+            // caller's contract); these elements belong to this caller.
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(self.ptr.add(t * self.rows + r0), r1 - r0)
+            };
+            for (k, d) in dst.iter_mut().enumerate() {
+                *d = part[k * self.ntok + t];
+            }
+        }
+    }
 }

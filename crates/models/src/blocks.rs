@@ -140,6 +140,10 @@ pub struct Attention {
     pub eps: f32,
 }
 
+/// Prompt tokens whose attention runs as one task per KV head (their
+/// queries share each key and value block read from memory).
+const QUERY_BLOCK: usize = 8;
+
 impl Attention {
     /// x: [n, hidden] (normed) at positions `state.len()..`; returns [n, hidden].
     pub fn forward(&self, x: &[f32], n: usize, state: &mut AttnState) -> Vec<f32> {
@@ -150,7 +154,11 @@ impl Attention {
         let start = state.len();
         let q_stride = if self.output_gate { 2 * hd } else { hd };
 
-        // Queries: norm + rope per head; gates kept apart.
+        // Queries: norm + rope per head, laid out KV-head-major
+        // (`[nkv, n, group, hd]`) so a run of tokens' heads sharing a KV
+        // head is contiguous; gates kept apart (`[n, nh, hd]`).
+        let group = nh / nkv;
+        let head_at = |t: usize, h: usize| ((h / group * n + t) * group + h % group) * hd;
         let mut q = vec![0.0f32; n * nh * hd];
         let mut gate = if self.output_gate {
             vec![0.0f32; n * nh * hd]
@@ -160,7 +168,7 @@ impl Attention {
         for t in 0..n {
             for h in 0..nh {
                 let src = &q_all[(t * nh + h) * q_stride..][..q_stride];
-                let dst = &mut q[(t * nh + h) * hd..][..hd];
+                let dst = &mut q[head_at(t, h)..][..hd];
                 ops::rms_norm(&src[..hd], &self.q_norm, self.eps, dst);
                 self.rope.apply(dst, start + t);
                 if self.output_gate {
@@ -176,39 +184,57 @@ impl Attention {
         state.append(&k_all, &v_all, n);
 
         // The query heads sharing a KV head walk the keys and values
-        // together, so each K and V row is read once per KV head: parallel
-        // over (token, KV head). Each (token, head) still computes its dot
-        // products, softmax and weighted sum in the same order as alone.
-        let group = nh / nkv;
+        // together, QUERY_BLOCK tokens at a time, so each K and V row is
+        // read from memory once per KV head and block: parallel over (KV
+        // head, block). Each (token, head) still computes its dot products,
+        // softmax and weighted sum in the same order as alone.
         let scale = 1.0 / (hd as f32).sqrt();
         let kv_stride = nkv * hd;
-        let mut out = vec![0.0f32; n * nh * hd];
-        out.par_chunks_mut(group * hd)
+        let mut out_kv = vec![0.0f32; n * nh * hd];
+        out_kv
+            .par_chunks_mut(n * group * hd)
+            .zip(q.par_chunks(n * group * hd))
             .enumerate()
-            .for_each(|(i, og)| {
-                let (t, kvh) = (i / nkv, i % nkv);
-                let keys = start + t + 1;
-                let h0 = t * nh + kvh * group;
-                let mut scores = vec![0.0f32; group * keys];
-                k::attention::attend_group(
-                    &q[h0 * hd..(h0 + group) * hd],
-                    &state.k[kvh * hd..],
-                    &state.v[kvh * hd..],
-                    kv_stride,
-                    keys,
+            .for_each(|(kvh, (oh, qh))| {
+                let kv = k::attention::KvRows {
+                    k: &state.k[kvh * hd..],
+                    v: &state.v[kvh * hd..],
+                    stride: kv_stride,
                     hd,
-                    scale,
-                    &mut scores,
-                    og,
-                );
+                };
+                let block = QUERY_BLOCK * group * hd;
+                oh.par_chunks_mut(block)
+                    .zip(qh.par_chunks(block))
+                    .enumerate()
+                    .for_each(|(b, (ob, qb))| {
+                        let t0 = b * QUERY_BLOCK;
+                        let tokens = ob.len() / (group * hd);
+                        let first_keys = start + t0 + 1;
+                        let keys = first_keys + tokens - 1;
+                        let mut scores = vec![0.0f32; tokens * group * keys];
+                        k::attention::attend_tokens(
+                            qb,
+                            &kv,
+                            tokens,
+                            first_keys,
+                            scale,
+                            &mut scores,
+                            ob,
+                        );
+                    });
+            });
+        // Back to `[n, nh, hd]`, through the output gate.
+        let mut out = vec![0.0f32; n * nh * hd];
+        out.par_chunks_mut(nh * hd).enumerate().for_each(|(t, ot)| {
+            for (h, o) in ot.chunks_exact_mut(hd).enumerate() {
+                o.copy_from_slice(&out_kv[head_at(t, h)..][..hd]);
                 if self.output_gate {
-                    for (g, o) in og.chunks_exact_mut(hd).enumerate() {
-                        for (oi, &gv) in o.iter_mut().zip(&gate[(h0 + g) * hd..][..hd]) {
-                            *oi *= ops::sigmoid(gv);
-                        }
+                    for (oi, &gv) in o.iter_mut().zip(&gate[(t * nh + h) * hd..][..hd]) {
+                        *oi *= ops::sigmoid(gv);
                     }
                 }
-            });
+            }
+        });
         self.o_proj.forward(&out, n)
     }
 }
