@@ -4,6 +4,7 @@
 //! generation.
 
 pub mod guard;
+pub mod heap;
 pub mod npy;
 pub mod prompt_cache;
 pub mod sampler;
@@ -630,6 +631,7 @@ impl Engine {
         let mut out = Vec::new();
         let n_chunks = tokens.len().div_ceil(chunk);
         let hooked = self.prefill_hook.is_some();
+        let heap = heap::PrefillHeap::enter();
         for (i, piece) in tokens.chunks(chunk).enumerate() {
             let last = i + 1 == n_chunks;
             if cancelled() {
@@ -639,6 +641,9 @@ impl Engine {
                 return Ok(None);
             }
             let remaining = tokens.len() - i * chunk;
+            if i > 0 {
+                heap.release_freed();
+            }
             self.guard_chunk(
                 state,
                 remaining,
