@@ -1,10 +1,10 @@
-//! `PrefillHeap` keeps freed activation memory in the process while a
-//! prefill runs and returns it when the prefill ends. Runs on the main
-//! thread (no test harness): glibc serves the main thread from the heap that
-//! the setting applies to in full.
+//! `heap::keep_freed_memory` keeps freed activation memory in the process
+//! for reuse, and `heap::release_freed` returns it. Runs on the main thread
+//! (no test harness): glibc serves the main thread from the heap that the
+//! setting applies to in full.
 
 use slipstream_engine::guard::current_rss_bytes;
-use slipstream_engine::heap::PrefillHeap;
+use slipstream_engine::heap;
 
 /// An activation-sized buffer, written so its pages are resident.
 const BUFFER: usize = 256 << 20;
@@ -15,7 +15,7 @@ fn main() {
         return;
     }
     let rss = || current_rss_bytes().expect("VmRSS readable on Linux");
-    let heap = PrefillHeap::enter();
+    heap::keep_freed_memory();
     let before = rss();
     let buf = vec![1u8; BUFFER];
     std::hint::black_box(&buf);
@@ -28,7 +28,7 @@ fn main() {
     let kept = rss();
     assert!(
         kept >= before + BUFFER as u64 * 9 / 10,
-        "freed buffer returned during the prefill: {before} -> {kept}"
+        "freed buffer returned at once: {before} -> {kept}"
     );
     // The next allocation of that size reuses the kept pages.
     let again = vec![2u8; BUFFER];
@@ -38,14 +38,16 @@ fn main() {
         "second buffer did not reuse the first"
     );
     drop(again);
-    drop(heap);
+    {
+        let _release = heap::ReleaseOnDrop;
+    }
     let after = rss();
     assert!(
         after < before + (BUFFER as u64) / 10,
-        "freed memory kept after the prefill: {before} -> {after}"
+        "freed memory kept after release: {before} -> {after}"
     );
     println!(
-        "heap: ok ({} MB kept during the prefill, {} MB after)",
+        "heap: ok ({} MB kept until released, {} MB after)",
         (kept - before) >> 20,
         after.saturating_sub(before) >> 20
     );
