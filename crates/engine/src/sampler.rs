@@ -195,11 +195,12 @@ impl Sampler {
                 }
             }));
         let total: f64 = self.weights.iter().sum();
-        // min-p: a threshold on the weight (the most likely token weighs 1).
+        // min-p: a threshold on the weight (the most likely token weighs 1
+        // and is always kept, also when min-p is above 1).
         if p.min_p > 0.0 {
-            let floor = (p.min_p as f64).min(1.0);
-            for w in self.weights.iter_mut() {
-                if *w < floor {
+            let floor = p.min_p as f64;
+            for (i, w) in self.weights.iter_mut().enumerate() {
+                if *w < floor && i != top.0 as usize {
                     *w = 0.0;
                 }
             }
@@ -378,8 +379,8 @@ mod tests {
         (
             prop_oneof![Just(0.3f32), Just(0.8), Just(1.0), Just(2.5)],
             prop_oneof![Just(0usize), 2usize..80],
-            prop_oneof![Just(1.0f32), 0.05f32..0.999],
-            prop_oneof![Just(0.0f32), 0.001f32..0.5],
+            prop_oneof![Just(1.0f32), 0.05f32..0.999, Just(0.0)],
+            prop_oneof![Just(0.0f32), 0.001f32..0.5, Just(1.0), Just(1.5)],
             any::<u64>(),
         )
             .prop_map(|(temperature, top_k, top_p, min_p, seed)| SamplingParams {
