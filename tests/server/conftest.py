@@ -7,6 +7,7 @@ set by run.sh), e.g. "target/release/slipstream serve".
 import json
 import os
 import shlex
+import signal
 import subprocess
 import tempfile
 import threading
@@ -36,7 +37,14 @@ class Server:
             self.script_file.close()
             args += ["--test-script", self.script_file.name]
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            args,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            # Ctrl-C reaches the server even when this runs where SIGINT is
+            # ignored (a background job of a non-interactive shell).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         self.stderr = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()

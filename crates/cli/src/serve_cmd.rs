@@ -183,7 +183,12 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
         }
     };
     let (config, backend) = server_settings(&args, model)?;
-    let server = slipstream_server::start(config, backend)?;
+    // The engine runs on this (the main) thread: see `serve_here`.
+    slipstream_server::serve_here(config, backend, announce)
+}
+
+/// Says where the server listens, for people and (the last line) scripts.
+fn announce(server: &slipstream_server::RunningServer) {
     let app = &server.app;
     eprintln!(
         "slipstream serving {} on http://{} (context {} tokens, queue {}, {}{})",
@@ -205,5 +210,4 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     println!("listening on {}", server.addr);
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    server.wait()
 }

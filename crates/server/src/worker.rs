@@ -72,42 +72,63 @@ pub struct Worker {
 #[derive(Debug)]
 pub struct QueueFull;
 
+/// The engine's side of a [`Worker`]: takes the jobs in order on the thread
+/// that built the backend, until every handle to the worker is gone.
+pub struct EngineLoop {
+    backend: Backend,
+    rx: mpsc::Receiver<Job>,
+    state: Arc<QueueState>,
+}
+
+impl EngineLoop {
+    /// Runs jobs until the worker's last handle is dropped.
+    pub fn run(self) {
+        run(self.backend, self.rx, self.state)
+    }
+}
+
 impl Worker {
-    /// Starts the thread; `backend` is built on it.
+    /// Builds the backend on this thread: the returned loop must run here
+    /// (the engine is not `Send`).
+    pub fn here<F>(
+        capacity: usize,
+        make: F,
+    ) -> anyhow::Result<(Worker, Arc<TextCodec>, Info, EngineLoop)>
+    where
+        F: FnOnce() -> anyhow::Result<(Backend, TextCodec, Info)>,
+    {
+        let (backend, codec, info) = make()?;
+        let (tx, rx) = mpsc::channel::<Job>();
+        let state = Arc::new(QueueState::default());
+        let worker = Worker {
+            tx: Mutex::new(tx),
+            capacity,
+            state: state.clone(),
+        };
+        let engine = EngineLoop { backend, rx, state };
+        Ok((worker, Arc::new(codec), info, engine))
+    }
+
+    /// Starts the engine thread; `backend` is built on it.
     pub fn start<F>(capacity: usize, make: F) -> anyhow::Result<(Worker, Arc<TextCodec>, Info)>
     where
         F: FnOnce() -> anyhow::Result<(Backend, TextCodec, Info)> + Send + 'static,
     {
-        let (tx, rx) = mpsc::channel::<Job>();
         let (ready_tx, ready_rx) = mpsc::channel();
-        let state = Arc::new(QueueState::default());
-        let st = state.clone();
         std::thread::Builder::new()
             .name("slipstream-engine".into())
-            .spawn(move || {
-                let (backend, codec, info) = match make() {
-                    Ok(x) => x,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(e));
-                        return;
-                    }
-                };
-                let codec = Arc::new(codec);
-                let _ = ready_tx.send(Ok((codec.clone(), info)));
-                run(backend, rx, st);
+            .spawn(move || match Worker::here(capacity, make) {
+                Ok((worker, codec, info, engine)) => {
+                    let _ = ready_tx.send(Ok((worker, codec, info)));
+                    engine.run();
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
             })?;
-        let (codec, info) = ready_rx
+        ready_rx
             .recv()
-            .map_err(|_| anyhow::anyhow!("the engine thread died while opening the model"))??;
-        Ok((
-            Worker {
-                tx: Mutex::new(tx),
-                capacity,
-                state,
-            },
-            codec,
-            info,
-        ))
+            .map_err(|_| anyhow::anyhow!("the engine thread died while opening the model"))?
     }
 
     /// Queues a job, or refuses it when `capacity` jobs already wait.
