@@ -17,17 +17,17 @@
 //! for the prefill, 45.4 with it made before the model loads, as
 //! [`crate::Engine::open`] does.
 //!
-//! glibc's main heap (the `slipstream run` thread's) holds buffers of any
-//! size; the heaps of other threads' arenas are at most 64 MiB each, so on
-//! the server's engine thread only buffers below that are kept (all of them
-//! for chunks of up to ~1k tokens of the 35B model). Measured (4-layer cut,
+//! glibc's main heap (the main thread's) holds buffers of any size; the
+//! heaps of other threads' arenas are at most 64 MiB each, so an engine on
+//! another thread keeps only buffers below that (all of them for chunks of
+//! up to ~1k tokens of the 35B model). Hence `slipstream serve` runs its
+//! engine on the main thread too. Measured (4-layer cut,
 //! 3,072-token prompt, `cargo run --release -p slipstream-engine --example
 //! prefill_thread -- l4.slip IDS main|thread 2`): 4.65-4.66 ms/token on the
 //! main thread, 4.85-4.93 on a spawned one. One arena for every thread
 //! (`M_ARENA_MAX` = 1, set before any thread starts) evens them out but
 //! slows the main thread to 4.81-4.87 (the compute pool's allocations then
-//! share its arena), so it is not set; running the server's engine on the
-//! main thread would be the fix.
+//! share its arena), so it is not set.
 
 /// Free memory glibc keeps at the top of the heap instead of returning it
 /// (its default is 128 KiB).
