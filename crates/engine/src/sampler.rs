@@ -104,6 +104,33 @@ pub fn argmax(logits: &[f32]) -> u32 {
     logits.iter().position(|&v| v == max).unwrap_or(last) as u32
 }
 
+/// The most likely finite logit in [`likelier_first`]'s order (largest, +0
+/// above -0, lowest index among equals); `None` when none is finite. The
+/// maximum in 8 lanes first (exact in any order), then its index.
+fn most_likely_finite(logits: &[f32]) -> Option<(u32, f32)> {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = logits.chunks_exact(8);
+    let tail = chunks.remainder();
+    let keep = |l: f32, v: f32| if v.is_finite() && v > l { v } else { l };
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = keep(*l, v);
+        }
+    }
+    let max = tail
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |a, &b| keep(a, b));
+    // The order is `total_cmp`'s, where +0 is above -0.
+    let first = |bits: u32| logits.iter().position(|v| v.to_bits() == bits);
+    let at = if max == 0.0 {
+        first(0).or_else(|| first((-0.0f32).to_bits()))
+    } else {
+        logits.iter().position(|&v| v == max && v.is_finite())
+    };
+    at.map(|i| (i as u32, logits[i]))
+}
+
 /// Most likely first; ties by the lower id (a total order).
 fn likelier_first(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
@@ -152,13 +179,7 @@ impl Sampler {
     fn weigh_kept(&mut self, logits: &[f32]) -> bool {
         let p = &self.params;
         let finite = |v: f32| v.is_finite();
-        let Some(top) = logits
-            .iter()
-            .enumerate()
-            .filter(|(_, v)| finite(**v))
-            .map(|(i, &v)| (i as u32, v))
-            .min_by(likelier_first)
-        else {
+        let Some(top) = most_likely_finite(logits) else {
             return false;
         };
         // The least likely token kept so far; tokens after it (most likely
@@ -435,7 +456,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn argmax_matches_the_scan(
+        fn argmax_and_top_match_the_scans(
             logits in prop::collection::vec(
                 prop_oneof![
                     4 => (-6i32..6).prop_map(|v| v as f32),
@@ -448,6 +469,13 @@ mod tests {
             ),
         ) {
             prop_assert_eq!(argmax(&logits), argmax_by_scan(&logits), "{:?}", logits);
+            let top = logits
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| v.is_finite())
+                .map(|(i, &v)| (i as u32, v))
+                .min_by(likelier_first);
+            prop_assert_eq!(most_likely_finite(&logits), top, "{:?}", logits);
         }
     }
 
