@@ -335,6 +335,14 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
 }
 
 fn run(args: RunArgs) -> Result<()> {
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        seed: args.seed,
+    };
+    sampling.check().map_err(|e| anyhow::anyhow!(e))?;
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -489,13 +497,7 @@ fn run(args: RunArgs) -> Result<()> {
     let req = GenerateRequest {
         prompt: prompt.clone(),
         max_new_tokens: args.max_new,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_k: args.top_k,
-            top_p: args.top_p,
-            min_p: args.min_p,
-            seed: args.seed,
-        },
+        sampling,
         stop_tokens: args.stop_token.clone(),
         keep_logits: args.dump_logits.is_some(),
         cancel: None,

@@ -206,6 +206,22 @@ fn bad_inputs_are_clear_errors() {
     );
     assert!(err.contains("outside the vocabulary"), "{err}");
 
+    for (flag, value, says) in [
+        ("--temperature", "nan", "temperature"),
+        ("--top-p", "1.5", "top-p"),
+        ("--min-p", "-1", "min-p"),
+    ] {
+        let err = failed(
+            bin()
+                .args(["run", "--model"])
+                .arg(&model)
+                .args(["--prompt-tokens", "1,2", &format!("{flag}={value}")])
+                .output()
+                .unwrap(),
+        );
+        assert!(err.contains(says), "{flag} {value}: {err}");
+    }
+
     let err = failed(
         bin()
             .args(["run", "--model"])

@@ -29,6 +29,30 @@ impl Default for SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// Why these settings cannot be sampled with, if so: the temperature
+    /// must be a finite number (0 or below: greedy), top-p within [0, 1],
+    /// min-p a finite number >= 0.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.temperature.is_finite() {
+            return Err(format!(
+                "temperature must be a finite number, got {}",
+                self.temperature
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(format!("top-p must be between 0 and 1, got {}", self.top_p));
+        }
+        if !(self.min_p.is_finite() && self.min_p >= 0.0) {
+            return Err(format!(
+                "min-p must be a finite number >= 0, got {}",
+                self.min_p
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// A small, fully specified PRNG (SplitMix64) so a seed means the same
 /// tokens on every platform and every version of our dependencies.
 #[derive(Debug, Clone)]
@@ -329,6 +353,50 @@ pub fn kept_by_sorting(logits: &[f32], p: &SamplingParams) -> Vec<(u32, f64)> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn check_refuses_settings_that_cannot_sample() {
+        let ok = SamplingParams {
+            temperature: 0.7,
+            top_p: 0.9,
+            min_p: 0.05,
+            ..Default::default()
+        };
+        assert!(ok.check().is_ok());
+        assert!(SamplingParams::default().check().is_ok());
+        for bad in [
+            SamplingParams {
+                temperature: f32::NAN,
+                ..ok.clone()
+            },
+            SamplingParams {
+                temperature: f32::INFINITY,
+                ..ok.clone()
+            },
+            SamplingParams {
+                top_p: 1.5,
+                ..ok.clone()
+            },
+            SamplingParams {
+                top_p: -0.1,
+                ..ok.clone()
+            },
+            SamplingParams {
+                top_p: f32::NAN,
+                ..ok.clone()
+            },
+            SamplingParams {
+                min_p: -1.0,
+                ..ok.clone()
+            },
+            SamplingParams {
+                min_p: f32::NAN,
+                ..ok.clone()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?} accepted");
+        }
+    }
 
     #[test]
     fn greedy_picks_argmax_and_lowest_tie() {
