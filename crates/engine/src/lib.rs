@@ -820,12 +820,20 @@ impl Engine {
             if tokens.len() == req.max_new_tokens {
                 break;
             }
-            last = self.run_model(state, &[next], Logits::Last, false)?;
-            state.last_logits.clone_from(&last);
+            // The state's logits are set once, after the loop (a 1 MB copy
+            // per token otherwise); a failed step leaves none.
+            last = match self.run_model(state, &[next], Logits::Last, false) {
+                Ok(l) => l,
+                Err(e) => {
+                    state.last_logits.clear();
+                    return Err(e.into());
+                }
+            };
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);
             }
         }
+        state.last_logits = last;
         let decode_s = decode_start.elapsed().as_secs_f64();
         let phases_end = self.phases;
         let after = self.store.inner.counters();
