@@ -139,6 +139,9 @@ $B/slipstream run --max-new 16 --print-ids --resident --backend cuda --vram-slot
 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.long.npy > /tmp/demo.long.ids 2>/tmp/demo.long.err || fail=1
 SLIPSTREAM_CUDA_GRAPH=0 SLIPSTREAM_CUDA_PDL=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
 cat /tmp/demo.long.err >> "$OUT/model.stderr"
+# Without --dump-logits greedy decoding takes the argmax on the device
+# (CudaModel::greedy_next); with it, on the host: the same 300 tokens.
+$B/slipstream run --max-new 300 --print-ids --resident --backend cuda > /tmp/demo.longd.ids 2>>"$OUT/model.stderr" || fail=1
 # A 150-token prompt: with device routing it runs in passes of 64, 64 and
 # 22 tokens (SLIPSTREAM_CUDA_PASS_TOKENS=64; one pass at the default 256), with host
 # routing one token per pass; the logits of every position must be the
@@ -152,12 +155,13 @@ python3 - >> "$OUT/model.log" <<'PY' || fail=1
 import re, sys, numpy as np
 c, g = np.load("/tmp/demo.cpu.npy"), np.load("/tmp/demo.cuda.npy")
 rel = float(np.abs(g - c).max() / np.abs(c).max()) if g.shape == c.shape else float("inf")
-t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1", "long", "longng"]]
+t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1", "long", "longng", "longd"]]
 print(f"demo: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL'}); tokens cuda==cuda(1 slot): {t[1] == t[2]}; cpu==cuda: {t[0] == t[1]}")
 m = re.search(r"CUDA graphs: (\d+) captured, (\d+) passes replayed", open("/tmp/demo.long.err").read())
 caps, reps = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 lb = bool(np.array_equal(np.load("/tmp/demo.long.npy"), np.load("/tmp/demo.longng.npy")))
-print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs and programmatic launches off: {lb}; tokens: {t[3] == t[4]}")
+print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs and programmatic launches off: {lb}; tokens: {t[3] == t[4]}; "
+      f"argmax on the device gives the host's tokens: {t[5] == t[3]}")
 pc, pd, ph = (np.load(f"/tmp/demo.p150{k}.npy") for k in ["c", "", "h"])
 prel = float(np.abs(pd - pc).max() / np.abs(pc).max()) if pd.shape == pc.shape else float("inf")
 pbits = bool(np.array_equal(pd, ph)) and bool(np.array_equal(np.load("/tmp/demo.p150w.npy"), ph))
@@ -165,7 +169,7 @@ pt = [open(f"/tmp/demo.p150{k}.ids").read().split() for k in ["c", "", "h"]]
 print(f"demo, 150-token prompt: rows {pd.shape[0]}; 64- and 256-token passes bit-identical to one-token passes: {pbits}; "
       f"max rel logit err vs cpu {prel:.2e}; tokens equal (cpu, 64, 1): {pt[0] == pt[1]}, {pt[1] == pt[2]}")
 pok = pbits and prel < 1e-3 and pt[1] == pt[2] and pd.shape[0] >= 150
-sys.exit(0 if rel < 1e-3 and t[1] == t[2] and lb and t[3] == t[4] and caps >= 2 and reps > 0 and pok else 1)
+sys.exit(0 if rel < 1e-3 and t[1] == t[2] and lb and t[3] == t[4] and t[5] == t[3] and caps >= 2 and reps > 0 and pok else 1)
 PY
 cat "$OUT/model.log"
 grep -h "^\[cuda\]\|^\[backend\]\|rror" "$OUT/model.stderr" | sort | uniq -c | head -20

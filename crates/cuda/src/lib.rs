@@ -361,6 +361,7 @@ struct Funcs {
     gdn_conv: CudaFunction,
     gdn_step: CudaFunction,
     gdn_step_r: CudaFunction,
+    gdn_step_w: CudaFunction,
     router_topk: CudaFunction,
     argmax: CudaFunction,
     embed_rows: CudaFunction,
@@ -520,6 +521,11 @@ pub struct Gpu {
     pub prompt_attn_tc: bool,
     /// Dynamic shared memory `attn_prompt_tc` may take.
     attn_smem_max: usize,
+    /// Heads up to 128 x 128 run `gdn_step_r` (state rows over 4 thread
+    /// groups, block barriers in every dot product) instead of the default
+    /// `gdn_step_w` (columns per warp, one barrier per token);
+    /// `SLIPSTREAM_CUDA_GDN=rows`, for measuring.
+    pub gdn_rows: bool,
 }
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
@@ -546,6 +552,7 @@ impl Gpu {
         g.fused = std::env::var("SLIPSTREAM_CUDA_FUSED").is_ok_and(|v| v == "1");
         g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
         g.pdl &= std::env::var("SLIPSTREAM_CUDA_PDL").map_or(true, |v| v != "0");
+        g.gdn_rows = std::env::var("SLIPSTREAM_CUDA_GDN").is_ok_and(|v| v == "rows");
         Ok(g)
     }
 
@@ -639,6 +646,7 @@ impl Gpu {
             gdn_conv: lf("gdn_conv")?,
             gdn_step: lf("gdn_step")?,
             gdn_step_r: lf("gdn_step_r")?,
+            gdn_step_w: lf("gdn_step_w")?,
             router_topk: lf("router_topk")?,
             argmax: lf("argmax")?,
             embed_rows: lf("embed_rows")?,
@@ -706,6 +714,7 @@ impl Gpu {
             tc_tpm,
             prompt_attn_tc,
             attn_smem_max,
+            gdn_rows: false,
         })
     }
 
@@ -1856,9 +1865,13 @@ impl Gpu {
                 "gated delta rule with heads {nk}x{dk} / {nv}x{dv} is outside the kernel's limits"
             )));
         }
-        // Heads up to 128 x 128: the register-resident form (512 threads).
+        // Heads up to 128 x 128: a register-resident form (512 threads).
         let (f, threads) = if dk <= 128 && dv <= 128 {
-            (&self.f.gdn_step_r, 512)
+            if self.gdn_rows {
+                (&self.f.gdn_step_r, 512)
+            } else {
+                (&self.f.gdn_step_w, 512)
+            }
         } else {
             (&self.f.gdn_step, 128)
         };

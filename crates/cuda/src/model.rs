@@ -258,12 +258,17 @@ pub struct CudaModel {
     s_grp_off: DBuf,
     s_grp_list: DBuf,
     s_vocab: DBuf,
+    /// The device argmax's output (one i32).
+    s_argmax: DBuf,
     /// Scratch expert records for misses that take no slot (top_k of them).
     s_spill: DBuf,
     /// Pinned host staging: expert records, then the bases table.
     staging: PinnedHostSlice<u8>,
     bases_host: PinnedHostSlice<u64>,
     route_host: PinnedHostSlice<f32>,
+    /// Pinned host copy of one row of logits (`[vocab]` f32): a generated
+    /// token's logits come back through it, not through pageable memory.
+    logits_host: PinnedHostSlice<f32>,
     /// Mapped host words the router kernel publishes the routing decision
     /// into (ids, weights, then a sequence number): the host polls them
     /// instead of a copy + event. `None` (fallback, or
@@ -288,6 +293,9 @@ pub struct CudaModel {
     mode: PassMode,
     /// A mixer output (in `s_mixed`) not yet added into this residual.
     pending_residual: Option<DAct>,
+    /// The residual stream at the end of the last complete pass (what
+    /// [`CudaModel::greedy_next`] takes the last row of).
+    pass_out: Option<DAct>,
     copy_done: Option<CudaEvent>,
     /// Expert part templates (base 0) and their offsets in a record.
     parts: [(WDesc, u64, usize); 3],
@@ -461,11 +469,12 @@ impl CudaModel {
             .fold((1, 1), |a, b| (a.0.max(b.0), a.1.max(b.1)));
         // SAFETY: pinned host allocations; only touched through the slices
         // cudarc hands out, after the copies reading them completed.
-        let (staging, bases_host, route_host) = unsafe {
+        let (staging, bases_host, route_host, logits_host) = unsafe {
             (
                 gpu.ctx.alloc_pinned::<u8>((k + 1) * rec_bytes)?,
                 gpu.ctx.alloc_pinned::<u64>(3 * k)?,
                 gpu.ctx.alloc_pinned::<f32>(2 * k)?,
+                gpu.ctx.alloc_pinned::<f32>(c.vocab_size)?,
             )
         };
         Ok(CudaModel {
@@ -503,6 +512,7 @@ impl CudaModel {
             s_grp_list: fp(k)?,
             // One row; `head` grows it for more (outside any graph).
             s_vocab: f(c.vocab_size)?,
+            s_argmax: f(1)?,
             s_spill: gpu.alloc(k * rec_bytes)?,
             embed: gpu.upload_weight(&m.embed.view())?,
             lm_head: gpu.upload_weight(&m.lm_head.view())?,
@@ -510,6 +520,7 @@ impl CudaModel {
             staging,
             bases_host,
             route_host,
+            logits_host,
             route_pub: if std::env::var("SLIPSTREAM_CUDA_ROUTE_MAPPED").is_ok_and(|v| v == "0") {
                 None
             } else {
@@ -522,6 +533,7 @@ impl CudaModel {
             graph: None,
             mode: PassMode::Plain,
             pending_residual: None,
+            pass_out: None,
             s_route_all: fp(2 * k * m.layers.len().max(1))?,
             routes_pending: false,
             copy_done: None,
@@ -1455,13 +1467,63 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Greedy token of the first row of the last `head` call (the last
-    /// token when that call asked for one row), on the device.
-    pub fn argmax_last(&self) -> Result<u32> {
-        self.gpu
-            .argmax(self.s_vocab.ptr, self.vocab, self.s_ids.ptr)?;
-        let v = self.gpu.read_i32(&self.s_ids, 1)?;
-        Ok(v[0] as u32)
+    /// Queues the copy of the first row of `s_vocab` into `logits_host`
+    /// (the caller synchronises before reading it).
+    fn copy_logits_row(&mut self) -> Result<()> {
+        let g = &self.gpu;
+        g.ctx.bind_to_thread()?;
+        let host = self.logits_host.as_mut_slice()?;
+        // SAFETY: `s_vocab` holds at least `vocab` f32 and `host` exactly
+        // `vocab`; the pinned buffer lives as long as `self`, and is read
+        // only after the stream is synchronised.
+        unsafe {
+            result::memcpy_dtoh_async(
+                &mut host[..self.vocab],
+                self.s_vocab.ptr,
+                g.stream.cu_stream(),
+            )
+        }?;
+        Ok(())
+    }
+
+    /// The greedy next token after a pass run without logits
+    /// (`Logits::None`): the final norm, the output head and the argmax of
+    /// the pass's last row on the device, so 4 bytes come back instead of a
+    /// row of logits. Ties go to the lowest id and NaN never wins, as in the
+    /// engine's `argmax` (all NaN: the last id). The row stays on the device
+    /// for [`CudaModel::last_logits`].
+    pub fn greedy_next(&mut self, m: &Transformer) -> std::result::Result<u32, ModelError> {
+        let Some(x) = self.pass_out else {
+            return Err(ModelError::State(
+                "greedy_next needs a pass completed just before it".into(),
+            ));
+        };
+        let n = self.pass_n;
+        let rows = self.tail(m, &x, n, 1)?;
+        let xn = self.norm(m, &rows, NormKind::Final, 1)?;
+        let xn_p = self.act(xn).ptr;
+        let r = self
+            .gpu
+            .matvec(&self.lm_head.desc, xn_p, self.s_vocab.ptr, 1)
+            .and_then(|()| {
+                self.gpu
+                    .argmax(self.s_vocab.ptr, self.vocab, self.s_argmax.ptr)
+            })
+            .and_then(|()| self.collect_device_routes())
+            .and_then(|()| self.gpu.read_i32(&self.s_argmax, 1));
+        let id = self.guard(r)?[0];
+        u32::try_from(id)
+            .ok()
+            .filter(|&t| (t as usize) < self.vocab)
+            .ok_or_else(|| ModelError::State(format!("the device argmax returned {id}")))
+    }
+
+    /// The logits row [`CudaModel::greedy_next`] last chose from (`[vocab]`).
+    pub fn last_logits(&mut self) -> std::result::Result<Vec<f32>, ModelError> {
+        let r = self.copy_logits_row().and_then(|()| self.gpu.sync());
+        self.guard(r)?;
+        let host = self.logits_host.as_slice().map_err(|e| err(e.into()))?;
+        Ok(host[..self.vocab].to_vec())
     }
 }
 
@@ -1480,6 +1542,7 @@ impl Backend for CudaModel {
         self.abort_capture();
         // A residual left by a pass that failed midway belongs to no pass.
         self.pending_residual = None;
+        self.pass_out = None;
         self.collect_device_routes().map_err(err)?;
         if position == 0 {
             self.reset().map_err(err)?;
@@ -1664,6 +1727,7 @@ impl Backend for CudaModel {
         }
         if last {
             self.mode = PassMode::Plain;
+            self.pass_out = Some(*x);
             self.pos += self.pass_n;
             self.stats.tokens += self.pass_n as u64;
         }
@@ -1689,12 +1753,21 @@ impl Backend for CudaModel {
         self.gpu
             .matvec(&self.lm_head.desc, xn_p, self.s_vocab.ptr, rows)
             .map_err(err)?;
-        let logits = self
-            .gpu
-            .read_f32(&self.s_vocab, 0, rows * self.vocab)
-            .map_err(err)?;
+        if rows > 1 {
+            let logits = self
+                .gpu
+                .read_f32(&self.s_vocab, 0, rows * self.vocab)
+                .map_err(err)?;
+            self.collect_device_routes().map_err(err)?;
+            return Ok(logits);
+        }
+        // One row: copied into pinned memory, behind the same wait as the
+        // pass's routes (one synchronisation per generated token).
+        self.copy_logits_row().map_err(err)?;
         self.collect_device_routes().map_err(err)?;
-        Ok(logits)
+        self.gpu.sync().map_err(err)?;
+        let host = self.logits_host.as_slice().map_err(|e| err(e.into()))?;
+        Ok(host[..self.vocab].to_vec())
     }
 
     fn tail(

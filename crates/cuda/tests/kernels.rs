@@ -1000,13 +1000,24 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
 
 #[test]
 fn gated_delta_rule_matches_cpu() {
-    let Some(g) = gpu() else { return };
+    let Some(mut g) = gpu() else { return };
+    // Both register-resident forms (the default column-per-warp one and
+    // `gdn_step_r`), each against the CPU and against itself one token at a time.
+    for rows in [false, true] {
+        g.gdn_rows = rows;
+        gated_delta_rule_cases(&g);
+    }
+}
+
+fn gated_delta_rule_cases(g: &Gpu) {
     let mut rng = Rng64::seed_from_u64(5);
     for (nk, dk, nv, dv, kern, n) in [
         (16usize, 128usize, 32usize, 128usize, 4usize, 1usize),
         (2, 64, 4, 32, 4, 3),
         (1, 16, 3, 24, 2, 5),
         (4, 128, 8, 256, 4, 2),
+        (2, 128, 4, 128, 4, 7),
+        (1, 96, 2, 100, 3, 4),
     ] {
         let c = 2 * nk * dk + nv * dv;
         let x = rvec(&mut rng, n * c, 1.0);
@@ -1240,6 +1251,46 @@ fn router_topk_and_argmax_match_cpu() {
         let out = g.alloc(4).unwrap();
         g.argmax(dx.ptr, n, out.ptr).unwrap();
         assert_eq!(g.read_i32(&out, 1).unwrap()[0] as usize, m, "argmax n={n}");
+    }
+    // The engine's greedy rule: the first index of the largest non-NaN
+    // value (-0.0 equals 0.0), the last index when every value is NaN.
+    let scan = |x: &[f32]| -> usize {
+        let mut best: Option<usize> = None;
+        for (i, &v) in x.iter().enumerate() {
+            if !v.is_nan() && best.is_none_or(|b| v > x[b]) {
+                best = Some(i);
+            }
+        }
+        best.unwrap_or(x.len() - 1)
+    };
+    let nan = f32::NAN;
+    let ninf = f32::NEG_INFINITY;
+    let mut cases: Vec<Vec<f32>> = vec![
+        vec![nan; 3000],
+        vec![ninf; 2049],
+        vec![nan, ninf, nan, ninf],
+        vec![-0.0, 0.0, -0.0],
+        vec![nan, -5.0, nan, -5.0, -7.0],
+    ];
+    for n in [7usize, 1500, 248_320] {
+        let mut x = rvec(&mut rng, n, 1.0);
+        for _ in 0..n / 3 {
+            let i = rng.random_range(0..n);
+            x[i] = [nan, ninf, f32::INFINITY, 0.0, -0.0][rng.random_range(0..5)];
+        }
+        cases.push(x);
+    }
+    for x in &cases {
+        let dx = g.upload_f32(x).unwrap();
+        let out = g.alloc(4).unwrap();
+        g.argmax(dx.ptr, x.len(), out.ptr).unwrap();
+        let got = g.read_i32(&out, 1).unwrap()[0] as usize;
+        assert_eq!(
+            got,
+            scan(x),
+            "argmax of {} values with NaN / inf / zeros",
+            x.len()
+        );
     }
 }
 

@@ -373,6 +373,31 @@ impl Engine {
         }
     }
 
+    /// Runs one generated token on the CUDA backend and returns the greedy
+    /// next token, chosen on the device (`CudaModel::greedy_next`).
+    fn run_greedy_on_device(
+        &mut self,
+        state: &mut ModelState,
+        token: u32,
+    ) -> Result<u32, slipstream_models::ModelError> {
+        let Some(c) = self.cuda.as_mut() else {
+            return Err(slipstream_models::ModelError::State(
+                "greedy decoding on the device without a CUDA backend".into(),
+            ));
+        };
+        c.set_prompt_pass(false);
+        self.model.run(
+            c,
+            state,
+            &[token],
+            &mut self.store,
+            Logits::None,
+            None,
+            self.phases.as_mut(),
+        )?;
+        c.greedy_next(&self.model)
+    }
+
     /// Turns the per-phase timers on or off (off by default: timing costs a
     /// few clock reads per layer).
     pub fn set_phases(&mut self, on: bool) {
@@ -802,8 +827,16 @@ impl Engine {
         let mut first_token_s = prefill_s;
         let t_decode = Instant::now();
         let mut decode_start = t_decode;
+        // Greedy decoding on the GPU takes each argmax there: 4 bytes come
+        // back per token instead of a row of logits (same tokens: the
+        // device argmax follows `sampler::argmax`'s rule).
+        let device_greedy = sampler.is_greedy() && !req.keep_logits && self.cuda.is_some();
+        let mut device_next: Option<u32> = None;
         while tokens.len() < req.max_new_tokens {
-            let next = sampler.sample(&last);
+            let next = match device_next.take() {
+                Some(t) => t,
+                None => sampler.sample(&last),
+            };
             tokens.push(next);
             if tokens.len() == 1 {
                 first_token_s = t0.elapsed().as_secs_f64();
@@ -822,18 +855,31 @@ impl Engine {
             }
             // The state's logits are set once, after the loop (a 1 MB copy
             // per token otherwise); a failed step leaves none.
-            last = match self.run_model(state, &[next], Logits::Last, false) {
-                Ok(l) => l,
+            let step = if device_greedy {
+                self.run_greedy_on_device(state, next).map(Some)
+            } else {
+                self.run_model(state, &[next], Logits::Last, false)
+                    .map(|l| {
+                        last = l;
+                        None
+                    })
+            };
+            match step {
+                Ok(t) => device_next = t,
                 Err(e) => {
                     state.last_logits.clear();
                     return Err(e.into());
                 }
-            };
+            }
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);
             }
         }
-        state.last_logits = last;
+        state.last_logits = match self.cuda.as_mut() {
+            // The last step's row is still on the device.
+            Some(c) if device_greedy && tokens.len() > 1 => c.last_logits()?,
+            _ => last,
+        };
         let decode_s = decode_start.elapsed().as_secs_f64();
         let phases_end = self.phases;
         let after = self.store.inner.counters();

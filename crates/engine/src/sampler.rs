@@ -168,9 +168,14 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether every draw is the [`argmax`] (temperature 0 or top-k 1):
+    /// no random number is consumed, so the argmax may be taken elsewhere.
+    pub fn is_greedy(&self) -> bool {
+        self.params.temperature <= 0.0 || self.params.top_k == 1
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature <= 0.0 || p.top_k == 1 {
+        if self.is_greedy() {
             return argmax(logits);
         }
         let Some(mass) = self.weigh_kept(logits) else {

@@ -2720,6 +2720,154 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_r(
     }
 }
 
+// Column sums of a warp's 8 columns: p[c] is this lane's part of column c;
+// returns the warp's total of column lane >> 2 (the 4 lanes of a group hold
+// the same bits). A transposed butterfly: each exchange halves the columns
+// a lane carries, so 8 sums take 9 shuffles instead of 40.
+__device__ __forceinline__ float warp_sum8_t(const float (&p)[8], int lane) {
+    const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+    float q4[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const float send = b4 ? p[k] : p[k + 4], keep = b4 ? p[k + 4] : p[k];
+        q4[k] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+    float q2[2];
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        const float send = b3 ? q4[k] : q4[k + 2], keep = b3 ? q4[k + 2] : q4[k];
+        q2[k] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    const float send = b2 ? q2[0] : q2[1], keep = b2 ? q2[1] : q2[0];
+    float q1 = keep + __shfl_xor_sync(0xffffffffu, send, 4);
+    q1 += __shfl_xor_sync(0xffffffffu, q1, 2);
+    q1 += __shfl_xor_sync(0xffffffffu, q1, 1);
+    return q1;
+}
+
+// gdn_step for dk <= 128 and dv <= 128 with no block barrier in a step's
+// dot products: warp w owns state columns 8 w .. 8 w + 7 and lane the rows
+// lane + 32 r (r < 4), 32 values in registers for all n tokens. k^T S and
+// q^T S are sums over one warp's lanes (warp_sum8_t), |q|^2 and |k|^2 are
+// summed by every warp alike (the rows a lane owns are the q/k elements it
+// loads), and the only barrier per token is the gated RMS norm's sum over
+// the head's columns (its partials double-buffered by token parity).
+// Same grid (nv heads) and outputs as gdn_step; 512 threads.
+extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
+    const float* __restrict__ conv_out, const float* __restrict__ z, const float* __restrict__ b,
+    const float* __restrict__ a, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const float* __restrict__ nw, float* __restrict__ S, int n, int nk, int dk, int nv, int dv, float eps,
+    float* __restrict__ core) {
+    PDL_START();
+    __shared__ double red[2][16];
+    const int j = blockIdx.x;
+    const int kh = j / (nv / nk);
+    const int C = 2 * nk * dk + nv * dv;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int c0 = 8 * w;
+    // The column whose sums this lane ends with (warp_sum8_t).
+    const int my_d = c0 + (lane >> 2);
+    const bool my_col = my_d < dv, writer = my_col && (lane & 3) == 0;
+    float* s = S + (size_t)j * dk * dv;
+    float st[4][8];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int i = r * 32 + lane;
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            st[r][c] = (i < dk && c0 + c < dv) ? s[(size_t)i * dv + c0 + c] : 0.0f;
+    }
+    const float decay_rate = -expf(a_log[j]);
+    const float q_scale = 1.0f / sqrtf((float)dk);
+    const float dtb = dt_bias[j];
+    // A token's inputs are loaded one step ahead (see gdn_step_r).
+    float nq[4], nk4[4], nb = 0.0f, na = 0.0f, nvv = 0.0f, nz = 0.0f;
+    auto fetch = [&](int t) {
+        const float* row = conv_out + (size_t)t * C;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int i = r * 32 + lane;
+            nq[r] = i < dk ? row[kh * dk + i] : 0.0f;
+            nk4[r] = i < dk ? row[nk * dk + kh * dk + i] : 0.0f;
+        }
+        nb = b[(size_t)t * nv + j];
+        na = a[(size_t)t * nv + j];
+        if (my_col) {
+            nvv = row[2 * nk * dk + (size_t)j * dv + my_d];
+            nz = z[(size_t)t * nv * dv + (size_t)j * dv + my_d];
+        }
+    };
+    fetch(0);
+    for (int t = 0; t < n; t++) {
+        float cq[4], ck[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            cq[r] = nq[r];
+            ck[r] = nk4[r];
+        }
+        const float cb = nb, ca = na, cv = nvv, cz = nz;
+        if (t + 1 < n) fetch(t + 1);
+        double sq = 0.0, sk = 0.0;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            sq += (double)cq[r] * cq[r];
+            sk += (double)ck[r] * ck[r];
+        }
+        sq = warp_sum_d(sq);
+        sk = warp_sum_d(sk);
+        const float iq = 1.0f / sqrtf((float)sq + 1e-6f), ik = 1.0f / sqrtf((float)sk + 1e-6f);
+        float qn[4], kn[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            qn[r] = (cq[r] * iq) * q_scale;
+            kn[r] = ck[r] * ik;
+        }
+        const float beta = sigmoidf_(cb);
+        const float ax = ca + dtb;
+        const float sp = ax > 20.0f ? ax : log1pf(expf(ax));
+        const float decay = expf(decay_rate * sp);
+        float p[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            p[c] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                st[r][c] *= decay;
+                p[c] += kn[r] * st[r][c];
+            }
+        }
+        const float kv = warp_sum8_t(p, lane);
+        const float delta = my_col ? (cv - kv) * beta : 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            const float dc = __shfl_sync(0xffffffffu, delta, 4 * c);
+            p[c] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                st[r][c] += kn[r] * dc;
+                p[c] += qn[r] * st[r][c];
+            }
+        }
+        const float o = warp_sum8_t(p, lane);
+        double oo = writer ? (double)o * o : 0.0;
+        oo = warp_sum_d(oo);
+        if (lane == 0) red[t & 1][w] = oo;
+        __syncthreads();
+        double tot = 0.0;
+#pragma unroll
+        for (int ww = 0; ww < 16; ww++) tot += red[t & 1][ww];
+        const float inv = 1.0f / sqrtf((float)(tot / dv) + eps);
+        if (writer) core[(size_t)t * nv * dv + (size_t)j * dv + my_d] = (o * inv) * nw[my_d] * siluf_(cz);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int i = r * 32 + lane;
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            if (i < dk && c0 + c < dv) s[(size_t)i * dv + c0 + c] = st[r][c];
+    }
+}
+
 // Router of token blockIdx.x: softmax over E <= 32 RT_PER logits, top-K
 // (ties to the lower id), optional renormalisation. One warp (32 threads):
 // lane holds logits lane + 32 j in registers, so the K rounds of selection
@@ -2822,7 +2970,8 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
     }
 }
 
-// Index of the largest of n values (ties to the lower index), one block of
+// Index of the largest of n values (ties to the lower index; NaN never
+// wins, and n - 1 when all are NaN, as the engine's argmax), one block of
 // 1024 threads.
 extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* __restrict__ out) {
     PDL_START();
@@ -2857,7 +3006,7 @@ extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* __res
                 bv = rv[w];
                 bi = ri[w];
             }
-        *out = bi;
+        *out = bi == 0x7fffffff ? n - 1 : bi;
     }
 }
 
