@@ -363,7 +363,8 @@ struct Funcs {
     gdn_step_r: CudaFunction,
     gdn_step_w: CudaFunction,
     router_topk: CudaFunction,
-    argmax: CudaFunction,
+    argmax_part: CudaFunction,
+    argmax_final: CudaFunction,
     embed_rows: CudaFunction,
     add_inplace: CudaFunction,
     bw_copy: CudaFunction,
@@ -385,6 +386,8 @@ pub const A4V_TOKENS_PER_BLOCK: usize = 16;
 const GRID_Y_MAX: usize = 65535;
 /// Experts the down kernels stage at once (`DOWN_KB` in decode.cu).
 const DOWN_KB: usize = 8;
+/// Blocks of the argmax's first launch (passed to decode.cu as `ARGMAX_BLOCKS`).
+const ARGMAX_BLOCKS: usize = 256;
 /// Row blocks one prefill down block runs (`DOWN_GROUPS`).
 const DOWN_GROUPS: usize = 8;
 /// Tokens the prefill form stages and computes at once
@@ -480,6 +483,8 @@ pub struct Gpu {
     /// Block tickets and counters of the fused experts kernel (3 u32, zero
     /// between launches; only launches on `stream` use them).
     fused_sync: DBuf,
+    /// The argmax's per-block partials (`[2, ARGMAX_BLOCKS]` words).
+    argmax_parts: DBuf,
     /// Whether [`Gpu::moe_experts`] may use the fused kernel.
     pub fused: bool,
     /// Whether the tensor-core kernels run where they apply (affine 4-bit,
@@ -597,6 +602,7 @@ impl Gpu {
                 format!("-DMOE_GU_MINB={}", (min_blocks + split as u32).clamp(1, 8)),
                 format!("-DA4V_SPLIT={}", split as i32),
                 format!("-DTC_TPM={tc_tpm}"),
+                format!("-DARGMAX_BLOCKS={ARGMAX_BLOCKS}"),
             ],
             ..Default::default()
         };
@@ -648,7 +654,8 @@ impl Gpu {
             gdn_step_r: lf("gdn_step_r")?,
             gdn_step_w: lf("gdn_step_w")?,
             router_topk: lf("router_topk")?,
-            argmax: lf("argmax")?,
+            argmax_part: lf("argmax_part")?,
+            argmax_final: lf("argmax_final")?,
             embed_rows: lf("embed_rows")?,
             add_inplace: lf("add_inplace")?,
             bw_copy: lf("bw_copy")?,
@@ -663,6 +670,7 @@ impl Gpu {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as usize;
         let fused_sync = alloc_on(&stream, 16)?;
+        let argmax_parts = alloc_on(&stream, 2 * ARGMAX_BLOCKS * 4)?;
         // The prefill kernels double-buffer their staged x (up to 74 KiB
         // for 4096 columns): allow them past the default 48 KiB where the
         // GPU can.
@@ -702,6 +710,7 @@ impl Gpu {
             name,
             sms,
             fused_sync,
+            argmax_parts,
             fused: true,
             tensor_cores: false,
             tc_capable: maj >= 8,
@@ -1935,10 +1944,24 @@ impl Gpu {
         )
     }
 
-    /// Index of the largest of `n` values into the i32 at `out`.
+    /// Index of the largest of `n` values into the i32 at `out` (ties to
+    /// the lowest index, NaN never wins, `n - 1` when all are NaN): 256
+    /// blocks over contiguous chunks, then one block over their results.
     pub fn argmax(&self, x: u64, n: usize, out: u64) -> Result<()> {
         let n = n as i32;
-        self.go(&self.f.argmax, (1, 1, 1), 1024, &mut args!(&x, &n, &out))
+        let parts = self.argmax_parts.ptr;
+        self.go(
+            &self.f.argmax_part,
+            (ARGMAX_BLOCKS as u32, 1, 1),
+            256,
+            &mut args!(&x, &n, &parts),
+        )?;
+        self.go(
+            &self.f.argmax_final,
+            (1, 1, 1),
+            ARGMAX_BLOCKS as u32,
+            &mut args!(&parts, &n, &out),
+        )
     }
 
     /// Rows `ids[t]` (i32 at `ids`) of `w` into `out[t]`, `tokens` rows.

@@ -2770,12 +2770,26 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
     const bool my_col = my_d < dv, writer = my_col && (lane & 3) == 0;
     float* s = S + (size_t)j * dk * dv;
     float st[4][8];
+    // The state goes through shared memory, 64 rows at a time: read from
+    // memory in row order (coalesced), then each thread takes its rows'
+    // columns (a lane's rows are 32 apart, so its direct loads would each
+    // touch another sector: 4x the kernel's time for a one-token pass).
+    __shared__ float stage[64][129];
+    const int tid = threadIdx.x;
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int i = r * 32 + lane;
+    for (int half = 0; half < 2; half++) {
+        const int rows = min(64, dk - 64 * half);
+        if (rows <= 0) break;
+        for (int e = tid; e < rows * dv; e += 512) stage[e / dv][e % dv] = s[(size_t)64 * half * dv + e];
+        __syncthreads();
 #pragma unroll
-        for (int c = 0; c < 8; c++)
-            st[r][c] = (i < dk && c0 + c < dv) ? s[(size_t)i * dv + c0 + c] : 0.0f;
+        for (int rr = 0; rr < 2; rr++) {
+            const int r = 2 * half + rr, i = r * 32 + lane;
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                st[r][c] = (i < dk && c0 + c < dv) ? stage[i - 64 * half][c0 + c] : 0.0f;
+        }
+        __syncthreads();
     }
     const float decay_rate = -expf(a_log[j]);
     const float q_scale = 1.0f / sqrtf((float)dk);
@@ -2859,12 +2873,21 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
         const float inv = 1.0f / sqrtf((float)(tot / dv) + eps);
         if (writer) core[(size_t)t * nv * dv + (size_t)j * dv + my_d] = (o * inv) * nw[my_d] * siluf_(cz);
     }
+    // Back through shared memory, as it came in.
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int i = r * 32 + lane;
+    for (int half = 0; half < 2; half++) {
+        const int rows = min(64, dk - 64 * half);
+        if (rows <= 0) break;
+        __syncthreads();
 #pragma unroll
-        for (int c = 0; c < 8; c++)
-            if (i < dk && c0 + c < dv) s[(size_t)i * dv + c0 + c] = st[r][c];
+        for (int rr = 0; rr < 2; rr++) {
+            const int r = 2 * half + rr, i = r * 32 + lane;
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                if (i < dk && c0 + c < dv) stage[i - 64 * half][c0 + c] = st[r][c];
+        }
+        __syncthreads();
+        for (int e = tid; e < rows * dv; e += 512) s[(size_t)64 * half * dv + e] = stage[e / dv][e % dv];
     }
 }
 
@@ -2971,43 +2994,56 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, int E, 
 }
 
 // Index of the largest of n values (ties to the lower index; NaN never
-// wins, and n - 1 when all are NaN, as the engine's argmax), one block of
-// 1024 threads.
-extern "C" __global__ void argmax(const float* __restrict__ x, int n, int* __restrict__ out) {
-    PDL_START();
+// wins, and n - 1 when all are NaN, as the engine's argmax), in two
+// launches: argmax_part, block b over its contiguous chunk of the values,
+// writes its best (value, index) to part[b] / part[ARGMAX_BLOCKS + b]
+// (index 0x7fffffff: none but NaN); argmax_final (one block of
+// ARGMAX_BLOCKS threads) combines them in the same order.
+__device__ __forceinline__ void argmax_keep(float& bv, int& bi, float v, int i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+__device__ void argmax_block(float& bv, int& bi) {
     __shared__ float rv[32];
     __shared__ int ri[32];
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float bv = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float v = x[i];
-        if (v > bv || (v == bv && i < bi)) {
-            bv = v;
-            bi = i;
-        }
-    }
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        argmax_keep(bv, bi, ov, oi);
     }
     if (lane == 0) {
         rv[wid] = bv;
         ri[wid] = bi;
     }
     __syncthreads();
+    if (threadIdx.x == 0)
+        for (int w = 1; w < nw; w++) argmax_keep(bv, bi, rv[w], ri[w]);
+}
+
+extern "C" __global__ void argmax_part(const float* __restrict__ x, int n, float* __restrict__ part) {
+    PDL_START();
+    const int chunk = (n + gridDim.x - 1) / gridDim.x;
+    const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) argmax_keep(bv, bi, x[i], i);
+    argmax_block(bv, bi);
     if (threadIdx.x == 0) {
-        for (int w = 1; w < nw; w++)
-            if (rv[w] > bv || (rv[w] == bv && ri[w] < bi)) {
-                bv = rv[w];
-                bi = ri[w];
-            }
-        *out = bi == 0x7fffffff ? n - 1 : bi;
+        part[blockIdx.x] = bv;
+        part[ARGMAX_BLOCKS + blockIdx.x] = __int_as_float(bi);
     }
+}
+
+extern "C" __global__ void argmax_final(const float* __restrict__ part, int n, int* __restrict__ out) {
+    PDL_START();
+    float bv = part[threadIdx.x];
+    int bi = __float_as_int(part[ARGMAX_BLOCKS + threadIdx.x]);
+    argmax_block(bv, bi);
+    if (threadIdx.x == 0) *out = bi == 0x7fffffff ? n - 1 : bi;
 }
 
 // Row `ids[t]` of `w` dequantized into out[t, :] (embedding lookup);
