@@ -2771,7 +2771,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
     float* s = S + (size_t)j * dk * dv;
     float st[4][8];
     // The state goes through shared memory, 64 rows at a time: read from
-    // memory in row order (coalesced), then each thread takes its rows'
+    // memory in row order (thread t: column t % 128, rows t / 128 + 4 m), then each thread takes its rows'
     // columns (a lane's rows are 32 apart, so its direct loads would each
     // touch another sector: 4x the kernel's time for a one-token pass).
     __shared__ float stage[64][129];
@@ -2780,7 +2780,9 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
     for (int half = 0; half < 2; half++) {
         const int rows = min(64, dk - 64 * half);
         if (rows <= 0) break;
-        for (int e = tid; e < rows * dv; e += 512) stage[e / dv][e % dv] = s[(size_t)64 * half * dv + e];
+        if ((tid & 127) < dv)
+            for (int row = tid >> 7; row < rows; row += 4)
+                stage[row][tid & 127] = s[(size_t)(64 * half + row) * dv + (tid & 127)];
         __syncthreads();
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
@@ -2887,7 +2889,9 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
                 if (i < dk && c0 + c < dv) stage[i - 64 * half][c0 + c] = st[r][c];
         }
         __syncthreads();
-        for (int e = tid; e < rows * dv; e += 512) s[(size_t)64 * half * dv + e] = stage[e / dv][e % dv];
+        if ((tid & 127) < dv)
+            for (int row = tid >> 7; row < rows; row += 4)
+                s[(size_t)(64 * half + row) * dv + (tid & 127)] = stage[row][tid & 127];
     }
 }
 
