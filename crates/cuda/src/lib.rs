@@ -13,7 +13,7 @@
 
 mod model;
 
-pub use model::{CudaModel, CudaOptions, CudaStats, TensorCoreUse};
+pub use model::{CudaModel, CudaOptions, CudaStats, GdnForm, TensorCoreUse};
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
@@ -527,9 +527,9 @@ pub struct Gpu {
     /// Dynamic shared memory `attn_prompt_tc` may take.
     attn_smem_max: usize,
     /// Heads up to 128 x 128 run `gdn_step_r` (state rows over 4 thread
-    /// groups, block barriers in every dot product) instead of the default
-    /// `gdn_step_w` (columns per warp, one barrier per token);
-    /// `SLIPSTREAM_CUDA_GDN=rows`, for measuring.
+    /// groups, block barriers in every dot product) instead of
+    /// `gdn_step_w` (columns per warp, one barrier per token). Off at
+    /// [`Gpu::new`]; `CudaModel` sets it per pass (`GdnForm`).
     pub gdn_rows: bool,
 }
 
@@ -557,7 +557,6 @@ impl Gpu {
         g.fused = std::env::var("SLIPSTREAM_CUDA_FUSED").is_ok_and(|v| v == "1");
         g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
         g.pdl &= std::env::var("SLIPSTREAM_CUDA_PDL").map_or(true, |v| v != "0");
-        g.gdn_rows = std::env::var("SLIPSTREAM_CUDA_GDN").is_ok_and(|v| v == "rows");
         Ok(g)
     }
 

@@ -94,6 +94,32 @@ impl TensorCoreUse {
     }
 }
 
+/// Which Gated DeltaNet recurrence kernel runs for heads up to 128 x 128
+/// (`SLIPSTREAM_CUDA_GDN`). The choice follows the pass's kind, never the
+/// pass length or the cache, so a token's bits do not depend on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GdnForm {
+    /// `gdn_step_w` for every pass (the default).
+    Warp,
+    /// `gdn_step_r` for every pass (`rows`).
+    Rows,
+    /// `gdn_step_w` for the prompt's passes, `gdn_step_r` for generated
+    /// tokens (`prompt`).
+    PromptWarp,
+}
+
+impl GdnForm {
+    /// From a `SLIPSTREAM_CUDA_GDN` value: `rows`, `prompt`, anything else
+    /// (or none) the default.
+    pub fn parse(v: Option<&str>) -> GdnForm {
+        match v.map(str::trim) {
+            Some("rows") => GdnForm::Rows,
+            Some("prompt") => GdnForm::PromptWarp,
+            _ => GdnForm::Warp,
+        }
+    }
+}
+
 /// Counters of the CUDA backend, per run.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CudaStats {
@@ -316,6 +342,8 @@ pub struct CudaModel {
     routes_n: usize,
     /// Which passes run on the tensor cores.
     tc_use: TensorCoreUse,
+    /// Which DeltaNet recurrence kernel each kind of pass runs.
+    gdn_form: GdnForm,
     /// The next passes are the prompt's ([`CudaModel::set_prompt_pass`]).
     prompt_pass: bool,
     pub stats: CudaStats,
@@ -554,6 +582,7 @@ impl CudaModel {
                 .clamp(1, PASS_TOKENS),
             routes_n: 0,
             tc_use: TensorCoreUse::from_env(),
+            gdn_form: GdnForm::parse(std::env::var("SLIPSTREAM_CUDA_GDN").ok().as_deref()),
             prompt_pass: false,
             stats: CudaStats::default(),
             layers,
@@ -1560,6 +1589,11 @@ impl Backend for CudaModel {
             )));
         }
         self.pass_n = n;
+        self.gpu.gdn_rows = match self.gdn_form {
+            GdnForm::Warp => false,
+            GdnForm::Rows => true,
+            GdnForm::PromptWarp => !self.prompt_pass,
+        };
         self.gpu.tensor_cores = match self.tc_use {
             TensorCoreUse::Never => false,
             TensorCoreUse::Prompt => self.prompt_pass,
@@ -1804,6 +1838,15 @@ impl Backend for CudaModel {
 #[cfg(test)]
 mod tests {
     use super::TensorCoreUse;
+
+    #[test]
+    fn gdn_form_parses_its_values_and_defaults_to_warp() {
+        use super::GdnForm;
+        assert_eq!(GdnForm::parse(Some("rows")), GdnForm::Rows);
+        assert_eq!(GdnForm::parse(Some(" prompt ")), GdnForm::PromptWarp);
+        assert_eq!(GdnForm::parse(Some("warp")), GdnForm::Warp);
+        assert_eq!(GdnForm::parse(None), GdnForm::Warp);
+    }
 
     #[test]
     fn tensor_core_use_parses_its_values_and_defaults_to_prompt() {
