@@ -95,26 +95,22 @@ impl TensorCoreUse {
 }
 
 /// Which Gated DeltaNet recurrence kernel runs for heads up to 128 x 128
-/// (`SLIPSTREAM_CUDA_GDN`). The choice follows the pass's kind, never the
-/// pass length or the cache, so a token's bits do not depend on them.
+/// (`SLIPSTREAM_CUDA_GDN`), for every pass alike (so a token's bits do not
+/// depend on the pass length or the cache).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GdnForm {
-    /// `gdn_step_w` for every pass (the default).
+    /// `gdn_step_w` (the default).
     Warp,
-    /// `gdn_step_r` for every pass (`rows`).
+    /// `gdn_step_r` (`rows`, for measuring).
     Rows,
-    /// `gdn_step_w` for the prompt's passes, `gdn_step_r` for generated
-    /// tokens (`prompt`).
-    PromptWarp,
 }
 
 impl GdnForm {
-    /// From a `SLIPSTREAM_CUDA_GDN` value: `rows`, `prompt`, anything else
-    /// (or none) the default.
+    /// From a `SLIPSTREAM_CUDA_GDN` value: `rows`, anything else (or none)
+    /// the default.
     pub fn parse(v: Option<&str>) -> GdnForm {
         match v.map(str::trim) {
             Some("rows") => GdnForm::Rows,
-            Some("prompt") => GdnForm::PromptWarp,
             _ => GdnForm::Warp,
         }
     }
@@ -1589,11 +1585,7 @@ impl Backend for CudaModel {
             )));
         }
         self.pass_n = n;
-        self.gpu.gdn_rows = match self.gdn_form {
-            GdnForm::Warp => false,
-            GdnForm::Rows => true,
-            GdnForm::PromptWarp => !self.prompt_pass,
-        };
+        self.gpu.gdn_rows = self.gdn_form == GdnForm::Rows;
         self.gpu.tensor_cores = match self.tc_use {
             TensorCoreUse::Never => false,
             TensorCoreUse::Prompt => self.prompt_pass,
@@ -1843,7 +1835,7 @@ mod tests {
     fn gdn_form_parses_its_values_and_defaults_to_warp() {
         use super::GdnForm;
         assert_eq!(GdnForm::parse(Some("rows")), GdnForm::Rows);
-        assert_eq!(GdnForm::parse(Some(" prompt ")), GdnForm::PromptWarp);
+        assert_eq!(GdnForm::parse(Some(" rows ")), GdnForm::Rows);
         assert_eq!(GdnForm::parse(Some("warp")), GdnForm::Warp);
         assert_eq!(GdnForm::parse(None), GdnForm::Warp);
     }

@@ -2769,17 +2769,18 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
     const int my_d = c0 + (lane >> 2);
     const bool my_col = my_d < dv, writer = my_col && (lane & 3) == 0;
     float* s = S + (size_t)j * dk * dv;
-    float st[4][8];
+    // Rows past dk stay 0 (their q and k are 0, so they add nothing).
+    float st[4][8] = {};
     // The state goes through shared memory, 64 rows at a time: read from
-    // memory in row order (thread t: column t % 128, rows t / 128 + 4 m), then each thread takes its rows'
-    // columns (a lane's rows are 32 apart, so its direct loads would each
-    // touch another sector: 4x the kernel's time for a one-token pass).
+    // memory in row order (thread t: column t % 128, rows t / 128 + 4 m),
+    // then each thread takes its rows' columns (a lane's rows are 32
+    // apart, so its direct loads would each touch another sector: 3x the
+    // kernel's time for a one-token pass).
     __shared__ float stage[64][129];
     const int tid = threadIdx.x;
 #pragma unroll
     for (int half = 0; half < 2; half++) {
-        const int rows = min(64, dk - 64 * half);
-        if (rows <= 0) break;
+        const int rows = min(64, dk - 64 * half);  // <= 0: nothing to move
         if ((tid & 127) < dv)
             for (int row = tid >> 7; row < rows; row += 4)
                 stage[row][tid & 127] = s[(size_t)(64 * half + row) * dv + (tid & 127)];
@@ -2878,8 +2879,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_step_w(
     // Back through shared memory, as it came in.
 #pragma unroll
     for (int half = 0; half < 2; half++) {
-        const int rows = min(64, dk - 64 * half);
-        if (rows <= 0) break;
+        const int rows = min(64, dk - 64 * half);  // <= 0: nothing to move
         __syncthreads();
 #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
