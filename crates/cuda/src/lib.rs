@@ -529,7 +529,8 @@ pub struct Gpu {
     /// Heads up to 128 x 128 run `gdn_step_r` (state rows over 4 thread
     /// groups, block barriers in every dot product) instead of
     /// `gdn_step_w` (columns per warp, one barrier per token). Off at
-    /// [`Gpu::new`]; `CudaModel` sets it per pass (`GdnForm`).
+    /// [`Gpu::new`]; `CudaModel::new` sets it from `SLIPSTREAM_CUDA_GDN`
+    /// (`GdnForm`).
     pub gdn_rows: bool,
 }
 

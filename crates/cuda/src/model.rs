@@ -338,8 +338,6 @@ pub struct CudaModel {
     routes_n: usize,
     /// Which passes run on the tensor cores.
     tc_use: TensorCoreUse,
-    /// Which DeltaNet recurrence kernel each kind of pass runs.
-    gdn_form: GdnForm,
     /// The next passes are the prompt's ([`CudaModel::set_prompt_pass`]).
     prompt_pass: bool,
     pub stats: CudaStats,
@@ -362,7 +360,9 @@ impl CudaModel {
         parts: [(QuantType, [usize; 2]); 3],
         opts: &CudaOptions,
     ) -> Result<CudaModel> {
-        let gpu = Gpu::new(opts.device)?;
+        let mut gpu = Gpu::new(opts.device)?;
+        gpu.gdn_rows =
+            GdnForm::parse(std::env::var("SLIPSTREAM_CUDA_GDN").ok().as_deref()) == GdnForm::Rows;
         let c = &m.config;
         let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let up_w = |l: &Linear| gpu.upload_weight(&l.w.view());
@@ -578,7 +578,6 @@ impl CudaModel {
                 .clamp(1, PASS_TOKENS),
             routes_n: 0,
             tc_use: TensorCoreUse::from_env(),
-            gdn_form: GdnForm::parse(std::env::var("SLIPSTREAM_CUDA_GDN").ok().as_deref()),
             prompt_pass: false,
             stats: CudaStats::default(),
             layers,
@@ -1492,9 +1491,10 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Queues the copy of the first row of `s_vocab` into `logits_host`
-    /// (the caller synchronises before reading it).
-    fn copy_logits_row(&mut self) -> Result<()> {
+    /// The first row of `s_vocab` (`[vocab]`), copied through
+    /// `logits_host`; the pass's pending routes are read behind the same
+    /// synchronisation.
+    fn read_logits_row(&mut self) -> Result<Vec<f32>> {
         let g = &self.gpu;
         g.ctx.bind_to_thread()?;
         let host = self.logits_host.as_mut_slice()?;
@@ -1508,7 +1508,9 @@ impl CudaModel {
                 g.stream.cu_stream(),
             )
         }?;
-        Ok(())
+        self.collect_device_routes()?;
+        self.gpu.sync()?;
+        Ok(self.logits_host.as_slice()?[..self.vocab].to_vec())
     }
 
     /// The greedy next token after a pass run without logits
@@ -1545,10 +1547,8 @@ impl CudaModel {
 
     /// The logits row [`CudaModel::greedy_next`] last chose from (`[vocab]`).
     pub fn last_logits(&mut self) -> std::result::Result<Vec<f32>, ModelError> {
-        let r = self.copy_logits_row().and_then(|()| self.gpu.sync());
-        self.guard(r)?;
-        let host = self.logits_host.as_slice().map_err(|e| err(e.into()))?;
-        Ok(host[..self.vocab].to_vec())
+        let r = self.read_logits_row();
+        self.guard(r)
     }
 }
 
@@ -1585,7 +1585,6 @@ impl Backend for CudaModel {
             )));
         }
         self.pass_n = n;
-        self.gpu.gdn_rows = self.gdn_form == GdnForm::Rows;
         self.gpu.tensor_cores = match self.tc_use {
             TensorCoreUse::Never => false,
             TensorCoreUse::Prompt => self.prompt_pass,
@@ -1787,13 +1786,9 @@ impl Backend for CudaModel {
             self.collect_device_routes().map_err(err)?;
             return Ok(logits);
         }
-        // One row: copied into pinned memory, behind the same wait as the
-        // pass's routes (one synchronisation per generated token).
-        self.copy_logits_row().map_err(err)?;
-        self.collect_device_routes().map_err(err)?;
-        self.gpu.sync().map_err(err)?;
-        let host = self.logits_host.as_slice().map_err(|e| err(e.into()))?;
-        Ok(host[..self.vocab].to_vec())
+        // One row: through pinned memory, one synchronisation per
+        // generated token.
+        self.read_logits_row().map_err(err)
     }
 
     fn tail(
