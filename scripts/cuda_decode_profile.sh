@@ -8,6 +8,9 @@
 # host work.
 #
 #   device run(command="bash scripts/cuda_decode_profile.sh", carry=[".devbin"])
+#
+# RUN_ARGS adds settings to every run (e.g. RUN_ARGS="--temperature 0.7
+# --top-p 0.95 --seed 3" for the seeded draw's kernels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=.devbin
@@ -21,7 +24,8 @@ M=/tmp/m.slip
     || { echo "synth failed"; tail -5 /tmp/synth.log; exit 1; }
 STEPS=${STEPS:-8}
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-$B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids --backend cuda --resident \
+RUN_ARGS=${RUN_ARGS:-}
+$B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new 256 --print-ids --backend cuda --resident $RUN_ARGS \
     > /dev/null 2> "$OUT/decode_wall.log"
 grep -h "^\[stats\]" "$OUT/decode_wall.log"
 # The prompt pass's kernels carry no marker, so profile the whole run
@@ -29,7 +33,7 @@ grep -h "^\[stats\]" "$OUT/decode_wall.log"
 # difference per kernel is one decode step, averaged over the rest.
 for steps in 1 $((STEPS + 1)); do
     timeout 280 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
-        $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new $steps --backend cuda --resident \
+        $B/slipstream run --model $M --prompt-tokens 1,2,3,4 --max-new $steps --backend cuda --resident $RUN_ARGS \
         > "$OUT/ncu_decode_$steps.csv" 2>/dev/null
 done
 python3 scripts/ncu_sum.py steps "$OUT/ncu_decode_1.csv" "$OUT/ncu_decode_$((STEPS + 1)).csv" "$STEPS"

@@ -140,8 +140,24 @@ $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-log
 SLIPSTREAM_CUDA_GRAPH=0 SLIPSTREAM_CUDA_PDL=0 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.longng.npy > /tmp/demo.longng.ids 2>>"$OUT/model.stderr" || fail=1
 cat /tmp/demo.long.err >> "$OUT/model.stderr"
 # Without --dump-logits greedy decoding takes the argmax on the device
-# (CudaModel::greedy_next); with it, on the host: the same 300 tokens.
+# (CudaModel::next_token); with it, on the host: the same 300 tokens.
 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda > /tmp/demo.longd.ids 2>>"$OUT/model.stderr" || fail=1
+# Seeded draws: without --dump-logits the device draws each token right
+# after the pass (CudaModel::next_token); with it each row comes to the host
+# and goes back to be drawn from (CudaModel::draw_row); at one VRAM slot
+# (streamed experts, host routing) the rows are the same bits. All three
+# must give the same tokens (the kernel test checks the draw against the
+# host reference, sample::draw).
+for sp in "0.8:40:0.9:0.0:7" "1.2:0:0.97:0.02:11"; do
+    IFS=: read -r tt tk tp mp sd <<< "$sp"
+    sargs="--max-new 200 --print-ids --resident --backend cuda --temperature $tt --top-k $tk --top-p $tp --min-p $mp --seed $sd"
+    $B/slipstream run $sargs > /tmp/demo.s$sd.dev.ids 2>>"$OUT/model.stderr" || fail=1
+    $B/slipstream run $sargs --dump-logits /tmp/demo.s$sd.npy > /tmp/demo.s$sd.host.ids 2>>"$OUT/model.stderr" || fail=1
+    $B/slipstream run $sargs --vram-slots 1 > /tmp/demo.s$sd.slot1.ids 2>>"$OUT/model.stderr" || fail=1
+    if cmp -s /tmp/demo.s$sd.dev.ids /tmp/demo.s$sd.host.ids && cmp -s /tmp/demo.s$sd.dev.ids /tmp/demo.s$sd.slot1.ids \
+        && [ "$(wc -w < /tmp/demo.s$sd.dev.ids)" -ge 2 ]; then r=ok; else r=FAIL; fail=1; fi
+    echo "demo, seeded draw (temperature $tt, top-k $tk, top-p $tp, min-p $mp, seed $sd): $(wc -w < /tmp/demo.s$sd.dev.ids) tokens drawn after each pass == drawn from the rows kept on the host == at 1 VRAM slot: $r" >> "$OUT/model.log"
+done
 # A 150-token prompt: with device routing it runs in passes of 64, 64 and
 # 22 tokens (SLIPSTREAM_CUDA_PASS_TOKENS=64; one pass at the default 256), with host
 # routing one token per pass; the logits of every position must be the

@@ -23,6 +23,7 @@ use cudarc::driver::{
     result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, PinnedHostSlice,
 };
 use slipstream_core::{QuantType, ScaleType, TensorView};
+use slipstream_kernels::sample::DrawParams;
 
 /// The kernel source, compiled by NVRTC when a [`Gpu`] is created.
 pub const KERNELS: &str = include_str!("kernels/decode.cu");
@@ -365,6 +366,14 @@ struct Funcs {
     router_topk: CudaFunction,
     argmax_part: CudaFunction,
     argmax_final: CudaFunction,
+    samp_init: CudaFunction,
+    samp_top: CudaFunction,
+    samp_hist: CudaFunction,
+    samp_select: CudaFunction,
+    samp_tie: CudaFunction,
+    samp_weights: CudaFunction,
+    samp_part: CudaFunction,
+    samp_draw: CudaFunction,
     embed_rows: CudaFunction,
     add_inplace: CudaFunction,
     bw_copy: CudaFunction,
@@ -388,6 +397,11 @@ const GRID_Y_MAX: usize = 65535;
 const DOWN_KB: usize = 8;
 /// Blocks of the argmax's first launch (passed to decode.cu as `ARGMAX_BLOCKS`).
 const ARGMAX_BLOCKS: usize = 256;
+/// Blocks of the seeded draw's wide launches; `samp_draw` runs one thread
+/// per block (`SampleScratch::parts`).
+const SAMPLE_BLOCKS: usize = 256;
+/// Bytes of the draw's state (`SAMP_STATE_BYTES` in decode.cu).
+const SAMPLE_STATE_BYTES: usize = 4096;
 /// Row blocks one prefill down block runs (`DOWN_GROUPS`).
 const DOWN_GROUPS: usize = 8;
 /// Tokens the prefill form stages and computes at once
@@ -542,6 +556,50 @@ macro_rules! args {
     };
 }
 
+/// Compiles decode.cu with NVRTC for virtual architecture `arch` (e.g.
+/// "compute_90") with the build-time constants [`Gpu::new`] passes: the
+/// experts kernels' register cap (`min_blocks` blocks per SM), the split
+/// layout, the tensor-core tokens per m-tile (1 or 2). Needs only NVRTC,
+/// no driver or device (the CPU-only tests compile the kernels this way).
+pub fn compile_kernels(
+    arch: &'static str,
+    min_blocks: u32,
+    split: bool,
+    tc_tpm: usize,
+) -> Result<cudarc::nvrtc::Ptx> {
+    // SAFETY: only probes whether the library can be loaded (cudarc
+    // panics on a missing library otherwise).
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::Unavailable("NVRTC (libnvrtc) not found".into()));
+    }
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        options: vec![
+            "--std=c++17".into(),
+            format!("-DMOE_MINB={}", min_blocks.clamp(1, 8)),
+            format!("-DMOE_GU_MINB={}", (min_blocks + split as u32).clamp(1, 8)),
+            format!("-DA4V_SPLIT={}", split as i32),
+            format!("-DTC_TPM={tc_tpm}"),
+            format!("-DARGMAX_BLOCKS={ARGMAX_BLOCKS}"),
+        ],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
+        .map_err(|e| CudaError::Compile(format!("{e:?}")))
+}
+
+/// Device memory of the seeded draw ([`Gpu::sample`]) over up to
+/// `capacity` logits.
+pub struct SampleScratch {
+    /// The draw's state (`SampState` in decode.cu).
+    state: DBuf,
+    /// `[capacity]` u64 fixed-point weights.
+    weights: DBuf,
+    /// `[SAMPLE_BLOCKS]` u64 kept mass per block.
+    parts: DBuf,
+    capacity: usize,
+}
+
 impl Gpu {
     /// Opens device `ordinal` and compiles the kernels for it. The routed
     /// experts' wide kernels are capped to fit [`MOE_MIN_BLOCKS`] blocks per
@@ -594,20 +652,7 @@ impl Gpu {
         } else {
             2
         };
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some(arch),
-            options: vec![
-                "--std=c++17".into(),
-                format!("-DMOE_MINB={}", min_blocks.clamp(1, 8)),
-                format!("-DMOE_GU_MINB={}", (min_blocks + split as u32).clamp(1, 8)),
-                format!("-DA4V_SPLIT={}", split as i32),
-                format!("-DTC_TPM={tc_tpm}"),
-                format!("-DARGMAX_BLOCKS={ARGMAX_BLOCKS}"),
-            ],
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
-            .map_err(|e| CudaError::Compile(format!("{e:?}")))?;
+        let ptx = compile_kernels(arch, min_blocks, split, tc_tpm)?;
         let module = ctx.load_module(ptx)?;
         let lf = |n: &str| module.load_function(n);
         // The three chunk-per-lane forms `{base}_c1`, `_c2`, `_c4`.
@@ -656,6 +701,14 @@ impl Gpu {
             router_topk: lf("router_topk")?,
             argmax_part: lf("argmax_part")?,
             argmax_final: lf("argmax_final")?,
+            samp_init: lf("samp_init")?,
+            samp_top: lf("samp_top")?,
+            samp_hist: lf("samp_hist")?,
+            samp_select: lf("samp_select")?,
+            samp_tie: lf("samp_tie")?,
+            samp_weights: lf("samp_weights")?,
+            samp_part: lf("samp_part")?,
+            samp_draw: lf("samp_draw")?,
             embed_rows: lf("embed_rows")?,
             add_inplace: lf("add_inplace")?,
             bw_copy: lf("bw_copy")?,
@@ -1961,6 +2014,97 @@ impl Gpu {
             (1, 1, 1),
             ARGMAX_BLOCKS as u32,
             &mut args!(&parts, &n, &out),
+        )
+    }
+
+    /// Scratch memory for [`Gpu::sample`] over up to `capacity` logits
+    /// (at most `slipstream_kernels::sample::MAX_VOCAB`, which the caller
+    /// checks: this crate does not depend on the CPU kernels).
+    pub fn sample_scratch(&self, capacity: usize) -> Result<SampleScratch> {
+        Ok(SampleScratch {
+            state: self.alloc(SAMPLE_STATE_BYTES)?,
+            weights: self.alloc(capacity * 8)?,
+            parts: self.alloc(SAMPLE_BLOCKS * 8)?,
+            capacity,
+        })
+    }
+
+    /// The seeded draw over `n` logits at `x` into the i32 at `out`, which
+    /// must already hold the argmax (kept when no logit is finite): the
+    /// token `slipstream_kernels::sample::draw` picks for the same logits,
+    /// settings and `u` in `[0, 1)`. No host synchronisation; 6 to 24
+    /// launches (each cut four digit passes, only when it is set).
+    pub fn sample(
+        &self,
+        x: u64,
+        n: usize,
+        p: &DrawParams,
+        u: f64,
+        scratch: &SampleScratch,
+        out: u64,
+    ) -> Result<()> {
+        let DrawParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+        } = *p;
+        if n > scratch.capacity || n == 0 {
+            return Err(CudaError::Invalid(format!(
+                "a draw over {n} logits with scratch for {}",
+                scratch.capacity
+            )));
+        }
+        let (st, wt, parts) = (scratch.state.ptr, scratch.weights.ptr, scratch.parts.ptr);
+        let ni = n as i32;
+        let wide = ((SAMPLE_BLOCKS as u32, 1, 1), 256);
+        self.go(&self.f.samp_init, (1, 1, 1), 256, &mut args!(&st))?;
+        self.go(&self.f.samp_top, wide.0, wide.1, &mut args!(&x, &ni, &st))?;
+        let cut = |m: i32| -> Result<()> {
+            for d in 0..4i32 {
+                self.go(
+                    &self.f.samp_hist,
+                    wide.0,
+                    wide.1,
+                    &mut args!(&x, &ni, &wt, &st, &m, &d, &top_k, &top_p),
+                )?;
+                self.go(
+                    &self.f.samp_select,
+                    (1, 1, 1),
+                    256,
+                    &mut args!(&st, &m, &d, &top_k, &top_p),
+                )?;
+            }
+            self.go(
+                &self.f.samp_tie,
+                (1, 1, 1),
+                1024,
+                &mut args!(&x, &ni, &wt, &st, &m),
+            )
+        };
+        if top_k > 0 {
+            cut(0)?;
+        }
+        self.go(
+            &self.f.samp_weights,
+            wide.0,
+            wide.1,
+            &mut args!(&x, &ni, &wt, &st, &temperature, &min_p),
+        )?;
+        if top_p < 1.0 {
+            cut(1)?;
+        }
+        self.go(
+            &self.f.samp_part,
+            wide.0,
+            wide.1,
+            &mut args!(&x, &ni, &wt, &st, &parts),
+        )?;
+        self.go(
+            &self.f.samp_draw,
+            (1, 1, 1),
+            SAMPLE_BLOCKS as u32,
+            &mut args!(&x, &ni, &wt, &st, &parts, &u, &out),
         )
     }
 

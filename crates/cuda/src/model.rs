@@ -33,7 +33,11 @@ use slipstream_models::{Backend, ModelError, NormKind, Transformer};
 use slipstream_store::policy::{LayerCache, Outcome};
 use slipstream_store::PolicyKind;
 
-use crate::{CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases, WDesc};
+use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
+
+use crate::{
+    CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases, SampleScratch, WDesc,
+};
 
 /// The most tokens of a pass with device routing (prefill); the scratch
 /// buffers are sized for it.
@@ -280,8 +284,11 @@ pub struct CudaModel {
     s_grp_off: DBuf,
     s_grp_list: DBuf,
     s_vocab: DBuf,
-    /// The device argmax's output (one i32).
+    /// The device argmax's output (one i32), then the seeded draw's.
     s_argmax: DBuf,
+    /// The seeded draw's memory (`None`: a vocabulary over
+    /// `sample::MAX_VOCAB`, drawn on the host).
+    sample_scratch: Option<SampleScratch>,
     /// Scratch expert records for misses that take no slot (top_k of them).
     s_spill: DBuf,
     /// Pinned host staging: expert records, then the bases table.
@@ -316,7 +323,7 @@ pub struct CudaModel {
     /// A mixer output (in `s_mixed`) not yet added into this residual.
     pending_residual: Option<DAct>,
     /// The residual stream at the end of the last complete pass (what
-    /// [`CudaModel::greedy_next`] takes the last row of).
+    /// [`CudaModel::next_token`] takes the last row of).
     pass_out: Option<DAct>,
     copy_done: Option<CudaEvent>,
     /// Expert part templates (base 0) and their offsets in a record.
@@ -537,6 +544,11 @@ impl CudaModel {
             // One row; `head` grows it for more (outside any graph).
             s_vocab: f(c.vocab_size)?,
             s_argmax: f(1)?,
+            sample_scratch: if c.vocab_size <= MAX_VOCAB {
+                Some(gpu.sample_scratch(c.vocab_size)?)
+            } else {
+                None
+            },
             s_spill: gpu.alloc(k * rec_bytes)?,
             embed: gpu.upload_weight(&m.embed.view())?,
             lm_head: gpu.upload_weight(&m.lm_head.view())?,
@@ -1491,38 +1503,64 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The first row of `s_vocab` (`[vocab]`), copied through
-    /// `logits_host`; the pass's pending routes are read behind the same
-    /// synchronisation.
-    fn read_logits_row(&mut self) -> Result<Vec<f32>> {
+    /// Copies `n` words from `src` into `logits_host` and waits once: the
+    /// pass's pending routes are read behind the same synchronisation
+    /// (their read waits for the stream, which runs the copy first).
+    fn land_in_host(&mut self, src: u64, n: usize) -> Result<()> {
         let g = &self.gpu;
         g.ctx.bind_to_thread()?;
         let host = self.logits_host.as_mut_slice()?;
-        // SAFETY: `s_vocab` holds at least `vocab` f32 and `host` exactly
-        // `vocab`; the pinned buffer lives as long as `self`, and is read
-        // only after the stream is synchronised.
-        unsafe {
-            result::memcpy_dtoh_async(
-                &mut host[..self.vocab],
-                self.s_vocab.ptr,
-                g.stream.cu_stream(),
-            )
-        }?;
-        self.collect_device_routes()?;
-        self.gpu.sync()?;
+        if n > host.len() {
+            return Err(CudaError::Invalid(format!(
+                "{n} words for a host buffer of {}",
+                host.len()
+            )));
+        }
+        // SAFETY: `src` holds at least `n` words (the callers' buffers) and
+        // `host` at least `n`; the pinned buffer lives as long as `self`,
+        // and is read only after the stream is synchronised.
+        unsafe { result::memcpy_dtoh_async(&mut host[..n], src, g.stream.cu_stream()) }?;
+        if self.routes_pending {
+            self.collect_device_routes()
+        } else {
+            self.gpu.sync()
+        }
+    }
+
+    /// The first row of `s_vocab` (`[vocab]`).
+    fn read_logits_row(&mut self) -> Result<Vec<f32>> {
+        self.land_in_host(self.s_vocab.ptr, self.vocab)?;
         Ok(self.logits_host.as_slice()?[..self.vocab].to_vec())
     }
 
-    /// The greedy next token after a pass run without logits
-    /// (`Logits::None`): the final norm, the output head and the argmax of
-    /// the pass's last row on the device, so 4 bytes come back instead of a
-    /// row of logits. Ties go to the lowest id and NaN never wins, as in the
-    /// engine's `argmax` (all NaN: the last id). The row stays on the device
+    /// The device's choice of token (`s_argmax`).
+    fn read_choice(&mut self) -> Result<i32> {
+        self.land_in_host(self.s_argmax.ptr, 1)?;
+        Ok(self.logits_host.as_slice()?[0].to_bits() as i32)
+    }
+
+    /// Whether [`CudaModel::next_token`] can draw with a temperature (the
+    /// vocabulary fits the seeded draw's integer sums).
+    pub fn draws_on_device(&self) -> bool {
+        self.sample_scratch.is_some()
+    }
+
+    /// The next token after a pass run without logits (`Logits::None`):
+    /// the final norm, the output head and the choice on the device, so 4
+    /// bytes come back instead of a row of logits. `draw: None` takes the
+    /// argmax (ties to the lowest id, NaN never wins, all NaN: the last id,
+    /// as the engine's `argmax`); `Some((settings, u))` the seeded draw,
+    /// the token `slipstream_kernels::sample::draw` picks from the same row
+    /// (the argmax when no logit is finite). The row stays on the device
     /// for [`CudaModel::last_logits`].
-    pub fn greedy_next(&mut self, m: &Transformer) -> std::result::Result<u32, ModelError> {
+    pub fn next_token(
+        &mut self,
+        m: &Transformer,
+        draw: Option<(DrawParams, f64)>,
+    ) -> std::result::Result<u32, ModelError> {
         let Some(x) = self.pass_out else {
             return Err(ModelError::State(
-                "greedy_next needs a pass completed just before it".into(),
+                "next_token needs a pass completed just before it".into(),
             ));
         };
         let n = self.pass_n;
@@ -1531,21 +1569,62 @@ impl CudaModel {
         let xn_p = self.act(xn).ptr;
         let r = self
             .gpu
-            .matvec(&self.lm_head.desc, xn_p, self.s_vocab.ptr, 1)
-            .and_then(|()| {
-                self.gpu
-                    .argmax(self.s_vocab.ptr, self.vocab, self.s_argmax.ptr)
+            .matvec(&self.lm_head.desc, xn_p, self.s_vocab.ptr, 1);
+        self.guard(r)?;
+        self.choose_in_vocab(draw)
+    }
+
+    /// The argmax of `s_vocab`'s first row, or the seeded draw from it
+    /// (the argmax when no logit is finite), read back as a token id.
+    fn choose_in_vocab(
+        &mut self,
+        draw: Option<(DrawParams, f64)>,
+    ) -> std::result::Result<u32, ModelError> {
+        let (logits, out) = (self.s_vocab.ptr, self.s_argmax.ptr);
+        let r = self
+            .gpu
+            .argmax(logits, self.vocab, out)
+            .and_then(|()| match (draw, &self.sample_scratch) {
+                (Some((p, u)), Some(s)) => self.gpu.sample(logits, self.vocab, &p, u, s, out),
+                (Some(_), None) => Err(CudaError::Invalid(format!(
+                    "a vocabulary of {} is over the device draw's {MAX_VOCAB}",
+                    self.vocab
+                ))),
+                (None, _) => Ok(()),
             })
-            .and_then(|()| self.collect_device_routes())
-            .and_then(|()| self.gpu.read_i32(&self.s_argmax, 1));
-        let id = self.guard(r)?[0];
+            .and_then(|()| self.read_choice());
+        let id = self.guard(r)?;
         u32::try_from(id)
             .ok()
             .filter(|&t| (t as usize) < self.vocab)
-            .ok_or_else(|| ModelError::State(format!("the device argmax returned {id}")))
+            .ok_or_else(|| ModelError::State(format!("the device chose token {id}")))
     }
 
-    /// The logits row [`CudaModel::greedy_next`] last chose from (`[vocab]`).
+    /// The seeded draw from a row of logits the host holds (`[vocab]`:
+    /// the first token after a prompt, rows kept for logprobs): the row
+    /// goes to the device and the same kernels as [`CudaModel::next_token`]
+    /// draw from it, so the token is the one `sample::draw` gives (the
+    /// argmax when no logit is finite) at a fraction of the host
+    /// reference's time.
+    pub fn draw_row(
+        &mut self,
+        row: &[f32],
+        p: DrawParams,
+        u: f64,
+    ) -> std::result::Result<u32, ModelError> {
+        if row.len() != self.vocab {
+            return Err(ModelError::State(format!(
+                "a row of {} logits for a vocabulary of {}",
+                row.len(),
+                self.vocab
+            )));
+        }
+        let r = self.gpu.write_f32(&self.s_vocab, row);
+        self.guard(r)?;
+        self.choose_in_vocab(Some((p, u)))
+    }
+
+    /// The logits row [`CudaModel::next_token`] last chose from (`[vocab]`).
     pub fn last_logits(&mut self) -> std::result::Result<Vec<f32>, ModelError> {
         let r = self.read_logits_row();
         self.guard(r)

@@ -1410,3 +1410,103 @@ fn down_pass_matches_one_token_launches() {
         );
     }
 }
+
+/// The engine's greedy rule: the first index of the largest non-NaN value,
+/// the last index when every value is NaN.
+fn argmax_ref(x: &[f32]) -> usize {
+    let mut best: Option<usize> = None;
+    for (i, &v) in x.iter().enumerate() {
+        if !v.is_nan() && best.is_none_or(|b| v > x[b]) {
+            best = Some(i);
+        }
+    }
+    best.unwrap_or(x.len() - 1)
+}
+
+#[test]
+fn seeded_draw_matches_the_integer_reference() {
+    use slipstream_kernels::sample::{draw, DrawParams};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng64::seed_from_u64(11);
+    let sizes = [1usize, 7, 300, 4099, 248_320];
+    let scratch = g.sample_scratch(248_320).unwrap();
+    let dx = g.alloc(248_320 * 4).unwrap();
+    let out = g.alloc(4).unwrap();
+    let mut cases = 0;
+    for &n in &sizes {
+        // Shapes of logits: spread, nearly flat (top-p keeps most of the
+        // vocabulary), peaked, coarse (many exact ties), with NaN / inf.
+        for shape in 0..6 {
+            let mut x: Vec<f32> = match shape {
+                0 => rvec(&mut rng, n, 8.0),
+                1 => rvec(&mut rng, n, 0.02),
+                2 => {
+                    let mut v = rvec(&mut rng, n, 1.0);
+                    let at = rng.random_range(0..n);
+                    v[at] = 30.0;
+                    v
+                }
+                3 => rvec(&mut rng, n, 3.0)
+                    .into_iter()
+                    .map(|v| (v * 2.0).round() / 2.0)
+                    .collect(),
+                4 => {
+                    let mut v = rvec(&mut rng, n, 4.0);
+                    for _ in 0..n.div_ceil(5) {
+                        let at = rng.random_range(0..n);
+                        v[at] = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0]
+                            [rng.random_range(0..5)];
+                    }
+                    v
+                }
+                _ => vec![[f32::NAN, f32::NEG_INFINITY][rng.random_range(0..2)]; n],
+            };
+            if shape == 5 && n > 1 && rng.random_bool(0.5) {
+                x[n / 2] = -3.0; // a single finite logit
+            }
+            g.write_f32(&dx, &x).unwrap();
+            for _ in 0..6 {
+                let p = DrawParams {
+                    temperature: [0.3f32, 0.7, 1.0, 2.5][rng.random_range(0..4)],
+                    top_k: [0u32, 0, 1, 2, 20, 40, n as u32 - 1, n as u32, n as u32 + 5]
+                        [rng.random_range(0..9)],
+                    top_p: [1.0f32, 1.0, 0.95, 0.5, 0.0][rng.random_range(0..5)],
+                    min_p: [0.0f32, 0.0, 0.05, 1.5][rng.random_range(0..4)],
+                };
+                let u = match rng.random_range(0..4) {
+                    0 => 0.0,
+                    1 => 1.0 - f64::EPSILON / 2.0,
+                    _ => rng.random_range(0.0..1.0),
+                };
+                let want = draw(&x, &p, u).unwrap_or(argmax_ref(&x) as u32);
+                g.argmax(dx.ptr, n, out.ptr).unwrap();
+                g.sample(dx.ptr, n, &p, u, &scratch, out.ptr).unwrap();
+                let got = g.read_i32(&out, 1).unwrap()[0];
+                assert_eq!(got, want as i32, "n={n} shape={shape} {p:?} u={u}");
+                cases += 1;
+            }
+        }
+    }
+    // Many draws from one row follow the reference one for one.
+    let x = rvec(&mut rng, 4099, 2.0);
+    g.write_f32(&dx, &x).unwrap();
+    let p = DrawParams {
+        temperature: 0.7,
+        top_k: 0,
+        top_p: 0.95,
+        min_p: 0.0,
+    };
+    for i in 0..200 {
+        let u = i as f64 / 200.0;
+        g.argmax(dx.ptr, x.len(), out.ptr).unwrap();
+        g.sample(dx.ptr, x.len(), &p, u, &scratch, out.ptr).unwrap();
+        assert_eq!(
+            g.read_i32(&out, 1).unwrap()[0] as u32,
+            draw(&x, &p, u).unwrap()
+        );
+    }
+    assert!(g
+        .sample(dx.ptr, 248_321, &p, 0.5, &scratch, out.ptr)
+        .is_err());
+    eprintln!("seeded draw: {cases} cases + 200 draws equal to the reference");
+}

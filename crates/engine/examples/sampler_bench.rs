@@ -1,7 +1,9 @@
 //! Time per sampled token at a real vocabulary size: the sampler's
 //! selections against the full sort it replaced (`kept_by_sorting` plus a
 //! draw), on flat logits (a random-weight model) and peaked ones (a trained
-//! model's usual shape).
+//! model's usual shape); and the fixed-point draw of the CUDA backend as
+//! the host computes it (`Sampler::set_fixed_point`: its scalar reference,
+//! used for rows that are on the host anyway).
 //!
 //! `cargo run --release -p slipstream-engine --example sampler_bench [-- VOCAB]`
 
@@ -45,7 +47,7 @@ fn main() {
     ];
     println!("vocabulary {vocab}, one thread, median of 15 rounds of 4 draws");
     println!(
-        "| logits | setting | selection ms/token | full sort ms/token | speed-up |\n| --- | --- | ---: | ---: | ---: |"
+        "| logits | setting | selection ms/token | full sort ms/token | speed-up | fixed point ms/token |\n| --- | --- | ---: | ---: | ---: | ---: |"
     );
     for (name, logits) in [("flat", &flat), ("peaked", &peaked)] {
         for (label, temperature, top_k, top_p, min_p) in settings {
@@ -81,8 +83,15 @@ fn main() {
                     std::hint::black_box(pick);
                 }
             }) / 4.0;
+            let mut fixed_point = Sampler::new(params.clone());
+            fixed_point.set_fixed_point(true);
+            let fixed = median_ms(15, || {
+                for _ in 0..4 {
+                    std::hint::black_box(fixed_point.sample(logits));
+                }
+            }) / 4.0;
             println!(
-                "| {name} | {label} | {fast:.3} | {sorted:.3} | {:.1}x |",
+                "| {name} | {label} | {fast:.3} | {sorted:.3} | {:.1}x | {fixed:.3} |",
                 sorted / fast
             );
         }

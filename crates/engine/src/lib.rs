@@ -17,6 +17,7 @@ use std::time::Instant;
 
 use slipstream_core::ModelConfig;
 use slipstream_format::SlipModel;
+use slipstream_kernels::sample::DrawParams;
 pub use slipstream_models::transformer::PhaseTimes;
 pub use slipstream_models::ModelState;
 use slipstream_models::{Logits, Transformer};
@@ -373,16 +374,18 @@ impl Engine {
         }
     }
 
-    /// Runs one generated token on the CUDA backend and returns the greedy
-    /// next token, chosen on the device (`CudaModel::greedy_next`).
-    fn run_greedy_on_device(
+    /// Runs one generated token on the CUDA backend and returns the next
+    /// token, chosen on the device: the argmax (`draw: None`) or the seeded
+    /// draw (`CudaModel::next_token`).
+    fn run_next_on_device(
         &mut self,
         state: &mut ModelState,
         token: u32,
+        draw: Option<(DrawParams, f64)>,
     ) -> Result<u32, slipstream_models::ModelError> {
         let Some(c) = self.cuda.as_mut() else {
             return Err(slipstream_models::ModelError::State(
-                "greedy decoding on the device without a CUDA backend".into(),
+                "choosing tokens on the device without a CUDA backend".into(),
             ));
         };
         c.set_prompt_pass(false);
@@ -395,7 +398,24 @@ impl Engine {
             None,
             self.phases.as_mut(),
         )?;
-        c.greedy_next(&self.model)
+        c.next_token(&self.model, draw)
+    }
+
+    /// The next token from a row of logits on the host. On the CUDA
+    /// backend a seeded draw runs on the device (`CudaModel::draw_row`:
+    /// the token the host reference gives, in far less time); otherwise the
+    /// sampler draws here.
+    fn choose_from_row(
+        &mut self,
+        sampler: &mut Sampler,
+        row: &[f32],
+    ) -> Result<u32, slipstream_models::ModelError> {
+        if let Some(c) = self.cuda.as_mut().filter(|_| sampler.is_fixed_point()) {
+            if let Some((p, u)) = sampler.next_device_draw() {
+                return c.draw_row(row, p, u);
+            }
+        }
+        Ok(sampler.sample(row))
     }
 
     /// Turns the per-phase timers on or off (off by default: timing costs a
@@ -790,6 +810,9 @@ impl Engine {
                 .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
         };
         let mut sampler = Sampler::new(req.sampling.clone());
+        // On the CUDA backend every draw is the device's integer draw,
+        // also when a row is drawn from here.
+        sampler.set_fixed_point(self.cuda.as_ref().is_some_and(|c| c.draws_on_device()));
         let mut stops: Vec<u32> = req.stop_tokens.clone();
         stops.extend_from_slice(self.eos_tokens());
 
@@ -827,15 +850,18 @@ impl Engine {
         let mut first_token_s = prefill_s;
         let t_decode = Instant::now();
         let mut decode_start = t_decode;
-        // Greedy decoding on the GPU takes each argmax there: 4 bytes come
-        // back per token instead of a row of logits (same tokens: the
-        // device argmax follows `sampler::argmax`'s rule).
-        let device_greedy = sampler.is_greedy() && !req.keep_logits && self.cuda.is_some();
+        // On the GPU each next token is chosen there (the argmax, or the
+        // seeded draw): 4 bytes come back per token instead of a row of
+        // logits (same tokens: the device follows `sampler::argmax`'s rule
+        // and computes `sample::draw` bit for bit).
+        let on_device = self.cuda.is_some()
+            && !req.keep_logits
+            && (sampler.is_greedy() || sampler.is_fixed_point());
         let mut device_next: Option<u32> = None;
         while tokens.len() < req.max_new_tokens {
             let next = match device_next.take() {
                 Some(t) => t,
-                None => sampler.sample(&last),
+                None => self.choose_from_row(&mut sampler, &last)?,
             };
             tokens.push(next);
             if tokens.len() == 1 {
@@ -855,8 +881,9 @@ impl Engine {
             }
             // The state's logits are set once, after the loop (a 1 MB copy
             // per token otherwise); a failed step leaves none.
-            let step = if device_greedy {
-                self.run_greedy_on_device(state, next).map(Some)
+            let step = if on_device {
+                let draw = sampler.next_device_draw();
+                self.run_next_on_device(state, next, draw).map(Some)
             } else {
                 self.run_model(state, &[next], Logits::Last, false)
                     .map(|l| {
@@ -877,7 +904,7 @@ impl Engine {
         }
         state.last_logits = match self.cuda.as_mut() {
             // The last step's row is still on the device.
-            Some(c) if device_greedy && tokens.len() > 1 => c.last_logits()?,
+            Some(c) if on_device && tokens.len() > 1 => c.last_logits()?,
             _ => last,
         };
         let decode_s = decode_start.elapsed().as_secs_f64();

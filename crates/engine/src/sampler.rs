@@ -3,6 +3,7 @@
 use std::cmp::Ordering;
 
 use serde::{Deserialize, Serialize};
+use slipstream_kernels::sample::{self as fixed, DrawParams};
 
 /// Sampling settings. `temperature <= 0` means greedy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -95,6 +96,8 @@ pub struct Sampler {
     weights: Vec<f64>,
     /// (id, logit) candidates for the selections.
     cand: Vec<(u32, f32)>,
+    /// Draw as the CUDA backend does ([`Sampler::set_fixed_point`]).
+    fixed_point: bool,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -161,7 +164,41 @@ impl Sampler {
             rng,
             weights: Vec::new(),
             cand: Vec::new(),
+            fixed_point: false,
         }
+    }
+
+    /// Draws with `slipstream_kernels::sample::draw` (integer weights, the
+    /// CUDA backend's draw, which the device computes bit for bit) instead
+    /// of the float sums of the CPU path: with it on, a seed gives the
+    /// same tokens whether a row is drawn from on the device or here (rows
+    /// kept for logprobs, the first token after a prompt). One value of the
+    /// generator per drawn token. Vocabularies over `sample::MAX_VOCAB`
+    /// stay on the float path.
+    pub fn set_fixed_point(&mut self, on: bool) {
+        self.fixed_point = on;
+    }
+
+    pub fn is_fixed_point(&self) -> bool {
+        self.fixed_point
+    }
+
+    /// The settings of a fixed-point draw (`temperature > 0`).
+    fn draw_params(&self) -> DrawParams {
+        let p = &self.params;
+        DrawParams {
+            temperature: p.temperature,
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p,
+            min_p: p.min_p,
+        }
+    }
+
+    /// The next token's draw for the device: the settings and the
+    /// generator's next value (consumed here, as [`Sampler::sample`]
+    /// would); `None` when greedy (the device takes the argmax).
+    pub fn next_device_draw(&mut self) -> Option<(DrawParams, f64)> {
+        (!self.is_greedy()).then(|| (self.draw_params(), self.rng.next_f64()))
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -177,6 +214,10 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.is_greedy() {
             return argmax(logits);
+        }
+        if self.fixed_point && logits.len() <= fixed::MAX_VOCAB {
+            let u = self.rng.next_f64();
+            return fixed::draw(logits, &self.draw_params(), u).unwrap_or_else(|| argmax(logits));
         }
         let Some(mass) = self.weigh_kept(logits) else {
             return argmax(logits);
@@ -510,6 +551,45 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// The fixed-point draw (the CUDA backend's) keeps the full sort's
+        /// set, less tokens weighing under 2^-44 of the most likely, with
+        /// its weights to 1e-12, and draws only from it.
+        #[test]
+        fn fixed_point_kept_set_matches_the_full_sort(
+            logits in logits_strategy(),
+            params in params_strategy(),
+        ) {
+            let reference = kept_by_sorting(&logits, &params);
+            let mut s = Sampler::new(params.clone());
+            s.set_fixed_point(true);
+            let fixed = fixed::kept_weights(&logits, &s.draw_params());
+            prop_assert_eq!(fixed.is_some(), !reference.is_empty());
+            let Some(fixed) = fixed else {
+                return Ok(());
+            };
+            let top_q = reference[0].1;
+            for &(i, q) in &reference {
+                let rel = q / top_q;
+                let w = fixed[i as usize] as f64 / fixed::WEIGHT_ONE;
+                prop_assert!(
+                    (w - rel).abs() <= 1e-12 * rel + 1.0 / fixed::WEIGHT_ONE,
+                    "token {}: weight {} vs {}", i, w, rel
+                );
+            }
+            let outside = fixed
+                .iter()
+                .enumerate()
+                .filter(|&(i, &w)| w > 0 && !reference.iter().any(|r| r.0 as usize == i))
+                .count();
+            prop_assert_eq!(outside, 0, "weight outside the kept set");
+            for _ in 0..8 {
+                let t = s.sample(&logits);
+                prop_assert!(fixed[t as usize] > 0, "drew {} outside the kept set", t);
+            }
+        }
+    }
+
     /// The scan `argmax` replaced: ties to the lowest index, NaN never wins.
     fn argmax_by_scan(logits: &[f32]) -> u32 {
         let mut best = 0usize;
@@ -571,22 +651,25 @@ mod tests {
         ] {
             let expect = kept_by_sorting(&logits, &params);
             let mass: f64 = expect.iter().map(|e| e.1).sum();
-            let mut s = Sampler::new(params.clone());
-            let n = 40_000;
-            let mut count = vec![0usize; logits.len()];
-            for _ in 0..n {
-                count[s.sample(&logits) as usize] += 1;
-            }
-            for (i, c) in count.iter().enumerate() {
-                let q = expect
-                    .iter()
-                    .find(|e| e.0 as usize == i)
-                    .map_or(0.0, |e| e.1 / mass);
-                let f = *c as f64 / n as f64;
-                assert!(
-                    (f - q).abs() < 0.01,
-                    "{params:?}: token {i} drawn {f}, expected {q}"
-                );
+            for fixed_point in [false, true] {
+                let mut s = Sampler::new(params.clone());
+                s.set_fixed_point(fixed_point);
+                let n = 40_000;
+                let mut count = vec![0usize; logits.len()];
+                for _ in 0..n {
+                    count[s.sample(&logits) as usize] += 1;
+                }
+                for (i, c) in count.iter().enumerate() {
+                    let q = expect
+                        .iter()
+                        .find(|e| e.0 as usize == i)
+                        .map_or(0.0, |e| e.1 / mass);
+                    let f = *c as f64 / n as f64;
+                    assert!(
+                        (f - q).abs() < 0.01,
+                        "{params:?} fixed point {fixed_point}: token {i} drawn {f}, expected {q}"
+                    );
+                }
             }
         }
     }

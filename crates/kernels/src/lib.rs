@@ -34,6 +34,7 @@ mod neon;
 mod q4i16;
 pub mod quantize;
 pub mod recurrence;
+pub mod sample;
 pub mod scalar;
 #[cfg(test)]
 mod tests;
