@@ -23,7 +23,7 @@ use cudarc::driver::{
     result, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, PinnedHostSlice,
 };
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_kernels::sample::DrawParams;
+use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 
 /// The kernel source, compiled by NVRTC when a [`Gpu`] is created.
 pub const KERNELS: &str = include_str!("kernels/decode.cu");
@@ -400,7 +400,7 @@ const ARGMAX_BLOCKS: usize = 256;
 /// Blocks of the seeded draw's wide launches; `samp_draw` runs one thread
 /// per block (`SampleScratch::parts`).
 const SAMPLE_BLOCKS: usize = 256;
-/// Bytes of the draw's state (`SAMP_STATE_BYTES` in decode.cu).
+/// Bytes of the draw's state (passed to decode.cu as `SAMP_STATE_BYTES`).
 const SAMPLE_STATE_BYTES: usize = 4096;
 /// Row blocks one prefill down block runs (`DOWN_GROUPS`).
 const DOWN_GROUPS: usize = 8;
@@ -581,6 +581,7 @@ pub fn compile_kernels(
             format!("-DA4V_SPLIT={}", split as i32),
             format!("-DTC_TPM={tc_tpm}"),
             format!("-DARGMAX_BLOCKS={ARGMAX_BLOCKS}"),
+            format!("-DSAMP_STATE_BYTES={SAMPLE_STATE_BYTES}"),
         ],
         ..Default::default()
     };
@@ -2018,9 +2019,14 @@ impl Gpu {
     }
 
     /// Scratch memory for [`Gpu::sample`] over up to `capacity` logits
-    /// (at most `slipstream_kernels::sample::MAX_VOCAB`, which the caller
-    /// checks: this crate does not depend on the CPU kernels).
+    /// (at most `slipstream_kernels::sample::MAX_VOCAB`, the largest
+    /// vocabulary the draw's u64 sums hold).
     pub fn sample_scratch(&self, capacity: usize) -> Result<SampleScratch> {
+        if capacity > MAX_VOCAB {
+            return Err(CudaError::Invalid(format!(
+                "a draw over {capacity} logits (the device draw holds up to {MAX_VOCAB})"
+            )));
+        }
         Ok(SampleScratch {
             state: self.alloc(SAMPLE_STATE_BYTES)?,
             weights: self.alloc(capacity * 8)?,

@@ -3060,7 +3060,7 @@ extern "C" __global__ void argmax_final(const float* __restrict__ part, int n, i
 // sequence of IEEE operations, so every sum is an integer sum and the
 // order of the atomics changes no bit: the token is the reference's.
 // Mode m: 0 = the top-k cut (counts), 1 = the top-p cut (masses).
-#define SAMP_STATE_BYTES 4096
+// SAMP_STATE_BYTES (the state buffer's size) comes from the host.
 struct SampState {
     u64 top;         // max over finite logits of (key << 32 | ~id); 0: none
     u64 total;       // the top-k set's weights (before min-p)
