@@ -79,6 +79,7 @@ pub fn ensure_demo_model(
             &RepackOptions {
                 input: src.clone(),
                 output: target.clone(),
+                overwrite: Default::default(),
                 quant: QuantChoice::Q4,
             },
             progress,

@@ -228,9 +228,14 @@ struct RepackArgs {
     /// does not apply).
     #[arg(long)]
     input: PathBuf,
-    /// Output .slip directory (replaced atomically).
+    /// Output .slip directory. An existing slipstream model there is
+    /// replaced atomically; anything else is refused, as is an output
+    /// inside the input.
     #[arg(long)]
     output: PathBuf,
+    /// Also replace a damaged model at --output (never a non-model).
+    #[arg(long)]
+    force: bool,
     /// Storage of float tensors: q4 (MLX-style 4-bit, group 64), q8, bf16, f32.
     #[arg(long, default_value = "q4")]
     quant: QuantChoice,
@@ -312,6 +317,11 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
         &RepackOptions {
             input: args.input.clone(),
             output: args.output.clone(),
+            overwrite: if args.force {
+                slipstream_format::Overwrite::Force
+            } else {
+                slipstream_format::Overwrite::VerifiedOnly
+            },
             quant: args.quant,
         },
         &repack_progress(&bar),

@@ -46,9 +46,13 @@ pub struct SynthArgs {
     /// Persistence strength: gain of the slowly varying context heads.
     #[arg(long, default_value_t = slipstream_synth::DEFAULT_PERSISTENCE)]
     pub skew_persistence: f32,
-    /// Model directory to write (replaced atomically if it exists); a file for --format gguf.
+    /// Model directory to write; a file for --format gguf. An existing
+    /// model there is replaced atomically; anything else is refused.
     #[arg(long)]
     pub output: PathBuf,
+    /// Also replace a damaged model at --output (never a non-model).
+    #[arg(long)]
+    pub force: bool,
     /// Output container: slip or gguf.
     #[arg(long, value_enum, default_value_t = SynthFormat::Slip)]
     pub format: SynthFormat,
@@ -66,7 +70,11 @@ pub fn synth_command(args: SynthArgs) -> anyhow::Result<()> {
             persistence: args.skew_persistence,
         },
     };
-    let opts = slipstream_synth::options(args.preset, args.layers, args.seed, skew, &args.output);
+    let mut opts =
+        slipstream_synth::options(args.preset, args.layers, args.seed, skew, &args.output);
+    if args.force {
+        opts.overwrite = slipstream_format::Overwrite::Force;
+    }
     let bar = ProgressBar::new(0);
     bar.set_style(
         ProgressStyle::with_template(

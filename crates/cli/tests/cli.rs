@@ -304,3 +304,42 @@ fn reader_threads_default_follows_the_last_hwbench() {
     std::fs::write(cache.join("hwbench.json"), r#"{"best_reader_threads": 2}"#).unwrap();
     assert!(run().contains("2 reader threads"));
 }
+
+#[test]
+fn repack_and_synth_never_replace_what_is_not_a_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let docs = dir.path().join("mydocs");
+    std::fs::create_dir(&docs).unwrap();
+    std::fs::write(docs.join("letter.txt"), b"keep").unwrap();
+    let e = failed(
+        bin()
+            .args(["repack", "--force", "--input"])
+            .arg(fixture("qwen3_moe"))
+            .arg("--output")
+            .arg(&docs)
+            .output()
+            .unwrap(),
+    );
+    assert!(e.contains("not a slipstream model"), "{e}");
+    let e = failed(
+        bin()
+            .args(["synth", "--preset", "35b", "--layers", "1", "--output"])
+            .arg(&docs)
+            .output()
+            .unwrap(),
+    );
+    assert!(e.contains("not a slipstream model"), "{e}");
+    let e = failed(
+        bin()
+            .args([
+                "synth", "--preset", "35b", "--layers", "1", "--format", "gguf", "--output",
+            ])
+            .arg(docs.join("letter.txt"))
+            .output()
+            .unwrap(),
+    );
+    assert!(e.contains("not a GGUF file"), "{e}");
+    assert_eq!(std::fs::read(docs.join("letter.txt")).unwrap(), b"keep");
+    assert_eq!(std::fs::read_dir(&docs).unwrap().count(), 1);
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}

@@ -58,6 +58,7 @@ fn check(name: &str, bound: f32) -> f32 {
         &RepackOptions {
             input: dir.join("model.gguf"),
             output: out.clone(),
+            overwrite: Default::default(),
             quant: QuantChoice::default(),
         },
         &|_| {},

@@ -20,6 +20,7 @@ fn guard_refuses_an_over_long_prompt_and_accepts_it_with_the_limit_raised() {
             input: Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("../../tests/fixtures/qwen3_5_moe_fused"),
             output: model.clone(),
+            overwrite: Default::default(),
             quant: QuantChoice::Q4,
         },
         &|_| {},

@@ -57,6 +57,7 @@ fn check(name: &str, quant: QuantChoice, chunk: usize) -> Vec<f32> {
         &RepackOptions {
             input: dir.clone(),
             output: out.clone(),
+            overwrite: Default::default(),
             quant,
         },
         &|_| {},

@@ -367,6 +367,7 @@ fn synthetic_model(dir: &Path) -> PathBuf {
             output: out.clone(),
             preset_name: "test".into(),
             batch: 8,
+            overwrite: Default::default(),
         },
         &|_| {},
     )

@@ -16,12 +16,15 @@
 
 mod manifest;
 mod reader;
+mod target;
 mod writer;
 
 pub use manifest::{
     DenseEntry, ExpertPart, ExpertPoolIndex, Manifest, SourceInfo, FORMAT_NAME, FORMAT_VERSION,
 };
 pub use reader::SlipModel;
+pub use slipstream_outpath::Overwrite;
+pub use target::check_model_target;
 pub use writer::{ExpertPoolLayout, ManifestInfo, SlipWriter};
 
 /// Record alignment in the expert pool: the page size, and what O_DIRECT needs.

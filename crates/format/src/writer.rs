@@ -7,8 +7,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use slipstream_core::{ModelConfig, QuantType};
+use slipstream_outpath::Overwrite;
 
 use crate::manifest::*;
+use crate::target::{check_model_target, holds_only_model_files};
 use crate::{
     align_up, checksum, FormatError, Result, DENSE_ALIGN, DENSE_FILE, EXPERTS_FILE, MANIFEST_FILE,
     RECORD_ALIGN,
@@ -27,6 +29,7 @@ pub struct ExpertPoolLayout {
 /// [`SlipWriter::finish`] succeeds; dropping the writer removes the temp dir.
 pub struct SlipWriter {
     target: PathBuf,
+    overwrite: Overwrite,
     tmp: PathBuf,
     dense: BufWriter<File>,
     dense_pos: u64,
@@ -43,19 +46,22 @@ fn hex(v: u64) -> String {
 
 impl SlipWriter {
     /// Starts a model at `target` with the given expert pool layout.
-    pub fn create(target: &Path, layout: ExpertPoolLayout) -> Result<Self> {
-        let parent = match target.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
+    /// Refuses, before writing anything, a target that is not a slipstream
+    /// model (or, with [`Overwrite::Force`], a damaged one); removes what
+    /// dead writers of the same target left beside it.
+    pub fn create(target: &Path, layout: ExpertPoolLayout, overwrite: Overwrite) -> Result<Self> {
+        check_model_target(target, overwrite)?;
+        let tmp = slipstream_outpath::temp_path(target).map_err(|e| FormatError::io(target, e))?;
+        let parent = tmp.parent().map(Path::to_path_buf).unwrap_or_default();
         fs::create_dir_all(&parent).map_err(|e| FormatError::io(&parent, e))?;
-        let file_name = target
-            .file_name()
-            .ok_or_else(|| FormatError::Invalid(format!("bad output path {}", target.display())))?
-            .to_string_lossy()
-            .to_string();
-        let tmp = parent.join(format!(".{file_name}.tmp-{}", std::process::id()));
-        if tmp.exists() {
+        let cleaned = slipstream_outpath::clean_stale_temps(target, &holds_only_model_files)
+            .map_err(|e| FormatError::io(target, e))?;
+        for line in cleaned {
+            tracing::warn!("{line}");
+        }
+        // A crash of this process, and then a new one with the same pid,
+        // may have left our own name behind.
+        if tmp.exists() && holds_only_model_files(&tmp) {
             fs::remove_dir_all(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
         }
         fs::create_dir(&tmp).map_err(|e| FormatError::io(&tmp, e))?;
@@ -96,6 +102,7 @@ impl SlipWriter {
             .map_err(|e| FormatError::io(&experts_path, e))?;
         Ok(SlipWriter {
             target: target.to_path_buf(),
+            overwrite,
             tmp,
             dense: BufWriter::with_capacity(1 << 22, dense),
             dense_pos: 0,
@@ -193,7 +200,8 @@ impl SlipWriter {
     }
 
     /// Writes the manifest, syncs everything and moves the model into place,
-    /// replacing an older model at the same path.
+    /// replacing an older model at the same path: the old or the new model
+    /// is at the target at every instant.
     pub fn finish(mut self, info: ManifestInfo) -> Result<Manifest> {
         for (layer, row) in self.written.iter().enumerate() {
             if let Some(expert) = row.iter().position(|w| !w) {
@@ -250,22 +258,10 @@ impl SlipWriter {
         self.add_file(MANIFEST_FILE, &json)?;
         sync_dir(&self.tmp)?;
 
-        // Swap into place: an old model is moved aside first and removed last,
-        // so a crash leaves either the old or the new model, never a mix.
-        let old = self.tmp.with_extension("old");
-        let had_old = self.target.exists();
-        if had_old {
-            fs::rename(&self.target, &old).map_err(|e| FormatError::io(&self.target, e))?;
-        }
-        fs::rename(&self.tmp, &self.target).map_err(|e| FormatError::io(&self.target, e))?;
-        if let Some(parent) = self.target.parent() {
-            if !parent.as_os_str().is_empty() {
-                sync_dir(parent)?;
-            }
-        }
-        if had_old {
-            let _ = fs::remove_dir_all(&old);
-        }
+        // Whatever appeared at the target while we wrote gets the same check.
+        check_model_target(&self.target, self.overwrite)?;
+        slipstream_outpath::replace(&self.tmp, &self.target)
+            .map_err(|e| FormatError::io(&self.target, e))?;
         self.finished = true;
         Ok(manifest)
     }

@@ -53,7 +53,7 @@ fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
             ("down".into(), q4, [64, 64]),
         ],
     };
-    let mut w = SlipWriter::create(&target, layout).unwrap();
+    let mut w = SlipWriter::create(&target, layout, Default::default()).unwrap();
     w.add_dense(
         "embed",
         QuantType::F32,
@@ -219,6 +219,7 @@ fn unfinished_writer_leaves_nothing() {
                     ("down".into(), QuantType::F32, [4, 1]),
                 ],
             },
+            Default::default(),
         )
         .unwrap();
         w.add_dense("a", QuantType::F32, [1, 1], &[0; 4]).unwrap();

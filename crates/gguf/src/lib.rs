@@ -23,8 +23,9 @@ mod types;
 mod writer;
 
 pub use reader::{GgufFile, TensorInfo};
+pub use slipstream_outpath::Overwrite;
 pub use types::{GgmlType, Value, ValueType};
-pub use writer::{GgufWriter, TensorDecl};
+pub use writer::{check_gguf_target, GgufWriter, TensorDecl};
 
 /// Magic bytes at offset 0.
 pub const MAGIC: [u8; 4] = *b"GGUF";

@@ -58,7 +58,13 @@ fn sample_tensors() -> Vec<(TensorDecl, Vec<u8>)> {
 
 fn write_sample(path: &std::path::Path, meta: &[(String, Value)]) {
     let t = sample_tensors();
-    let mut w = GgufWriter::create(path, meta, t.iter().map(|x| x.0.clone()).collect()).unwrap();
+    let mut w = GgufWriter::create(
+        path,
+        meta,
+        t.iter().map(|x| x.0.clone()).collect(),
+        Default::default(),
+    )
+    .unwrap();
     for (d, bytes) in &t {
         // Stream in small pieces to exercise partial writes.
         if d.name == "a.weight" {
@@ -118,7 +124,13 @@ fn incomplete_writer_leaves_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("m.gguf");
     let t = sample_tensors();
-    let mut w = GgufWriter::create(&path, &[], t.iter().map(|x| x.0.clone()).collect()).unwrap();
+    let mut w = GgufWriter::create(
+        &path,
+        &[],
+        t.iter().map(|x| x.0.clone()).collect(),
+        Default::default(),
+    )
+    .unwrap();
     w.write_tensor("a.weight", &t[0].1).unwrap();
     let e = w.write_tensor("norm", &[0; 6]).unwrap_err().to_string();
     assert!(e.contains("out of order"), "{e}");
@@ -225,7 +237,7 @@ fn unknown_value_type_and_bad_alignment() {
     let path = dir.path().join("m.gguf");
     let mut meta = sample_meta();
     meta.push((ALIGNMENT_KEY.into(), Value::U32(48)));
-    let e = GgufWriter::create(&path, &meta, vec![])
+    let e = GgufWriter::create(&path, &meta, vec![], Default::default())
         .err()
         .unwrap()
         .to_string();
@@ -240,6 +252,7 @@ fn misaligned_row_rejected() {
         &path,
         &[],
         vec![TensorDecl::new("x", &[40, 2], GgmlType::Q4_0)],
+        Default::default(),
     )
     .err()
     .unwrap()
@@ -257,4 +270,44 @@ fn type_table() {
     assert_eq!(GgmlType::Q6_K.row_bytes(512), Some(420));
     assert_eq!(GgmlType::BF16.row_bytes(3), Some(6));
     assert_eq!(GgmlType::Q8_0.row_bytes(33), None);
+}
+
+/// The writer replaces a valid GGUF, a damaged one only with force, and
+/// never a file that is not GGUF or a directory; dead writers' temps go.
+#[test]
+fn output_replaces_only_gguf_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let meta = sample_meta();
+    let path = dir.path().join("m.gguf");
+    let create = |overwrite| GgufWriter::create(&path, &meta, vec![], overwrite);
+
+    std::fs::write(&path, b"my notes, not a model").unwrap();
+    for overwrite in [Overwrite::VerifiedOnly, Overwrite::Force] {
+        let e = create(overwrite).err().unwrap().to_string();
+        assert!(e.contains("not a GGUF file"), "{e}");
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), b"my notes, not a model");
+
+    std::fs::remove_file(&path).unwrap();
+    write_sample(&path, &meta);
+    write_sample(&path, &meta); // a valid GGUF is replaced
+
+    let good = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &good[..40]).unwrap();
+    let e = create(Overwrite::VerifiedOnly).err().unwrap().to_string();
+    assert!(e.contains("damaged") && e.contains("--force"), "{e}");
+    assert_eq!(std::fs::read(&path).unwrap().len(), 40);
+    let stale = dir.path().join(".m.gguf.tmp-9999999");
+    std::fs::write(&stale, b"GGUF half").unwrap();
+    create(Overwrite::Force).unwrap().finish().unwrap();
+    assert!(GgufFile::open(&path).is_ok());
+    assert!(!stale.exists());
+
+    let sub = dir.path().join("d.gguf");
+    std::fs::create_dir(&sub).unwrap();
+    let e = GgufWriter::create(&sub, &meta, vec![], Overwrite::Force)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not a regular file"), "{e}");
 }

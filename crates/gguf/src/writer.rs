@@ -7,8 +7,12 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use slipstream_outpath::Overwrite;
+
 use crate::types::{GgmlType, Value};
-use crate::{align_up, GgufError, Result, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC, VERSION};
+use crate::{
+    align_up, GgufError, GgufFile, Result, ALIGNMENT_KEY, DEFAULT_ALIGNMENT, MAGIC, VERSION,
+};
 
 /// A tensor to be written.
 #[derive(Debug, Clone, PartialEq)]
@@ -39,6 +43,7 @@ struct Slot {
 /// Streaming GGUF writer; see the module doc.
 pub struct GgufWriter {
     target: PathBuf,
+    overwrite: Overwrite,
     tmp: PathBuf,
     out: BufWriter<File>,
     slots: Vec<Slot>,
@@ -49,6 +54,45 @@ pub struct GgufWriter {
     /// Bytes written to the data section so far.
     data_pos: u64,
     finished: bool,
+}
+
+/// Whether `path` is a regular file that starts like a GGUF (or is empty: a
+/// writer killed before its first flush).
+fn is_gguf_leftover(path: &Path) -> bool {
+    fs::symlink_metadata(path)
+        .is_ok_and(|m| m.is_file() && (m.len() == 0 || crate::is_gguf_file(path)))
+}
+
+/// Checks that writing a GGUF to `target` loses nothing the user did not
+/// ask to replace: only a file that opens as a valid GGUF is replaced, a
+/// damaged GGUF with [`Overwrite::Force`]. Touches nothing.
+pub fn check_gguf_target(target: &Path, overwrite: Overwrite) -> Result<()> {
+    let refuse = |why: &str| {
+        Err(GgufError::Invalid {
+            path: target.display().to_string(),
+            what: format!(
+                "{why}; nothing was written or removed. Choose another --output, or remove it yourself"
+            ),
+        })
+    };
+    let meta = match fs::symlink_metadata(target) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io(target, e)),
+    };
+    if !meta.is_file() {
+        return refuse("exists and is not a regular file");
+    }
+    if !crate::is_gguf_file(target) {
+        return refuse("exists and is not a GGUF file");
+    }
+    match GgufFile::open(target) {
+        Ok(_) => Ok(()),
+        Err(_) if overwrite == Overwrite::Force => Ok(()),
+        Err(e) => refuse(&format!(
+            "is a damaged GGUF file ({e}); pass --force to replace it"
+        )),
+    }
 }
 
 fn io(path: &Path, e: std::io::Error) -> GgufError {
@@ -101,6 +145,7 @@ impl GgufWriter {
         target: &Path,
         metadata: &[(String, Value)],
         tensors: Vec<TensorDecl>,
+        overwrite: Overwrite,
     ) -> Result<Self> {
         let bad = |what: String| GgufError::Invalid {
             path: target.display().to_string(),
@@ -161,20 +206,16 @@ impl GgufWriter {
         let data_start = align_up(head.len() as u64, alignment);
         head.resize(data_start as usize, 0);
 
-        let dir = target.parent().filter(|p| !p.as_os_str().is_empty());
-        let fname = target
-            .file_name()
-            .ok_or_else(|| bad("the output path has no file name".into()))?;
-        let tmp_name = format!(".{}.tmp-{}", fname.to_string_lossy(), std::process::id());
-        let tmp = match dir {
-            Some(d) => d.join(tmp_name),
-            None => PathBuf::from(tmp_name),
-        };
+        check_gguf_target(target, overwrite)?;
+        let tmp = slipstream_outpath::temp_path(target).map_err(|e| io(target, e))?;
+        slipstream_outpath::clean_stale_temps(target, &is_gguf_leftover)
+            .map_err(|e| io(target, e))?;
         let file = File::create(&tmp).map_err(|e| io(&tmp, e))?;
         let mut out = BufWriter::with_capacity(8 << 20, file);
         out.write_all(&head).map_err(|e| io(&tmp, e))?;
         Ok(GgufWriter {
             target: target.to_path_buf(),
+            overwrite,
             tmp,
             out,
             slots,
@@ -272,12 +313,8 @@ impl GgufWriter {
         let file = self.out.get_ref();
         file.sync_all().map_err(|e| io(&self.tmp, e))?;
         let size = file.metadata().map_err(|e| io(&self.tmp, e))?.len();
-        fs::rename(&self.tmp, &self.target).map_err(|e| io(&self.target, e))?;
-        if let Some(dir) = self.target.parent().filter(|p| !p.as_os_str().is_empty()) {
-            if let Ok(d) = File::open(dir) {
-                let _ = d.sync_all();
-            }
-        }
+        check_gguf_target(&self.target, self.overwrite)?;
+        slipstream_outpath::replace(&self.tmp, &self.target).map_err(|e| io(&self.target, e))?;
         self.finished = true;
         Ok(size)
     }

@@ -144,6 +144,7 @@ fn main() -> ExitCode {
             &RepackOptions {
                 input: args.input.clone(),
                 output: output.clone(),
+                overwrite: Default::default(),
                 quant,
             },
             &|_| {},

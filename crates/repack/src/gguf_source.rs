@@ -877,6 +877,7 @@ pub(crate) fn repack_gguf(
             num_experts: e_count,
             parts: layout.clone(),
         },
+        opts.overwrite,
     )?;
     let mut bytes_in = 0u64;
     let mut li = 0usize;
@@ -1026,13 +1027,14 @@ mod tests {
             "general.architecture".to_string(),
             Value::String("llama".into()),
         )];
-        GgufWriter::create(&path, &meta, vec![])
+        GgufWriter::create(&path, &meta, vec![], Default::default())
             .unwrap()
             .finish()
             .unwrap();
         let opts = |input: std::path::PathBuf| RepackOptions {
             input,
             output: dir.path().join("out.slip"),
+            overwrite: Default::default(),
             quant: Default::default(),
         };
         assert!(is_gguf(&path));
@@ -1083,6 +1085,7 @@ mod tests {
                 TensorDecl::new("a", &dims, GgmlType::F32),
                 TensorDecl::new("b", &dims, GgmlType::Q8_0),
             ],
+            Default::default(),
         )
         .unwrap();
         w.write(&f32s).unwrap();

@@ -61,7 +61,9 @@ use safetensors::Dtype;
 use serde_json::Value;
 use slipstream_core::config::LayerKind;
 use slipstream_core::{Architecture, ModelConfig, QuantType, ScaleType};
-use slipstream_format::{ExpertPoolLayout, FormatError, ManifestInfo, SlipWriter, SourceInfo};
+use slipstream_format::{
+    ExpertPoolLayout, FormatError, ManifestInfo, Overwrite, SlipWriter, SourceInfo,
+};
 
 use crate::config::RawConfig;
 use crate::convert::{dtype_bytes, encode, PartSrc};
@@ -114,9 +116,13 @@ impl std::str::FromStr for QuantChoice {
 pub struct RepackOptions {
     /// Checkpoint directory (`config.json` + safetensors).
     pub input: PathBuf,
-    /// Model directory to create (replaced atomically if it exists).
+    /// Model directory to create. An existing slipstream model there is
+    /// replaced atomically; anything else is refused (see `overwrite`).
     pub output: PathBuf,
     pub quant: QuantChoice,
+    /// What an existing output may be: a verified model, or also a damaged
+    /// one (`--force`).
+    pub overwrite: Overwrite,
 }
 
 /// Kind of checkpoint read.
@@ -233,6 +239,9 @@ pub enum RepackError {
     UnexpectedTensor { name: String, message: String },
     #[error("unsupported checkpoint: {0}")]
     Unsupported(String),
+    /// The output path would lose data the user did not ask to replace.
+    #[error("{0}")]
+    Output(String),
     #[error("writing the model: {0}")]
     Format(#[from] FormatError),
 }
@@ -958,6 +967,10 @@ enum Msg {
 /// Converts `opts.input` into a `.slip` model at `opts.output`, calling
 /// `progress` from this thread as work completes.
 pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<RepackReport> {
+    // Before reading anything: the output must not destroy the input or
+    // anything that is not a model.
+    slipstream_outpath::check_disjoint(&opts.input, &opts.output).map_err(RepackError::Output)?;
+    slipstream_format::check_model_target(&opts.output, opts.overwrite)?;
     // A GGUF file (detected by its magic) keeps its own tensor types.
     if gguf_source::is_gguf(&opts.input) {
         return gguf_source::repack_gguf(opts, progress);
@@ -1025,7 +1038,7 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         num_experts: cfg.num_experts,
         parts: plan.expert_layout.clone(),
     };
-    let mut writer = SlipWriter::create(&opts.output, layout)?;
+    let mut writer = SlipWriter::create(&opts.output, layout, opts.overwrite)?;
     let record_bytes = writer.pool().record_bytes.max(1) as usize;
     // Experts converted together: enough to keep every core busy, bounded
     // to ~256 MiB of output per batch.

@@ -19,6 +19,7 @@ fn run(input: &Path, output: &Path, quant: QuantChoice) -> Result<RepackReport> 
         &RepackOptions {
             input: input.to_path_buf(),
             output: output.to_path_buf(),
+            overwrite: Default::default(),
             quant,
         },
         &|_| {},
@@ -469,6 +470,7 @@ fn progress_events_add_up() {
         &RepackOptions {
             input: input.clone(),
             output: d.path().join("out"),
+            overwrite: Default::default(),
             quant: QuantChoice::default(),
         },
         &|e| events.borrow_mut().push(e),

@@ -22,6 +22,7 @@ fn demo_model() -> PathBuf {
             &slipstream_repack::RepackOptions {
                 input: root.join("models/demo"),
                 output: target.clone(),
+                overwrite: Default::default(),
                 quant: slipstream_repack::QuantChoice::Q4,
             },
             &|_| {},

@@ -508,7 +508,7 @@ pub fn synthesize_gguf(
         opts.preset_name, opts.seed
     );
     let meta = metadata(cfg, &name);
-    let mut w = GgufWriter::create(&opts.output, &meta, decls).map_err(gguf_err)?;
+    let mut w = GgufWriter::create(&opts.output, &meta, decls, opts.overwrite).map_err(gguf_err)?;
     let put = |w: &mut GgufWriter, d: Dense| -> crate::Result<()> {
         let bytes = forward(cfg, d);
         w.write(&bytes).map_err(gguf_err)?;

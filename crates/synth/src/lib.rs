@@ -206,6 +206,9 @@ pub struct SynthOptions {
     pub preset_name: String,
     /// Experts generated per batch (parallel), written in order.
     pub batch: usize,
+    /// What an existing output may be: a verified model of the same format,
+    /// or also a damaged one (`--force`).
+    pub overwrite: slipstream_format::Overwrite,
 }
 
 /// Storage of the generated matrices.
@@ -730,7 +733,7 @@ pub fn synthesize_q(
         quant,
     };
     let layout = expert_layout_q(cfg, quant);
-    let mut w = SlipWriter::create(&opts.output, layout)?;
+    let mut w = SlipWriter::create(&opts.output, layout, opts.overwrite)?;
     let record_bytes = w.pool().record_bytes;
     let n_layers = cfg.num_layers();
     let expert_total = record_bytes * (n_layers * cfg.num_experts) as u64;
@@ -885,5 +888,6 @@ pub fn options(
         output: output.to_path_buf(),
         preset_name: preset.name().to_string(),
         batch: 32,
+        overwrite: Default::default(),
     }
 }

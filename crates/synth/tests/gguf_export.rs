@@ -55,6 +55,7 @@ fn opts(cfg: &ModelConfig, out: std::path::PathBuf) -> SynthOptions {
         output: out,
         preset_name: "tiny".into(),
         batch: 5,
+        overwrite: Default::default(),
     }
 }
 
@@ -72,6 +73,7 @@ fn gguf_export_imports_back_to_the_q4_0_slip() {
             &slipstream_repack::RepackOptions {
                 input: gguf.clone(),
                 output: imported.clone(),
+                overwrite: Default::default(),
                 quant: Default::default(),
             },
             &|_| {},

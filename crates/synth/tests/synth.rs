@@ -51,6 +51,7 @@ fn write(
         output: out.clone(),
         preset_name: "tiny".into(),
         batch: 7,
+        overwrite: Default::default(),
     };
     synthesize(&opts, &|_| {}).unwrap();
     out

@@ -18,6 +18,7 @@ pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
         &RepackOptions {
             input: fixture(name),
             output: out.clone(),
+            overwrite: Default::default(),
             quant,
         },
         &|_| {},
