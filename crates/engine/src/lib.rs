@@ -9,6 +9,7 @@ pub mod npy;
 pub mod prompt_cache;
 pub mod sampler;
 pub mod snapshot;
+pub mod state_cache;
 pub mod text;
 
 use std::path::Path;
@@ -30,6 +31,7 @@ pub use guard::{default_memory_limit, GrowthPrediction};
 pub use prompt_cache::PromptCache;
 pub use sampler::{Sampler, SamplingParams};
 pub use snapshot::{Snapshot, SnapshotError, SnapshotExpect};
+pub use state_cache::{Checkpoint, Restored, StateCache, StateCacheStats};
 pub use text::{ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
 
 #[derive(Debug, thiserror::Error)]
@@ -137,6 +139,42 @@ pub struct Engine {
     phases: Option<PhaseTimes>,
     /// The CUDA backend, when [`Engine::set_backend`] chose it.
     cuda: Option<slipstream_cuda::CudaModel>,
+    /// Checkpoints being taken for a [`StateCache`] during
+    /// [`Engine::generate_cached`].
+    checkpoints: Option<CheckpointCollector>,
+}
+
+/// Checkpoints of the conversation being generated.
+struct CheckpointCollector {
+    /// Take one at every multiple of this position inside a prefill.
+    interval: usize,
+    taken: Vec<Arc<Checkpoint>>,
+}
+
+/// The pieces a prefill of `len` tokens starting at position `base` runs
+/// in: `(start, end, chunk_end)` with offsets into the prefilled tokens.
+/// Chunks of `chunk` tokens from the start of the call, each split further
+/// where an absolute position is a multiple of `interval`; `chunk_end`
+/// marks the ends of the chunks themselves.
+fn prefill_pieces(
+    base: usize,
+    len: usize,
+    chunk: usize,
+    interval: Option<usize>,
+) -> Vec<(usize, usize, bool)> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < len {
+        let chunk_end = (start / chunk + 1) * chunk;
+        let mut end = chunk_end.min(len);
+        if let Some(n) = interval.filter(|&n| n > 0) {
+            let next = ((base + start) / n + 1) * n - base;
+            end = end.min(next);
+        }
+        out.push((start, end, end == chunk_end.min(len)));
+        start = end;
+    }
+    out
 }
 
 /// Where the model runs (`slipstream run --backend`).
@@ -276,6 +314,7 @@ impl Engine {
             prefill_hook: None,
             phases: None,
             cuda: None,
+            checkpoints: None,
         })
     }
 
@@ -676,18 +715,21 @@ impl Engine {
         let chunk = self.config.prefill_chunk.max(1);
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
-        let n_chunks = tokens.len().div_ceil(chunk);
+        let interval = self.checkpoints.as_ref().map(|c| c.interval);
+        let base = state.tokens.len();
+        let pieces = prefill_pieces(base, tokens.len(), chunk, interval);
         let hooked = self.prefill_hook.is_some();
         let _release = heap::ReleaseOnDrop;
-        for (i, piece) in tokens.chunks(chunk).enumerate() {
-            let last = i + 1 == n_chunks;
+        for (i, &(start, end, chunk_end)) in pieces.iter().enumerate() {
+            let piece = &tokens[start..end];
+            let last = end == tokens.len();
             if cancelled() {
                 // The state is valid for the chunks done, but its logits
                 // are not those of its last token any more.
                 state.last_logits.clear();
                 return Ok(None);
             }
-            let remaining = tokens.len() - i * chunk;
+            let remaining = tokens.len() - start;
             if i > 0 {
                 heap::release_freed();
             }
@@ -698,12 +740,16 @@ impl Engine {
                 tokens.len(),
                 want == Logits::All,
             )?;
+            // A state cache checkpoint: at interval multiples and at the
+            // end of the prompt.
+            let checkpoint_here = interval.is_some_and(|n| last || (base + end).is_multiple_of(n));
             // The last row is always computed on the last chunk (the state's
-            // next-token distribution, kept for reuse and snapshots), and on
-            // every chunk when a hook may snapshot the boundary.
+            // next-token distribution, kept for reuse and snapshots), on
+            // every chunk when a hook may snapshot the boundary, and where a
+            // checkpoint is taken.
             let w = match want {
                 Logits::All => Logits::All,
-                _ if last || hooked => Logits::Last,
+                _ if last || (hooked && chunk_end) || checkpoint_here => Logits::Last,
                 _ => Logits::None,
             };
             let logits = self.run_model(state, piece, w, true)?;
@@ -713,7 +759,12 @@ impl Engine {
             } else {
                 state.last_logits = logits[logits.len() - vocab..].to_vec();
             }
-            if let Some(mut hook) = self.prefill_hook.take() {
+            if checkpoint_here {
+                if let (Some(c), Some(cp)) = (self.checkpoints.as_mut(), Checkpoint::of(state)) {
+                    c.taken.push(Arc::new(cp));
+                }
+            }
+            if let (true, Some(mut hook)) = (chunk_end, self.prefill_hook.take()) {
                 let resident = self.store.inner.resident_experts();
                 hook(&PrefillCheckpoint {
                     state,
@@ -748,6 +799,66 @@ impl Engine {
                 ..Default::default()
             },
         }
+    }
+
+    /// Tokens between [`StateCache`] checkpoints inside a prefill for this
+    /// model (see [`state_cache::default_checkpoint_interval`]).
+    pub fn default_checkpoint_interval(&self) -> usize {
+        let state = self.new_state();
+        let kv_per_token: usize = state
+            .layers
+            .iter()
+            .map(|l| match l {
+                slipstream_models::state::LayerState::Attn(a) => a.kv_dim * 2 * 4,
+                slipstream_models::state::LayerState::Linear(_) => 0,
+            })
+            .sum();
+        state_cache::default_checkpoint_interval(
+            state_cache::checkpoint_bytes(&state, self.model.config.vocab_size),
+            kv_per_token,
+        )
+    }
+
+    /// Generates from a state `cache` restored for this prompt (see
+    /// [`StateCache::restore`]), taking checkpoints at the cache's interval
+    /// inside the prefill and at the end of the prompt, and keeps the
+    /// conversation (prompt and reply) in `cache` afterwards. The output is
+    /// the same as from a fresh state: every restore point is a state an
+    /// uninterrupted prefill passes through.
+    pub fn generate_cached(
+        &mut self,
+        cache: &mut StateCache,
+        restored: Restored,
+        req: &GenerateRequest,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Generation, EngineError> {
+        let Restored {
+            mut state,
+            checkpoints,
+            resident,
+        } = restored;
+        if let Some(resident) = resident.filter(|_| !state.tokens.is_empty()) {
+            if let Err(e) = self.warm_experts(&resident) {
+                tracing::warn!("warming the expert cache failed: {e}");
+            }
+        }
+        let mut checkpoints = checkpoints;
+        // A prompt restored whole runs no prefill, so its end is kept here.
+        let at_prompt_end = state.tokens.len() == req.prompt.len();
+        if at_prompt_end && checkpoints.last().map(|c| c.position) != Some(req.prompt.len()) {
+            checkpoints.extend(Checkpoint::of(&state).map(Arc::new));
+        }
+        self.checkpoints = Some(CheckpointCollector {
+            interval: cache.interval(),
+            taken: checkpoints,
+        });
+        let result = self.generate_with_state(&mut state, req, on_token);
+        let taken = self.checkpoints.take().map(|c| c.taken).unwrap_or_default();
+        if result.is_ok() {
+            let prompt_end = req.prompt.len().min(state.tokens.len());
+            cache.insert(state, taken, prompt_end, self.resident_experts());
+        }
+        result
     }
 
     /// Generates from a fresh state. `on_token(id)` is called as each token

@@ -1,0 +1,142 @@
+//! The state cache through the engine: an agent-shaped conversation (turns
+//! whose earlier replies the template re-renders, side requests in between)
+//! reuses what it shares, and every output equals a fresh run of the same
+//! prompt bit for bit, at checkpoints inside prefill chunks and on their
+//! boundaries, on a hybrid (Gated DeltaNet) and a pure-attention model.
+
+mod common;
+
+use std::path::Path;
+
+use common::repacked;
+use slipstream_engine::{
+    Engine, EngineConfig, GenerateRequest, Generation, SamplingParams, StateCache, StoreChoice,
+};
+use slipstream_repack::QuantChoice;
+use slipstream_store::StreamConfig;
+
+fn engine(model: &Path, chunk: usize) -> Engine {
+    Engine::open(
+        model,
+        EngineConfig {
+            prefill_chunk: chunk,
+            store: StoreChoice::Streaming(StreamConfig {
+                slots: 4,
+                ..Default::default()
+            }),
+            route_trace: None,
+        },
+    )
+    .unwrap()
+}
+
+fn request(prompt: Vec<u32>) -> GenerateRequest {
+    GenerateRequest {
+        prompt,
+        max_new_tokens: 6,
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 11,
+            ..Default::default()
+        },
+        stop_tokens: vec![],
+        keep_logits: true,
+        cancel: None,
+    }
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Runs `prompt` through the cache and checks it against a fresh run:
+/// same tokens, same logits rows from the first prefilled token on.
+fn turn(e: &mut Engine, cache: &mut StateCache, model: &Path, prompt: &[u32]) -> Generation {
+    let restored = cache.restore(prompt, e.new_state());
+    let g = e
+        .generate_cached(cache, restored, &request(prompt.to_vec()), &mut |_| true)
+        .unwrap();
+    let fresh = engine(model, 4096)
+        .generate(&request(prompt.to_vec()), &mut |_| true)
+        .unwrap();
+    let vocab = e.model_config().vocab_size;
+    assert_eq!(
+        g.tokens, fresh.tokens,
+        "tokens after reusing {}",
+        g.stats.reused_prompt_tokens
+    );
+    assert!(
+        same_bits(
+            &g.logits,
+            &fresh.logits[g.stats.reused_prompt_tokens * vocab..]
+        ),
+        "logits after reusing {}",
+        g.stats.reused_prompt_tokens
+    );
+    g
+}
+
+fn tokens(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + 11 + salt * 101) % 500)
+        .collect()
+}
+
+#[test]
+fn an_agent_conversation_reuses_what_it_shares_and_matches_fresh_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, quant, hybrid) in [
+        ("qwen3_5_moe_fused", QuantChoice::Q4, true),
+        ("qwen3_moe", QuantChoice::F32, false),
+    ] {
+        let model = repacked(name, quant, tmp.path());
+        // Chunks of 5, checkpoints every 4 (inside chunks) and every 5 (on
+        // chunk boundaries).
+        for interval in [4, 5] {
+            let mut e = engine(&model, 5);
+            let mut cache = StateCache::new(1 << 30, interval);
+            let turn1 = tokens(23, 0);
+            let g1 = turn(&mut e, &mut cache, &model, &turn1);
+            assert_eq!(g1.stats.reused_prompt_tokens, 0);
+
+            // A side request sharing the first 11 tokens (a title request).
+            let mut side = turn1[..11].to_vec();
+            side.extend(tokens(6, 1));
+            let g = turn(&mut e, &mut cache, &model, &side);
+            let want = if hybrid { 11 / interval * interval } else { 11 };
+            assert_eq!(
+                g.stats.reused_prompt_tokens, want,
+                "{name} side, every {interval}"
+            );
+
+            // Turn 2: the template re-renders turn 1's reply differently
+            // (drops its reasoning): the prompt diverges where the reply
+            // began, so the checkpoint at the end of turn 1's prompt serves.
+            let mut turn2 = turn1.clone();
+            turn2.extend(tokens(3, 2));
+            turn2.extend(tokens(7, 3));
+            let g2 = turn(&mut e, &mut cache, &model, &turn2);
+            assert_eq!(
+                g2.stats.reused_prompt_tokens, 23,
+                "{name} turn 2, every {interval}"
+            );
+
+            // Turn 3 repeats turn 2's reply exactly: all of turn 2 is reused.
+            let mut turn3 = turn2.clone();
+            turn3.extend(&g2.tokens);
+            turn3.extend(tokens(4, 4));
+            let g3 = turn(&mut e, &mut cache, &model, &turn3);
+            assert_eq!(
+                g3.stats.reused_prompt_tokens,
+                turn2.len() + g2.tokens.len() - 1,
+                "{name} turn 3, every {interval}"
+            );
+            // The side request's entry is still there for its next turn.
+            let mut side2 = side.clone();
+            side2.push(7);
+            let restored = cache.restore(&side2, e.new_state());
+            assert!(restored.state.tokens.len() >= side.len() - 1, "{name}");
+        }
+    }
+}
