@@ -8,7 +8,7 @@ mod common;
 
 use std::path::Path;
 
-use common::repacked;
+use common::{prompt, repacked};
 use slipstream_engine::{
     Engine, EngineConfig, GenerateRequest, Generation, SamplingParams, StateCache, StoreChoice,
 };
@@ -96,7 +96,7 @@ fn an_agent_conversation_reuses_what_it_shares_and_matches_fresh_runs() {
         for interval in [4, 5] {
             let mut e = engine(&model, 5);
             let mut cache = StateCache::new(1 << 30, interval);
-            let turn1 = tokens(23, 0);
+            let turn1 = prompt();
             let g1 = turn(&mut e, &mut cache, &model, &turn1);
             assert_eq!(g1.stats.reused_prompt_tokens, 0);
 
