@@ -72,6 +72,16 @@ pub struct ServeArgs {
     /// Most bytes the prompt cache holds (least recently used evicted).
     #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
     pub prompt_cache_size: u64,
+    /// Most memory the RAM cache of conversation states holds, e.g. 4G
+    /// (0 turns it off). Agents' turns restore from it and prefill only
+    /// their new tokens. Default: a quarter of the available memory, at
+    /// most 8G.
+    #[arg(long, value_parser = parse_size_arg)]
+    pub state_cache_ram: Option<u64>,
+    /// Tokens between state checkpoints inside a prompt (default: the
+    /// model's, where the checkpoints of a long prompt cost at most its KV).
+    #[arg(long)]
+    pub state_checkpoint_interval: Option<usize>,
     /// TEST FACILITY, not for use: each request replies with the next text
     /// of this JSON file (a list of strings), verbatim, instead of sampling
     /// from the model. Lets tests drive tool calls through the wire formats.
@@ -161,6 +171,10 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
                 .prompt_cache
                 .clone()
                 .map(|dir| (dir, args.prompt_cache_size)),
+            state_cache: slipstream_server::StateCacheSpec {
+                max_bytes: args.state_cache_ram,
+                checkpoint_interval: args.state_checkpoint_interval.map(|n| n.max(1)),
+            },
         },
     };
     Ok((config, backend))

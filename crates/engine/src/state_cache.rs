@@ -319,23 +319,19 @@ impl StateCache {
         self.evict();
     }
 
+    /// Evicts until the cache fits, keeping at least one entry (the most
+    /// valuable), as the server's one kept state did before this cache.
     fn evict(&mut self) {
-        while !self.entries.is_empty() && self.stats().bytes > self.max_bytes {
+        while self.entries.len() > 1 && self.stats().bytes > self.max_bytes {
             let clock = self.clock;
-            let worst = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by(|(_, a), (_, b)| {
-                    let score = |e: &Entry| {
-                        e.state.tokens.len() as f64 / (1 + clock - e.last_use.min(clock)) as f64
-                    };
-                    score(a).total_cmp(&score(b))
-                })
-                .map(|(i, _)| i);
+            let score = |e: &Entry| {
+                e.state.tokens.len() as f64 / (1 + clock - e.last_use.min(clock)) as f64
+            };
+            let worst = (0..self.entries.len())
+                .min_by(|&a, &b| score(&self.entries[a]).total_cmp(&score(&self.entries[b])));
             match worst {
                 Some(i) => {
-                    self.entries.swap_remove(i);
+                    self.entries.remove(i);
                 }
                 None => break,
             }

@@ -16,8 +16,9 @@ use std::ffi::OsStr;
 use std::fs;
 use std::io;
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Infix of temp names: `.NAME.tmp-PID` (and `.NAME.tmp-PID.old`).
+/// Infix of temp names: `.NAME.tmp-PID[-SEQ]` (and the same with `.old`).
 const TMP_INFIX: &str = ".tmp-";
 /// Suffix of an old output moved aside by the non-atomic fallback of [`replace`].
 const OLD_SUFFIX: &str = ".old";
@@ -41,11 +42,16 @@ fn file_name_of(target: &Path) -> io::Result<String> {
         })
 }
 
-/// The hidden path beside `target` this process writes into:
-/// `DIR/.NAME.tmp-PID`.
+/// Writers started in this process, so two writers of one target in one
+/// process never share a temp path.
+static WRITERS: AtomicU64 = AtomicU64::new(0);
+
+/// A fresh hidden path beside `target` for one writer of this process:
+/// `DIR/.NAME.tmp-PID-SEQ`.
 pub fn temp_path(target: &Path) -> io::Result<PathBuf> {
     let name = file_name_of(target)?;
-    Ok(parent_of(target).join(format!(".{name}{TMP_INFIX}{}", std::process::id())))
+    let seq = WRITERS.fetch_add(1, Ordering::Relaxed);
+    Ok(parent_of(target).join(format!(".{name}{TMP_INFIX}{}-{seq}", std::process::id())))
 }
 
 /// A leftover beside a target: a temp (`.NAME.tmp-PID`) or an old output
@@ -67,11 +73,17 @@ fn parse_leftover(entry: &OsStr, target_name: &str) -> Option<Leftover> {
         });
     }
     let rest = rest.strip_prefix(TMP_INFIX)?;
-    let (digits, old) = match rest.strip_suffix(OLD_SUFFIX) {
+    let (id, old) = match rest.strip_suffix(OLD_SUFFIX) {
         Some(d) => (d, true),
         None => (rest, false),
     };
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+    let is_number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let digits = match id.split_once('-') {
+        Some((pid, seq)) if is_number(seq) => pid,
+        Some(_) => return None,
+        None => id,
+    };
+    if !is_number(digits) {
         return None;
     }
     Some(Leftover {

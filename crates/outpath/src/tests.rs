@@ -25,6 +25,13 @@ fn leftover_names_parse() {
         })
     );
     assert_eq!(
+        p(".m.slip.tmp-42-7.old"),
+        Some(Leftover {
+            pid: Some(42),
+            old: true
+        })
+    );
+    assert_eq!(
         p(".m.slip.old"),
         Some(Leftover {
             pid: None,
@@ -36,6 +43,8 @@ fn leftover_names_parse() {
         ".m.slip",
         ".m.slip.tmp-",
         ".m.slip.tmp-4x",
+        ".m.slip.tmp-4-",
+        ".m.slip.tmp-4-x",
         ".m.slipx.tmp-4",
         ".other.tmp-4",
     ] {

@@ -29,7 +29,7 @@ use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use slipstream_engine::{Engine, EngineConfig, TextCodec};
+use slipstream_engine::{Engine, EngineConfig, StateCache, TextCodec};
 
 use crate::error::{ApiError, Flavor};
 use crate::worker::{Backend, Info, Worker};
@@ -82,6 +82,8 @@ pub enum BackendSpec {
         path: PathBuf,
         engine: EngineConfig,
         prompt_cache: Option<(PathBuf, u64)>,
+        /// The RAM tier of conversation states above the prompt cache.
+        state_cache: StateCacheSpec,
     },
     /// TEST FACILITY: the model at `path` is opened for its tokenizer and
     /// template only; each request emits the next of `replies` verbatim
@@ -91,6 +93,34 @@ pub enum BackendSpec {
         engine: EngineConfig,
         replies: Vec<String>,
     },
+}
+
+/// Sizing of the RAM state cache (`slipstream_engine::StateCache`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StateCacheSpec {
+    /// Most bytes held; `None`: a quarter of the memory available when the
+    /// model is open, at most 8 GiB. `Some(0)` keeps one conversation only
+    /// (the most valuable: its tokens over its age in requests).
+    pub max_bytes: Option<u64>,
+    /// Tokens between checkpoints inside a prefill; `None`: the model's
+    /// default (`Engine::default_checkpoint_interval`).
+    pub checkpoint_interval: Option<usize>,
+}
+
+impl StateCacheSpec {
+    /// The cache this spec describes for `engine`.
+    fn build(&self, engine: &Engine) -> StateCache {
+        const DEFAULT_CAP: u64 = 8 << 30;
+        let max_bytes = self.max_bytes.unwrap_or_else(|| {
+            slipstream_engine::available_memory()
+                .map(|a| (a / 4).min(DEFAULT_CAP))
+                .unwrap_or(1 << 30)
+        });
+        let interval = self
+            .checkpoint_interval
+            .unwrap_or_else(|| engine.default_checkpoint_interval());
+        StateCache::new(usize::try_from(max_bytes).unwrap_or(usize::MAX), interval)
+    }
 }
 
 /// Shared state of the handlers.
@@ -135,17 +165,18 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
 }
 
 fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)> {
-    let (path, engine_config, replies, prompt_cache) = match spec {
+    let (path, engine_config, replies, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
             engine,
             prompt_cache,
-        } => (path, engine, None, prompt_cache),
+            state_cache,
+        } => (path, engine, None, prompt_cache, state_cache),
         BackendSpec::Script {
             path,
             engine,
             replies,
-        } => (path, engine, Some(replies), None),
+        } => (path, engine, Some(replies), None, StateCacheSpec::default()),
     };
     let mut engine = Engine::open(&path, engine_config)
         .with_context(|| format!("opening model {}", path.display()))?;
@@ -177,7 +208,15 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
         None => None,
     };
     let backend = match replies {
-        None => Backend::Engine(Box::new(engine), cache),
+        None => {
+            let states = state_cache.build(&engine);
+            tracing::info!(
+                "state cache: {} MB, a checkpoint every {} prompt tokens",
+                states.stats().max_bytes >> 20,
+                states.interval()
+            );
+            Backend::Engine(Box::new(engine), cache, Box::new(states))
+        }
         Some(texts) => {
             let mut replies = Vec::new();
             for t in &texts {

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use slipstream_engine::{
-    Engine, FinishReason, GenerateRequest, GenerationStats, PromptCache, SamplingParams, TextCodec,
+    Engine, FinishReason, GenerateRequest, GenerationStats, PromptCache, Restored, SamplingParams,
+    StateCache, TextCodec,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -36,9 +37,10 @@ pub struct Finished {
 
 /// Where tokens come from.
 pub enum Backend {
-    /// The model, with the kept conversation state, and the prompt cache
-    /// that persists it across restarts when configured.
-    Engine(Box<Engine>, Option<Arc<PromptCache>>),
+    /// The model, the prompt cache that persists conversation prefixes
+    /// across restarts when configured, and the RAM cache of conversation
+    /// states above it.
+    Engine(Box<Engine>, Option<Arc<PromptCache>>, Box<StateCache>),
     /// TEST FACILITY (`serve --test-script`): instead of sampling, each
     /// request emits the next of these texts (cycling), tokenized, then
     /// EOS. Lets tests drive tool calls and reasoning through the real wire
@@ -157,10 +159,6 @@ pub struct Info {
 }
 
 fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
-    let mut state = match &backend {
-        Backend::Engine(e, _) => Some(e.new_state()),
-        Backend::Script { .. } => None,
-    };
     while let Ok(job) = rx.recv() {
         st.pending.fetch_sub(1, Ordering::SeqCst);
         if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
@@ -179,7 +177,7 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
             ok && !cancel.load(Ordering::SeqCst)
         };
         let result = match &mut backend {
-            Backend::Engine(engine, cache) => {
+            Backend::Engine(engine, cache, states) => {
                 let req = GenerateRequest {
                     prompt: job.prompt.clone(),
                     max_new_tokens: job.max_new_tokens,
@@ -188,13 +186,14 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                     keep_logits: false,
                     cancel: Some(job.cancel.clone()),
                 };
-                let state = state.get_or_insert_with(|| engine.new_state());
+                let mut restored = states.restore(&job.prompt, engine.new_state());
                 if let Some(cache) = cache {
-                    restore_longest_prefix(engine, cache, state, &job.prompt);
+                    restore_longest_prefix(cache, &mut restored, &job.prompt);
                 }
-                // A panic in the model must not take the server down.
+                // A panic in the model must not take the server down (the
+                // conversation's state is lost with it; the cache keeps the rest).
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine.generate_with_state(state, &req, &mut on_token)
+                    engine.generate_cached(states, restored, &req, &mut on_token)
                 }));
                 match r {
                     Ok(Ok(g)) => Ok(Finished {
@@ -202,10 +201,7 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                         stats: g.stats,
                     }),
                     Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => {
-                        *state = engine.new_state();
-                        Err("internal error in the engine".to_string())
-                    }
+                    Err(_) => Err("internal error in the engine".to_string()),
                 }
             }
             Backend::Script { replies, next, eos } => {
@@ -253,33 +249,26 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
     }
 }
 
-/// Replaces `state` by the prompt cache's longest prefix of `prompt` when
-/// that covers more of the prompt than the kept state does.
-fn restore_longest_prefix(
-    engine: &mut Engine,
-    cache: &PromptCache,
-    state: &mut slipstream_engine::ModelState,
-    prompt: &[u32],
-) {
-    let kept = if prompt.starts_with(&state.tokens) && !state.last_logits.is_empty() {
-        state.tokens.len()
-    } else {
-        0
-    };
+/// Replaces the restored state by the prompt cache's longest prefix of
+/// `prompt` when that covers more of the prompt (after a restart, or when
+/// the RAM tier evicted the conversation).
+fn restore_longest_prefix(cache: &PromptCache, restored: &mut Restored, prompt: &[u32]) {
+    let kept = restored.state.tokens.len();
     if kept >= prompt.len() {
         return;
     }
     if let Some(snap) = cache.lookup(prompt) {
         if snap.state.tokens.len() > kept {
-            if let Err(e) = engine.warm_experts(&snap.resident) {
-                tracing::warn!("warming the expert cache failed: {e}");
-            }
             tracing::info!(
                 "prompt cache: restored {} of {} prompt tokens",
                 snap.state.tokens.len(),
                 prompt.len()
             );
-            *state = snap.state;
+            *restored = Restored {
+                state: snap.state,
+                checkpoints: Vec::new(),
+                resident: Some(snap.resident),
+            };
         }
     }
 }

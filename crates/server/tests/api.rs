@@ -55,6 +55,7 @@ fn server(config: ServerConfig) -> RunningServer {
         config,
         BackendSpec::Model {
             path: demo_model(),
+            state_cache: Default::default(),
             engine: engine(),
             prompt_cache: None,
         },
@@ -536,6 +537,7 @@ fn non_loopback_bind_without_key_is_refused() {
         c,
         BackendSpec::Model {
             path: demo_model(),
+            state_cache: Default::default(),
             engine: engine(),
             prompt_cache: None,
         },
@@ -897,6 +899,7 @@ fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
             config(),
             BackendSpec::Model {
                 path: demo_model(),
+                state_cache: Default::default(),
                 engine: engine(),
                 prompt_cache: Some((cache.path().to_path_buf(), 1 << 30)),
             },

@@ -1,0 +1,179 @@
+//! Agent sessions pay only for new tokens: over both APIs, a conversation's
+//! later turns reuse what they share with it, also after a side request
+//! (a title or memory request sharing only the system prompt) in between.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use slipstream_engine::{EngineConfig, StoreChoice};
+use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
+
+/// The demo model, repacked once per test process.
+fn demo_model() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let model = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("sessions-demo-{}.slip", std::process::id()));
+        slipstream_repack::repack(
+            &slipstream_repack::RepackOptions {
+                input: root.join("models/demo"),
+                output: model.clone(),
+                overwrite: Default::default(),
+                quant: slipstream_repack::QuantChoice::Q4,
+            },
+            &|_| {},
+        )
+        .expect("repacking the demo model");
+        model
+    })
+    .clone()
+}
+
+fn server() -> RunningServer {
+    start(
+        ServerConfig {
+            port: 0,
+            model_id: "demo".into(),
+            ping_interval: Duration::from_millis(200),
+            ..Default::default()
+        },
+        BackendSpec::Model {
+            path: demo_model(),
+            engine: EngineConfig {
+                prefill_chunk: 16,
+                store: StoreChoice::Resident,
+                route_trace: None,
+            },
+            prompt_cache: None,
+            state_cache: StateCacheSpec {
+                max_bytes: Some(1 << 30),
+                checkpoint_interval: Some(8),
+            },
+        },
+    )
+    .expect("server starts")
+}
+
+async fn post(s: &RunningServer, path: &str, body: Value) -> Value {
+    let r = reqwest::Client::new()
+        .post(format!("http://{}{}", s.addr, path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    r.json().await.unwrap()
+}
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+const SYSTEM: &str = "You are a careful coding agent. Read files before you edit them, keep \
+    changes small, and explain what you did in one short paragraph at the end.";
+
+/// The user turns of the conversation; long enough that a missed reuse shows.
+fn user_turn(i: usize) -> String {
+    format!(
+        "Step {i}: the tool printed the following listing of the project, please look at it \
+         and say which file to open next. src/main.rs src/lib.rs src/parse.rs src/render.rs \
+         tests/basic.rs Cargo.toml README.md (turn {i})"
+    )
+}
+
+/// One turn's figures: prompt tokens and reused tokens.
+struct Turn {
+    prompt: u64,
+    reused: u64,
+    reply: String,
+}
+
+async fn openai_turn(s: &RunningServer, history: &[Value]) -> Turn {
+    let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
+    messages.extend_from_slice(history);
+    let r = post(
+        s,
+        "/v1/chat/completions",
+        json!({"model": "demo", "messages": messages, "max_tokens": 12, "temperature": 0}),
+    )
+    .await;
+    Turn {
+        prompt: r["usage"]["prompt_tokens"].as_u64().unwrap(),
+        reused: r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+        reply: r["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .to_string(),
+    }
+}
+
+async fn anthropic_turn(s: &RunningServer, history: &[Value]) -> Turn {
+    let r = post(
+        s,
+        "/v1/messages",
+        json!({"model": "demo", "system": SYSTEM, "messages": history, "max_tokens": 12,
+               "temperature": 0}),
+    )
+    .await;
+    let input = r["usage"]["input_tokens"].as_u64().unwrap();
+    let read = r["usage"]["cache_read_input_tokens"].as_u64().unwrap();
+    Turn {
+        prompt: input + read,
+        reused: read,
+        reply: r["content"][0]["text"].as_str().unwrap_or("").to_string(),
+    }
+}
+
+async fn turn(s: &RunningServer, anthropic: bool, history: &[Value]) -> Turn {
+    if anthropic {
+        anthropic_turn(s, history).await
+    } else {
+        openai_turn(s, history).await
+    }
+}
+
+/// Three turns with a side request before each later one; from turn 2 on,
+/// the reuse covers at least 95 % of the previous turn's prompt (which
+/// every later prompt extends).
+fn session(anthropic: bool) {
+    let s = server();
+    rt().block_on(async {
+        let mut history = vec![json!({"role": "user", "content": user_turn(1)})];
+        let mut previous = turn(&s, anthropic, &history).await;
+        assert_eq!(previous.reused, 0);
+        for i in 2..=3 {
+            let side =
+                vec![json!({"role": "user", "content": "Write a five-word title for this chat."})];
+            turn(&s, anthropic, &side).await;
+            history.push(json!({"role": "assistant", "content": previous.reply.clone()}));
+            history.push(json!({"role": "user", "content": user_turn(i)}));
+            let t = turn(&s, anthropic, &history).await;
+            assert!(
+                t.reused as f64 >= 0.95 * previous.prompt as f64 && t.reused < t.prompt,
+                "turn {i} (anthropic: {anthropic}): reused {} of {}, the previous prompt had {}",
+                t.reused,
+                t.prompt,
+                previous.prompt
+            );
+            previous = t;
+        }
+    });
+}
+
+#[test]
+fn openai_turns_reuse_the_conversation_across_side_requests() {
+    session(false);
+}
+
+#[test]
+fn anthropic_turns_reuse_the_conversation_across_side_requests() {
+    session(true);
+}
