@@ -872,9 +872,11 @@ fn long_prefill_sends_pings_and_cancels_between_chunks() {
         assert!(pings > (full.as_millis() as usize / 200).saturating_sub(2));
 
         // Cut off during the prefill: the engine stops at a chunk boundary.
+        // (A prompt that shares nothing with the first: the state cache
+        // would otherwise resume it and skip the prefill.)
         let client = reqwest::Client::new();
         let mut body = body;
-        body["messages"][0]["content"] = json!(format!("{long} Again."));
+        body["messages"][0]["content"] = json!(format!("Again. {long}"));
         let mut r = client
             .post(url(&s, "/v1/messages"))
             .json(&body)
