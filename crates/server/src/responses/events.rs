@@ -78,6 +78,12 @@ impl ResponseWriter {
         out.push(body);
     }
 
+    /// `response.output_item.added` or `.done` of `item`, the next output.
+    fn item_event(&mut self, out: &mut Vec<Value>, kind: &str, item: &Value) {
+        let index = self.output.len();
+        self.push(out, kind, json!({"output_index": index, "item": item}));
+    }
+
     /// The Response in its present state.
     fn response(&self, status: &str) -> Value {
         let mut r = self.base.clone();
@@ -131,11 +137,7 @@ impl ResponseWriter {
         let mut p = at;
         p["part"] = part;
         self.push(out, "response.content_part.done", p);
-        self.push(
-            out,
-            "response.output_item.done",
-            json!({"output_index": index, "item": item}),
-        );
+        self.item_event(out, "response.output_item.done", &item);
         self.output.push(item);
     }
 
@@ -155,11 +157,7 @@ impl ResponseWriter {
             let mut item = self.item_json(&open, "in_progress");
             let part = item["content"][0].clone();
             item["content"] = json!([]);
-            self.push(
-                out,
-                "response.output_item.added",
-                json!({"output_index": index, "item": item}),
-            );
+            self.item_event(out, "response.output_item.added", &item);
             self.push(
                 out,
                 "response.content_part.added",
@@ -203,11 +201,7 @@ impl ResponseWriter {
             item["namespace"] = namespace.into();
             item["name"] = name.into();
         }
-        self.push(
-            out,
-            "response.output_item.added",
-            json!({"output_index": index, "item": item}),
-        );
+        self.item_event(out, "response.output_item.added", &item);
         self.push(
             out,
             "response.function_call_arguments.delta",
@@ -220,11 +214,7 @@ impl ResponseWriter {
         );
         item["arguments"] = arguments.into();
         item["status"] = "completed".into();
-        self.push(
-            out,
-            "response.output_item.done",
-            json!({"output_index": index, "item": item}),
-        );
+        self.item_event(out, "response.output_item.done", &item);
         self.output.push(item);
     }
 

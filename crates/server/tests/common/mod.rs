@@ -85,28 +85,20 @@ pub fn rt() -> tokio::runtime::Runtime {
 }
 
 pub async fn post(s: &RunningServer, path: &str, body: Value) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(url(s, path))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    let text = r.text().await.unwrap();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")),
-    )
+    json_reply(reqwest::Client::new().post(url(s, path)).json(&body)).await
 }
 
 pub async fn post_raw(s: &RunningServer, path: &str, body: &'static str) -> (u16, Value) {
-    let r = reqwest::Client::new()
+    let req = reqwest::Client::new()
         .post(url(s, path))
         .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+        .body(body);
+    json_reply(req).await
+}
+
+/// Sends `req`; its status and JSON body.
+pub async fn json_reply(req: reqwest::RequestBuilder) -> (u16, Value) {
+    let r = req.send().await.unwrap();
     let status = r.status().as_u16();
     let text = r.text().await.unwrap();
     (
