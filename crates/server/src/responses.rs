@@ -421,6 +421,18 @@ mod tests {
             input::messages(r.instructions.as_deref(), r.input.as_ref().unwrap()).unwrap();
         assert_eq!(messages[0]["role"], "system");
         assert_eq!(messages.iter().filter(|m| m["role"] == "system").count(), 1);
+        // Its second turn: the reasoning and the call form one assistant
+        // turn, the command's output a tool message answering it.
+        let n = messages.len();
+        let (turn, result) = (&messages[n - 2], &messages[n - 1]);
+        assert_eq!(turn["role"], "assistant");
+        assert!(!turn["reasoning_content"].as_str().unwrap().is_empty());
+        let call = &turn["tool_calls"][0];
+        assert_eq!(call["function"]["name"], "exec_command");
+        assert_eq!(call["function"]["arguments"], json!({"cmd": "ls"}));
+        assert_eq!(result["role"], "tool");
+        assert_eq!(result["tool_call_id"], call["id"]);
+        assert!(result["content"].as_str().unwrap().contains("hello.txt"));
         let (tools, routes) = input::tools(r.tools.as_deref().unwrap()).unwrap();
         assert!(tools
             .iter()
