@@ -72,7 +72,14 @@ pub struct ResponsesRequest {
     pub store: Option<bool>,
     /// Echoed.
     pub metadata: Option<Value>,
+    /// Extra output to include. Log probabilities are refused (not
+    /// returned yet); the rest is accepted with nothing to add:
+    /// `reasoning.encrypted_content` because the reasoning comes in clear
+    /// in the item itself, the others because they belong to hosted tools
+    /// this server never runs.
     pub include: Option<Vec<String>>,
+    /// `disabled` (the default) only: a conversation over the context
+    /// limit is an error, never silently cut (`auto`).
     pub truncation: Option<String>,
     // Refused when set: they need stored state or features this server lacks.
     pub previous_response_id: Option<Value>,
@@ -185,7 +192,7 @@ fn thinking(reasoning: Option<&Map<String, Value>>) -> Result<Option<bool>, ApiE
             "only `effort` and `summary` are",
         ));
     }
-    match r.get("effort").and_then(|e| if e.is_null() { None } else { Some(e) }) {
+    match r.get("effort").filter(|e| !e.is_null()) {
         None => Ok(None),
         Some(e) => match e.as_str() {
             Some("none" | "minimal") => Ok(Some(false)),
@@ -273,6 +280,16 @@ fn base(req: &ResponsesRequest, model: &str, temperature: f32, top_p: f32) -> Va
     })
 }
 
+/// Tokens of the reasoning written so far, counted by encoding its text
+/// (the output parser sees text, not tokens).
+fn reasoning_tokens(app: &App, w: &ResponseWriter) -> usize {
+    let text = w.reasoning_text();
+    if text.is_empty() {
+        return 0;
+    }
+    app.codec.encode(&text).map(|t| t.len()).unwrap_or(0)
+}
+
 pub async fn create(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
     match create_inner(app, body).await {
         Ok(r) => r,
@@ -337,24 +354,12 @@ async fn create_inner(
         sampling.top_p,
     );
     let mut w = ResponseWriter::new(base, routes, max_calls);
-    let reasoning_tokens = {
-        let app = app.clone();
-        move |w: &ResponseWriter| {
-            let text = w.reasoning_text();
-            if text.is_empty() {
-                0
-            } else {
-                app.codec.encode(&text).map(|t| t.len()).unwrap_or(0)
-            }
-        }
-    };
     if !req.stream {
         let outcome = gen
             .collect(|ev| drop(w.output(ev)))
             .await
             .map_err(|e| ApiError::internal(F, e))?;
-        let n = reasoning_tokens(&w);
-        let (_, response) = w.finish(&outcome, n);
+        let (_, response) = w.finish(&outcome, reasoning_tokens(&app, &w));
         return Ok(Json(response).into_response());
     }
     let (tx, rx) = mpsc::channel::<String>(64);
@@ -370,10 +375,7 @@ async fn create_inner(
             let (events, end) = match step {
                 Step::Started => (Vec::new(), false),
                 Step::Output(evs) => (evs.into_iter().flat_map(|e| w.output(e)).collect(), false),
-                Step::Done(o) => {
-                    let n = reasoning_tokens(&w);
-                    (w.finish(&o, n).0, true)
-                }
+                Step::Done(o) => (w.finish(&o, reasoning_tokens(&app, &w)).0, true),
                 Step::Failed(e) => (w.fail(&e), true),
             };
             (events.iter().map(sse).collect(), end)
