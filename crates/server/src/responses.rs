@@ -411,6 +411,9 @@ mod tests {
         req(v).unwrap_err().param.unwrap_or_default()
     }
 
+    /// The fixture is Codex CLI 0.171.0's second request of `codex exec
+    /// "list the files here"` (after it ran `ls` for the scripted model),
+    /// long texts trimmed.
     #[test]
     fn the_captured_codex_request_is_accepted() {
         let body: Value = serde_json::from_str(include_str!(
