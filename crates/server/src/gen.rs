@@ -234,6 +234,20 @@ impl Gen {
         }
     }
 
+    /// Runs the generation to its end, handing each output event to `f`;
+    /// the error of a failed generation.
+    pub async fn collect(&mut self, mut f: impl FnMut(OutputEvent)) -> Result<Outcome, String> {
+        loop {
+            match self.next().await {
+                Some(Step::Started) => {}
+                Some(Step::Output(evs)) => evs.into_iter().for_each(&mut f),
+                Some(Step::Done(o)) => return Ok(o),
+                Some(Step::Failed(e)) => return Err(e),
+                None => return Err("generation ended early".into()),
+            }
+        }
+    }
+
     fn feed(&mut self, text: &str) -> Vec<OutputEvent> {
         if text.is_empty() {
             return Vec::new();
@@ -283,6 +297,33 @@ pub async fn next_or_ping(
                     return None;
                 }
             }
+        }
+    }
+}
+
+/// Streams a generation: sends what `on_step` makes of each step (SSE
+/// messages, and whether the stream ends there) with keep-alive `ping`s
+/// between steps, until the stream ends or the client goes away (dropping
+/// `gen` then cancels the job).
+pub async fn pump(
+    mut gen: Gen,
+    tx: mpsc::Sender<String>,
+    ping: &str,
+    interval: std::time::Duration,
+    mut on_step: impl FnMut(Step) -> (Vec<String>, bool),
+) {
+    loop {
+        let Some(Some(step)) = next_or_ping(&mut gen, &tx, ping, interval).await else {
+            return;
+        };
+        let (msgs, end) = on_step(step);
+        for m in msgs {
+            if tx.send(m).await.is_err() {
+                return;
+            }
+        }
+        if end {
+            return;
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The local server: OpenAI (`/v1/chat/completions`, `/v1/completions`,
-//! `/v1/models`) and Anthropic (`/v1/messages`, `/v1/messages/count_tokens`)
+//! `/v1/responses`, `/v1/models`) and Anthropic (`/v1/messages`, `/v1/messages/count_tokens`)
 //! APIs and a chat page at `/`, over one engine running on its own thread.
 //!
 //! The only crate that knows HTTP and wire JSON. One model, one sequence at
@@ -14,6 +14,7 @@ pub mod gen;
 pub mod openai;
 pub mod parse;
 pub mod prompt;
+pub mod responses;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -376,6 +377,11 @@ pub fn router(app: Arc<App>) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::create))
+        .route(
+            "/v1/responses/{id}",
+            get(responses::stored).delete(responses::stored),
+        )
         .route("/v1/models", get(openai::models))
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))

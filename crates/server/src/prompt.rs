@@ -151,6 +151,54 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
     Ok(Rendered { text, in_reasoning })
 }
 
+/// Words that introduce a system message moved into a user turn by
+/// [`normalize_system_messages`].
+pub const SYSTEM_NOTE_PREFIX: &str = "[System message]";
+
+/// Makes a conversation acceptable to templates that take one system
+/// message, first (Qwen3.5/3.6 raise "System message must be at the
+/// beginning" otherwise), without losing any text. `developer` counts as
+/// `system`. The system messages before the first user message become one
+/// leading system message, their texts in order, joined by blank lines
+/// (empty ones dropped); a later system message becomes a user turn that
+/// starts with [`SYSTEM_NOTE_PREFIX`] on a line of its own, in place.
+/// Messages: `{"role", "content": string, ...}` as in [`Conversation`].
+pub fn normalize_system_messages(messages: Vec<Value>) -> Vec<Value> {
+    let is_system = |m: &Value| {
+        matches!(
+            m.get("role").and_then(Value::as_str),
+            Some("system" | "developer")
+        )
+    };
+    let first_user = messages
+        .iter()
+        .position(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        .unwrap_or(messages.len());
+    let mut leading: Vec<String> = Vec::new();
+    let mut rest = Vec::with_capacity(messages.len());
+    for (i, m) in messages.into_iter().enumerate() {
+        if !is_system(&m) {
+            rest.push(m);
+            continue;
+        }
+        let text = m.get("content").and_then(Value::as_str).unwrap_or("");
+        if i < first_user {
+            if !text.is_empty() {
+                leading.push(text.to_string());
+            }
+        } else {
+            rest.push(json!({"role": "user", "content": format!("{SYSTEM_NOTE_PREFIX}\n{text}")}));
+        }
+    }
+    if !leading.is_empty() {
+        rest.insert(
+            0,
+            json!({"role": "system", "content": leading.join("\n\n")}),
+        );
+    }
+    rest
+}
+
 /// Content given as a string or as a list of parts (`{"type":"text",
 /// "text"}`), as one string. Other part types are an error.
 pub fn content_text(v: &Value, what: &str) -> Result<String, String> {
@@ -228,6 +276,61 @@ mod tests {
         assert!(render(&conv, Some(&t)).unwrap().in_reasoning);
         conv.enable_thinking = Some(false);
         assert!(!render(&conv, Some(&t)).unwrap().in_reasoning);
+    }
+
+    /// Raises, as the Qwen3.5/3.6 templates do, on a system message that
+    /// is not first.
+    const SYSTEM_FIRST_ONLY: &str = "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{%- endif %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}{{- '<|im_start|>assistant\\n' }}";
+
+    #[test]
+    fn system_messages_merge_first_and_later_ones_become_user_notes() {
+        let messages = vec![
+            json!({"role": "developer", "content": "be brief"}),
+            json!({"role": "system", "content": ""}),
+            json!({"role": "system", "content": "use tools"}),
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "assistant", "content": "hello"}),
+            json!({"role": "developer", "content": "now in French"}),
+            json!({"role": "user", "content": "again"}),
+        ];
+        let t = ChatTemplate::new(SYSTEM_FIRST_ONLY).unwrap();
+        let raw = Conversation {
+            messages: messages.clone(),
+            ..Default::default()
+        };
+        assert!(
+            render(&raw, Some(&t)).is_err(),
+            "the template refuses the raw form"
+        );
+        let out = normalize_system_messages(messages);
+        assert_eq!(
+            out,
+            vec![
+                json!({"role": "system", "content": "be brief\n\nuse tools"}),
+                json!({"role": "user", "content": "hi"}),
+                json!({"role": "assistant", "content": "hello"}),
+                json!({"role": "user", "content": format!("{SYSTEM_NOTE_PREFIX}\nnow in French")}),
+                json!({"role": "user", "content": "again"}),
+            ]
+        );
+        let conv = Conversation {
+            messages: out,
+            ..Default::default()
+        };
+        let text = render(&conv, Some(&t)).unwrap().text;
+        assert!(text.starts_with("<|im_start|>system\nbe brief\n\nuse tools<|im_end|>"));
+        assert!(text.contains("<|im_start|>user\n[System message]\nnow in French<|im_end|>"));
+    }
+
+    #[test]
+    fn system_only_and_no_system_conversations() {
+        let only = vec![json!({"role": "developer", "content": "rules"})];
+        assert_eq!(
+            normalize_system_messages(only),
+            vec![json!({"role": "system", "content": "rules"})]
+        );
+        let none = vec![json!({"role": "user", "content": "x"})];
+        assert_eq!(normalize_system_messages(none.clone()), none);
     }
 
     #[test]

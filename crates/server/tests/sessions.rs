@@ -2,77 +2,31 @@
 //! later turns reuse what they share with it, also after a side request
 //! (a title or memory request sharing only the system prompt) in between.
 
-use std::path::PathBuf;
-use std::sync::OnceLock;
-use std::time::Duration;
+mod common;
 
+use common::{config, rt, server_with_states, url};
 use serde_json::{json, Value};
-use slipstream_engine::{EngineConfig, StoreChoice};
-use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
-
-/// The demo model, repacked once per test process.
-fn demo_model() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let model = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
-            .join(format!("sessions-demo-{}.slip", std::process::id()));
-        slipstream_repack::repack(
-            &slipstream_repack::RepackOptions {
-                input: root.join("models/demo"),
-                output: model.clone(),
-                overwrite: Default::default(),
-                quant: slipstream_repack::QuantChoice::Q4,
-            },
-            &|_| {},
-        )
-        .expect("repacking the demo model");
-        model
-    })
-    .clone()
-}
+use slipstream_server::{RunningServer, StateCacheSpec};
 
 fn server() -> RunningServer {
-    start(
-        ServerConfig {
-            port: 0,
-            model_id: "demo".into(),
-            ping_interval: Duration::from_millis(200),
-            ..Default::default()
-        },
-        BackendSpec::Model {
-            path: demo_model(),
-            engine: EngineConfig {
-                prefill_chunk: 16,
-                store: StoreChoice::Resident,
-                route_trace: None,
-            },
-            prompt_cache: None,
-            state_cache: StateCacheSpec {
-                max_bytes: Some(1 << 30),
-                checkpoint_interval: Some(8),
-            },
+    server_with_states(
+        config(),
+        StateCacheSpec {
+            max_bytes: Some(1 << 30),
+            checkpoint_interval: Some(8),
         },
     )
-    .expect("server starts")
 }
 
 async fn post(s: &RunningServer, path: &str, body: Value) -> Value {
     let r = reqwest::Client::new()
-        .post(format!("http://{}{}", s.addr, path))
+        .post(url(s, path))
         .json(&body)
         .send()
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
     r.json().await.unwrap()
-}
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
 }
 
 const SYSTEM: &str = "You are a careful coding agent. Read files before you edit them, keep \

@@ -1,0 +1,172 @@
+//! Helpers of the server's integration tests: real servers on ephemeral
+//! loopback ports over the demo model, driven with a plain HTTP client.
+
+#![allow(dead_code)] // each test binary uses its own share of them
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use serde_json::Value;
+use slipstream_engine::{EngineConfig, StoreChoice};
+use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
+
+/// The demo model, repacked once per test process.
+pub fn demo_model() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("server-demo-{}.slip", std::process::id()));
+        slipstream_repack::repack(
+            &slipstream_repack::RepackOptions {
+                input: root.join("models/demo"),
+                output: target.clone(),
+                overwrite: Default::default(),
+                quant: slipstream_repack::QuantChoice::Q4,
+            },
+            &|_| {},
+        )
+        .expect("repacking the demo model");
+        target
+    })
+    .clone()
+}
+
+pub fn engine() -> EngineConfig {
+    EngineConfig {
+        prefill_chunk: 16,
+        store: StoreChoice::Resident,
+        route_trace: None,
+    }
+}
+
+pub fn config() -> ServerConfig {
+    ServerConfig {
+        port: 0,
+        model_id: "demo".into(),
+        ping_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+pub fn server(config: ServerConfig) -> RunningServer {
+    server_with_states(config, StateCacheSpec::default())
+}
+
+/// A server over the demo model with its state cache sized by `states`.
+pub fn server_with_states(config: ServerConfig, states: StateCacheSpec) -> RunningServer {
+    start(
+        config,
+        BackendSpec::Model {
+            path: demo_model(),
+            engine: engine(),
+            prompt_cache: None,
+            state_cache: states,
+        },
+    )
+    .expect("server starts")
+}
+
+pub fn scripted(config: ServerConfig, replies: &[&str]) -> RunningServer {
+    start(
+        config,
+        BackendSpec::Script {
+            path: demo_model(),
+            engine: engine(),
+            replies: replies.iter().map(|s| s.to_string()).collect(),
+        },
+    )
+    .expect("server starts")
+}
+
+pub fn url(s: &RunningServer, path: &str) -> String {
+    format!("http://{}{}", s.addr, path)
+}
+
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+pub async fn post(s: &RunningServer, path: &str, body: Value) -> (u16, Value) {
+    json_reply(reqwest::Client::new().post(url(s, path)).json(&body)).await
+}
+
+pub async fn post_raw(s: &RunningServer, path: &str, body: &'static str) -> (u16, Value) {
+    let req = reqwest::Client::new()
+        .post(url(s, path))
+        .header("content-type", "application/json")
+        .body(body);
+    json_reply(req).await
+}
+
+/// Sends `req`; its status and JSON body.
+pub async fn json_reply(req: reqwest::RequestBuilder) -> (u16, Value) {
+    let r = req.send().await.unwrap();
+    let status = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}")),
+    )
+}
+
+/// Parses an SSE body into (event name, data) pairs.
+pub fn sse(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for block in text.split("\n\n") {
+        let mut name = String::new();
+        let mut data = None;
+        for line in block.lines() {
+            if let Some(n) = line.strip_prefix("event: ") {
+                name = n.to_string();
+            } else if let Some(d) = line.strip_prefix("data: ") {
+                data = Some(d.to_string());
+            }
+        }
+        if let Some(d) = data {
+            out.push((name, d));
+        }
+    }
+    out
+}
+
+pub async fn post_stream(
+    s: &RunningServer,
+    path: &str,
+    body: Value,
+) -> (u16, Vec<(String, String)>) {
+    let r = reqwest::Client::new()
+        .post(url(s, path))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let ct = r
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_string());
+    let text = r.text().await.unwrap();
+    if status == 200 {
+        assert_eq!(ct.as_deref(), Some("text/event-stream"));
+    }
+    (status, sse(&text))
+}
+
+pub fn openai_error(v: &Value) -> &str {
+    v["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not an OpenAI error: {v}"))
+}
+
+pub fn anthropic_error(v: &Value) -> (&str, &str) {
+    assert_eq!(v["type"], "error", "{v}");
+    (
+        v["error"]["type"].as_str().unwrap(),
+        v["error"]["message"].as_str().unwrap(),
+    )
+}
