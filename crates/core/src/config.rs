@@ -69,6 +69,41 @@ pub struct ModelConfig {
     pub norm_topk_prob: bool,
 }
 
+/// Largest count a config file may give for anything (layers, heads,
+/// sizes, positions): readers refuse more before allocating by it.
+pub const MAX_CONFIG_COUNT: u64 = 1 << 24;
+
+/// Bounds far above any model this runtime runs, so a corrupted or hostile
+/// config is an error rather than a huge allocation: `(field, value, most)`.
+fn size_bounds(c: &ModelConfig) -> [(&'static str, usize, usize); 16] {
+    [
+        ("num_hidden_layers", c.layer_types.len(), 1024),
+        ("vocab_size", c.vocab_size, 1 << 22),
+        ("hidden_size", c.hidden_size, 1 << 16),
+        (
+            "max_position_embeddings",
+            c.max_position_embeddings,
+            1 << 24,
+        ),
+        ("num_attention_heads", c.num_attention_heads, 1024),
+        ("num_key_value_heads", c.num_key_value_heads, 1024),
+        ("head_dim", c.head_dim, 4096),
+        ("linear_num_key_heads", c.linear_num_key_heads, 1024),
+        ("linear_num_value_heads", c.linear_num_value_heads, 1024),
+        ("linear_key_head_dim", c.linear_key_head_dim, 4096),
+        ("linear_value_head_dim", c.linear_value_head_dim, 4096),
+        ("linear_conv_kernel", c.linear_conv_kernel, 64),
+        ("num_experts", c.num_experts, 1 << 16),
+        ("num_experts_per_tok", c.num_experts_per_tok, 1 << 16),
+        ("moe_intermediate_size", c.moe_intermediate_size, 1 << 18),
+        (
+            "shared_expert_intermediate_size",
+            c.shared_expert_intermediate_size,
+            1 << 18,
+        ),
+    ]
+}
+
 impl ModelConfig {
     pub fn num_layers(&self) -> usize {
         self.layer_types.len()
@@ -86,6 +121,24 @@ impl ModelConfig {
         if self.vocab_size == 0 || self.hidden_size == 0 || self.layer_types.is_empty() {
             return bad("config has zero vocab, hidden size or layers".into());
         }
+        for (field, value, most) in size_bounds(self) {
+            if value > most {
+                return bad(format!(
+                    "{field} = {value} is beyond any supported model (at most {most})"
+                ));
+            }
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0 && self.rms_norm_eps < 1.0) {
+            return bad(format!(
+                "rms_norm_eps = {} must be a small positive number",
+                self.rms_norm_eps
+            ));
+        }
+        if self.max_position_embeddings == 0 || self.moe_intermediate_size == 0 {
+            return bad(
+                "max_position_embeddings and moe_intermediate_size must be positive".into(),
+            );
+        }
         let has_full = self.layer_types.contains(&LayerKind::FullAttention);
         if has_full {
             if self.num_attention_heads == 0
@@ -99,6 +152,9 @@ impl ModelConfig {
                     "attention heads {} must be a positive multiple of kv heads {}",
                     self.num_attention_heads, self.num_key_value_heads
                 ));
+            }
+            if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+                return bad(format!("rope_theta = {} must be positive", self.rope_theta));
             }
             if self.rotary_dim > self.head_dim || !self.rotary_dim.is_multiple_of(2) {
                 return bad(format!(

@@ -801,6 +801,14 @@ impl Engine {
         }
     }
 
+    /// Makes the engine usable again after a pass panicked (a caller that
+    /// catches panics, like the server, calls this): the store forgets the
+    /// request left pending and no checkpoints are being collected.
+    pub fn recover_after_panic(&mut self) {
+        self.store.inner.abandon_pending();
+        self.checkpoints = None;
+    }
+
     /// Tokens between [`StateCache`] checkpoints inside a prefill for this
     /// model (see [`state_cache::default_checkpoint_interval`]).
     pub fn default_checkpoint_interval(&self) -> usize {

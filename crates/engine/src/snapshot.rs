@@ -386,9 +386,21 @@ fn read_header(file: &mut File) -> Result<(u64, u64), SnapshotError> {
     Ok((payload_len, digest))
 }
 
+/// Opens a snapshot file: a regular file only (a FIFO would hang here).
+fn open_snapshot(path: &Path) -> Result<File, SnapshotError> {
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(SnapshotError::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is not a regular file", path.display()),
+        )));
+    }
+    Ok(File::open(path)?)
+}
+
 /// Reads and checks a snapshot against the opened model.
 pub fn read_snapshot(path: &Path, expect: &SnapshotExpect) -> Result<Snapshot, SnapshotError> {
-    let mut file = File::open(path)?;
+    let mut file = open_snapshot(path)?;
     let (payload_len, digest) = read_header(&mut file)?;
     let mut r = HashReader {
         inp: BufReader::with_capacity(1 << 20, file),
@@ -530,7 +542,7 @@ pub fn read_snapshot(path: &Path, expect: &SnapshotExpect) -> Result<Snapshot, S
 /// The token ids a snapshot holds, read without the checksum over the
 /// whole file (a hint only: [`read_snapshot`] still decides).
 pub fn peek_tokens(path: &Path) -> Result<Vec<u32>, SnapshotError> {
-    let mut file = File::open(path)?;
+    let mut file = open_snapshot(path)?;
     let (payload_len, _) = read_header(&mut file)?;
     let mut r = HashReader {
         inp: BufReader::new(file),

@@ -477,3 +477,19 @@ fn a_write_killed_midway_leaves_nothing_that_is_accepted() {
     std::fs::write(dir.join(format!("{key}-23.snap")), &bytes).unwrap();
     assert_eq!(cache.lookup(&p).unwrap().state.tokens, p);
 }
+
+/// A FIFO given as a snapshot is refused at once instead of blocking.
+#[test]
+fn a_fifo_snapshot_is_refused_without_blocking() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
+    let e = engine(&model, StoreChoice::Resident, 4096);
+    let fifo = tmp.path().join("s.snap");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let err = e.load_snapshot(&fifo).unwrap_err().to_string();
+    assert!(err.contains("not a regular file"), "{err}");
+}

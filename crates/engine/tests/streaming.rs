@@ -563,3 +563,46 @@ fn background_fill_makes_every_expert_resident_and_verifies_on_use() {
         }
     }
 }
+
+/// A pass that panics inside a layer (the server catches it) leaves the
+/// store's request pending; once abandoned, the next request runs.
+#[test]
+fn a_request_abandoned_mid_layer_does_not_wedge_the_store() {
+    use slipstream_core::{ExpertRequest, ExpertSource};
+    use slipstream_store::{ExpertStore, StreamingStore};
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
+    let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
+    let mut store = StreamingStore::open(
+        file,
+        StreamConfig {
+            slots: 2,
+            io_threads: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let (experts, counts) = ([0u32, 1, 2], [1u32, 1, 1]);
+    let req = |layer| ExpertRequest {
+        layer,
+        experts: &experts,
+        counts: &counts,
+        tokens: 3,
+    };
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        store
+            .with_expert_batches(&req(1), &mut |_| panic!("a kernel assertion"))
+            .ok();
+    }));
+    assert!(panicked.is_err());
+    assert!(
+        store.with_expert_batches(&req(0), &mut |_| {}).is_err(),
+        "wedged until told"
+    );
+    store.abandon_pending();
+    let mut seen = 0;
+    store
+        .with_expert_batches(&req(0), &mut |batch| seen += batch.len())
+        .expect("the store runs the next request");
+    assert_eq!(seen, 3);
+}

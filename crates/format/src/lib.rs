@@ -14,11 +14,13 @@
 //! dense tensors are verified when the model is opened, expert records each
 //! time they are read.
 
+mod files;
 mod manifest;
 mod reader;
 mod target;
 mod writer;
 
+pub use files::{open_regular, read_regular, MAX_MANIFEST_BYTES, MAX_SIDE_FILE_BYTES};
 pub use manifest::{
     DenseEntry, ExpertPart, ExpertPoolIndex, Manifest, SourceInfo, FORMAT_NAME, FORMAT_VERSION,
 };
@@ -48,7 +50,7 @@ pub enum FormatError {
     },
     #[error("{path}: not a slipstream model manifest: {reason}")]
     BadManifest { path: String, reason: String },
-    #[error("{path}: format version {found} is not supported (this build reads {supported})")]
+    #[error("{path}: format version {found} is not supported (this build reads {supported}); repack the checkpoint with this build")]
     Version {
         path: String,
         found: u32,

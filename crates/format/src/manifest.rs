@@ -4,7 +4,8 @@ use serde::{Deserialize, Serialize};
 use slipstream_core::{ModelConfig, QuantType};
 
 pub const FORMAT_NAME: &str = "slipstream";
-pub const FORMAT_VERSION: u32 = 1;
+/// 2: `manifest_checksum` covers the manifest itself.
+pub const FORMAT_VERSION: u32 = 2;
 
 /// One dense tensor inside `dense.bin`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -88,7 +89,46 @@ pub struct Manifest {
     #[serde(default)]
     pub special_tokens: std::collections::BTreeMap<String, String>,
     pub source: SourceInfo,
-    /// Identity of the weights: xxh3 over every tensor and record checksum.
+    /// Identity of the weights: xxh3 over the config and every tensor and
+    /// record checksum ([`Manifest::content_hash`], checked at open).
     /// Snapshots and caches made with one model are refused by another.
     pub model_hash: String,
+    /// xxh3-64 (hex) of this manifest serialized with this field empty
+    /// ([`Manifest::self_checksum`]): a one-byte edit of any value fails
+    /// the open instead of running a different model under the same hash.
+    #[serde(default)]
+    pub manifest_checksum: String,
+}
+
+impl Manifest {
+    /// The model hash its content gives: the config, then every dense
+    /// tensor's name and checksum, then every expert record's checksum.
+    pub fn content_hash(&self) -> String {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(
+            serde_json::to_string(&self.config)
+                .unwrap_or_default()
+                .as_bytes(),
+        );
+        for e in &self.dense {
+            h.update(e.name.as_bytes());
+            h.update(e.checksum.as_bytes());
+        }
+        for row in &self.experts.checksums {
+            for c in row {
+                h.update(c.as_bytes());
+            }
+        }
+        format!("{:016x}", h.digest())
+    }
+
+    /// The checksum `manifest_checksum` must hold: of the pretty JSON of
+    /// this manifest with that field empty (serialization is deterministic:
+    /// struct fields in order, maps ordered).
+    pub fn self_checksum(&self) -> String {
+        let mut unsealed = self.clone();
+        unsealed.manifest_checksum.clear();
+        let json = serde_json::to_vec_pretty(&unsealed).unwrap_or_default();
+        format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&json))
+    }
 }

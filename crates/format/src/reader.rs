@@ -34,7 +34,7 @@ impl SlipModel {
     /// dense tensor checksum; expert records are verified when read.
     pub fn open(dir: &Path) -> Result<Self> {
         let manifest_path = dir.join(MANIFEST_FILE);
-        let text = std::fs::read(&manifest_path).map_err(|e| FormatError::io(&manifest_path, e))?;
+        let text = crate::read_regular(&manifest_path, crate::MAX_MANIFEST_BYTES)?;
         let bad = |reason: String| FormatError::BadManifest {
             path: manifest_path.display().to_string(),
             reason,
@@ -53,10 +53,30 @@ impl SlipModel {
             });
         }
         let manifest: Manifest = serde_json::from_value(probe).map_err(|e| bad(format!("{e}")))?;
+        if manifest.manifest_checksum != manifest.self_checksum() {
+            return Err(bad(
+                "its checksum does not match its content: the manifest was edited or corrupted (repack the model)"
+                    .into(),
+            ));
+        }
+        if manifest.model_hash != manifest.content_hash() {
+            return Err(bad(format!(
+                "model_hash {} is not the hash of the model's content",
+                manifest.model_hash
+            )));
+        }
         manifest
             .config
             .validate()
             .map_err(|e| bad(format!("config: {e}")))?;
+        check_pool_against_config(&manifest).map_err(bad)?;
+        if let Some(name) = &manifest.tokenizer {
+            if !crate::files::is_plain_file_name(name) {
+                return Err(bad(format!(
+                    "tokenizer {name:?} is not a file name inside the model directory"
+                )));
+            }
+        }
         let pool = &manifest.experts;
         if pool.checksums.len() != pool.num_layers
             || pool.checksums.iter().any(|r| r.len() != pool.num_experts)
@@ -81,7 +101,7 @@ impl SlipModel {
             .collect::<Result<Vec<Vec<u64>>>>()?;
 
         let dense_path = dir.join(DENSE_FILE);
-        let dense_file = File::open(&dense_path).map_err(|e| FormatError::io(&dense_path, e))?;
+        let dense_file = crate::open_regular(&dense_path, u64::MAX)?;
         check_size(&dense_path, &dense_file, manifest.dense_file_bytes)?;
         // SAFETY: the file is opened read-only and slipstream never writes a
         // model in place (writers build a new directory and rename it), so the
@@ -106,7 +126,7 @@ impl SlipModel {
         }
 
         let experts_path = dir.join(EXPERTS_FILE);
-        let experts = File::open(&experts_path).map_err(|e| FormatError::io(&experts_path, e))?;
+        let experts = crate::open_regular(&experts_path, u64::MAX)?;
         check_size(&experts_path, &experts, pool.file_bytes())?;
         Ok(SlipModel {
             dir: dir.to_path_buf(),
@@ -204,10 +224,59 @@ impl SlipModel {
     }
 
     /// Contents of a file stored beside the manifest (the tokenizer).
+    /// Reads a side file of the model directory (the tokenizer): a plain
+    /// name, a regular file of bounded size.
     pub fn read_file(&self, name: &str) -> Result<Vec<u8>> {
-        let path = self.dir.join(name);
-        std::fs::read(&path).map_err(|e| FormatError::io(&path, e))
+        if !crate::files::is_plain_file_name(name) {
+            return Err(FormatError::Invalid(format!(
+                "{name:?} is not a file name inside the model directory"
+            )));
+        }
+        crate::read_regular(&self.dir.join(name), crate::MAX_SIDE_FILE_BYTES)
     }
+}
+
+/// The expert pool must be the one the config describes: a layer's routed
+/// experts are read from it by index and multiplied with shapes from the
+/// config, so any disagreement is an open-time error, never a panic later.
+fn check_pool_against_config(m: &Manifest) -> std::result::Result<(), String> {
+    let (c, pool) = (&m.config, &m.experts);
+    if pool.num_layers != c.num_layers() || pool.num_experts != c.num_experts {
+        return Err(format!(
+            "the expert pool has {} layers of {} experts, the config {} of {}",
+            pool.num_layers,
+            pool.num_experts,
+            c.num_layers(),
+            c.num_experts
+        ));
+    }
+    let (h, i) = (c.hidden_size, c.moe_intermediate_size);
+    let want = [("gate", [i, h]), ("up", [i, h]), ("down", [h, i])];
+    if pool.parts.len() != want.len() {
+        return Err(format!(
+            "expert records have {} parts, not 3",
+            pool.parts.len()
+        ));
+    }
+    for (part, (name, shape)) in pool.parts.iter().zip(want) {
+        if part.name != name || part.shape != shape {
+            return Err(format!(
+                "expert part {} {:?} does not match the config's {name} {shape:?}",
+                part.name, part.shape
+            ));
+        }
+        part.qtype
+            .check_cols(shape[1])
+            .map_err(|e| format!("expert part {name}: {e}"))?;
+        if part.qtype.nbytes(shape[0], shape[1]) as u64 != part.nbytes {
+            return Err(format!(
+                "expert part {name}: {} bytes do not fit {} {shape:?}",
+                part.nbytes,
+                part.qtype.name()
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_size(path: &Path, file: &File, expected: u64) -> Result<()> {

@@ -224,22 +224,7 @@ impl SlipWriter {
             .sync_all()
             .map_err(|e| FormatError::io(&experts_path, e))?;
 
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(
-            serde_json::to_string(&info.config)
-                .unwrap_or_default()
-                .as_bytes(),
-        );
-        for e in &self.dense_entries {
-            h.update(e.name.as_bytes());
-            h.update(e.checksum.as_bytes());
-        }
-        for row in &self.pool.checksums {
-            for c in row {
-                h.update(c.as_bytes());
-            }
-        }
-        let manifest = Manifest {
+        let mut manifest = Manifest {
             format: FORMAT_NAME.into(),
             version: FORMAT_VERSION,
             config: info.config,
@@ -251,8 +236,11 @@ impl SlipWriter {
             eos_token_ids: info.eos_token_ids,
             special_tokens: info.special_tokens,
             source: info.source,
-            model_hash: hex(h.digest()),
+            model_hash: String::new(),
+            manifest_checksum: String::new(),
         };
+        manifest.model_hash = manifest.content_hash();
+        manifest.manifest_checksum = manifest.self_checksum();
         let json = serde_json::to_vec_pretty(&manifest)
             .map_err(|e| FormatError::Invalid(format!("manifest: {e}")))?;
         self.add_file(MANIFEST_FILE, &json)?;

@@ -191,7 +191,7 @@ fn bad_manifests_are_errors() {
         SlipModel::open(&path),
         Err(FormatError::BadManifest { .. })
     ));
-    std::fs::write(&mpath, good.replace("\"version\": 1", "\"version\": 99")).unwrap();
+    std::fs::write(&mpath, good.replace("\"version\": 2", "\"version\": 99")).unwrap();
     assert!(matches!(
         SlipModel::open(&path),
         Err(FormatError::Version { found: 99, .. })
@@ -226,4 +226,118 @@ fn unfinished_writer_leaves_nothing() {
         // Dropped without finish: as if the process died mid-write.
     }
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
+
+/// A change made to a manifest by hand.
+type Edit = fn(&mut Manifest);
+
+fn read_manifest(path: &std::path::Path) -> Manifest {
+    serde_json::from_slice(&std::fs::read(path.join(MANIFEST_FILE)).unwrap()).unwrap()
+}
+
+fn write_manifest(path: &std::path::Path, m: &Manifest) {
+    std::fs::write(
+        path.join(MANIFEST_FILE),
+        serde_json::to_vec_pretty(m).unwrap(),
+    )
+    .unwrap();
+}
+
+/// Any edit of the manifest's values is caught by its checksum; a model
+/// hash that is not the content's is refused even with a fixed checksum.
+#[test]
+fn edited_manifests_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let good = read_manifest(&path);
+    let edits: [(&str, Edit); 4] = [
+        ("experts per token", |m| m.config.num_experts_per_tok = 1),
+        ("rope theta", |m| m.config.rope_theta = 1e4),
+        ("a layer type", |m| {
+            m.config.layer_types.pop();
+        }),
+        ("the model hash", |m| {
+            m.model_hash = "0123456789abcdef".into()
+        }),
+    ];
+    for (what, edit) in edits {
+        let mut m = good.clone();
+        edit(&mut m);
+        write_manifest(&path, &m);
+        let e = SlipModel::open(&path).err().expect(what).to_string();
+        assert!(e.contains("checksum does not match"), "{what}: {e}");
+    }
+    // Someone who also fixes the checksum still cannot claim another hash.
+    let mut m = good.clone();
+    m.model_hash = "0123456789abcdef".into();
+    m.manifest_checksum = m.self_checksum();
+    write_manifest(&path, &m);
+    let e = SlipModel::open(&path).err().unwrap().to_string();
+    assert!(e.contains("not the hash of the model's content"), "{e}");
+    write_manifest(&path, &good);
+    SlipModel::open(&path).unwrap();
+}
+
+/// A manifest consistent with itself but not with its config (fewer
+/// experts, other part shapes) is an open-time error, not a panic later.
+#[test]
+fn a_pool_that_disagrees_with_the_config_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let good = read_manifest(&path);
+    let edits: [(&str, Edit); 3] = [
+        ("experts", |m| m.config.num_experts = 4),
+        ("layers", |m| {
+            m.config.layer_types.push(LayerKind::FullAttention);
+        }),
+        ("part shape", |m| m.config.moe_intermediate_size = 128),
+    ];
+    for (what, edit) in edits {
+        let mut m = good.clone();
+        edit(&mut m);
+        m.model_hash = m.content_hash();
+        m.manifest_checksum = m.self_checksum();
+        write_manifest(&path, &m);
+        let e = SlipModel::open(&path).err().expect(what).to_string();
+        assert!(
+            e.contains("expert pool has") || e.contains("expert part"),
+            "{what}: {e}"
+        );
+    }
+}
+
+/// Files that are not regular files, and names outside the directory.
+#[test]
+fn non_regular_files_and_foreign_paths_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let good = read_manifest(&path);
+    // The manifest as a symlink to /dev/zero, and as a FIFO.
+    let mpath = path.join(MANIFEST_FILE);
+    std::fs::remove_file(&mpath).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &mpath).unwrap();
+    let e = SlipModel::open(&path).err().unwrap().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    std::fs::remove_file(&mpath).unwrap();
+    let status = std::process::Command::new("mkfifo")
+        .arg(&mpath)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let e = SlipModel::open(&path).err().unwrap().to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    std::fs::remove_file(&mpath).unwrap();
+    // A tokenizer path that leaves the directory.
+    let mut m = good.clone();
+    m.tokenizer = Some("../../etc/passwd".into());
+    m.manifest_checksum = m.self_checksum();
+    write_manifest(&path, &m);
+    let e = SlipModel::open(&path).err().unwrap().to_string();
+    assert!(
+        e.contains("not a file name inside the model directory"),
+        "{e}"
+    );
+    write_manifest(&path, &good);
+    let m = SlipModel::open(&path).unwrap();
+    assert!(m.read_file("../m.slip/manifest.json").is_err());
 }

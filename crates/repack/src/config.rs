@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde_json::Value;
-use slipstream_core::config::LayerKind;
+use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
 use slipstream_core::{Architecture, ModelConfig};
 
 use crate::{RepackError, Result};
@@ -106,11 +106,15 @@ impl RawConfig {
 
     fn usize_req(&self, key: &str) -> Result<usize> {
         match self.field(key) {
-            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| {
-                self.bad(format!(
+            Some(v) => match v.as_u64() {
+                Some(x) if x <= MAX_CONFIG_COUNT => Ok(x as usize),
+                Some(x) => Err(self.bad(format!(
+                    "\"{key}\" = {x} is beyond any model (at most {MAX_CONFIG_COUNT})"
+                ))),
+                None => Err(self.bad(format!(
                     "\"{key}\" must be a non-negative integer, found {v}"
-                ))
-            }),
+                ))),
+            },
             None => Err(self.bad(format!("missing \"{key}\""))),
         }
     }

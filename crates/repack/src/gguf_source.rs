@@ -31,7 +31,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use serde_json::{json, Value as Json};
-use slipstream_core::config::LayerKind;
+use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
 use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
 use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
 use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
@@ -82,13 +82,19 @@ impl<'a> Src<'a> {
 
     fn usize_req(&self, key: &str) -> Result<usize> {
         match self.meta(key) {
-            Some(v) => v
-                .as_u64()
-                .map(|x| x as usize)
-                .ok_or_else(|| RepackError::Config {
+            Some(v) => match v.as_u64() {
+                Some(x) if x <= MAX_CONFIG_COUNT => Ok(x as usize),
+                Some(x) => Err(RepackError::Config {
+                    path: self.path.clone(),
+                    message: format!(
+                        "metadata {key} = {x} is beyond any model (at most {MAX_CONFIG_COUNT})"
+                    ),
+                }),
+                None => Err(RepackError::Config {
                     path: self.path.clone(),
                     message: format!("metadata {key} = {v:?} is not a non-negative integer"),
                 }),
+            },
             None => Err(RepackError::Config {
                 path: self.path.clone(),
                 message: format!("metadata {key} is missing"),
@@ -235,8 +241,14 @@ fn model_config(src: &Src) -> Result<ModelConfig> {
     let (arch, a) = arch_of(src)?;
     let qwen35 = arch == Architecture::Qwen35Moe;
     let k = |s: &str| format!("{a}.{s}");
-    let n_layers =
-        src.usize_req(&k("block_count"))? - src.usize_or(&k("nextn_predict_layers"), 0)?;
+    let blocks = src.usize_req(&k("block_count"))?;
+    let nextn = src.usize_or(&k("nextn_predict_layers"), 0)?;
+    let n_layers = blocks
+        .checked_sub(nextn)
+        .ok_or_else(|| RepackError::Config {
+            path: src.path.clone(),
+            message: format!("{a}.nextn_predict_layers = {nextn} exceeds block_count = {blocks}"),
+        })?;
     let hidden = src.usize_req(&k("embedding_length"))?;
     let heads = src.usize_req(&k("attention.head_count"))?;
     let kv = src.usize_or(&k("attention.head_count_kv"), heads)?;
@@ -901,6 +913,7 @@ pub(crate) fn repack_gguf(
             li += 1;
         }
         let d = job()?;
+        crate::finite::check_finite(&d.name, d.qtype, d.shape, &d.bytes)?;
         w.add_dense(&d.name, d.qtype, d.shape, &d.bytes)?;
         bytes_in += d.bytes_in;
         progress(ProgressEvent::Tensor {
@@ -982,6 +995,7 @@ fn write_layer_experts(
         let p: Vec<&[u8]> = (0..3)
             .map(|k| &data[k][e * per[k]..(e + 1) * per[k]])
             .collect();
+        crate::finite::check_expert_finite(l, e, &w.pool().parts.clone(), &p)?;
         w.write_expert(l, e, &p)?;
         let n: u64 = per.iter().map(|&x| x as u64).sum();
         *bytes_in += n;

@@ -47,6 +47,7 @@
 
 mod config;
 mod convert;
+mod finite;
 mod gguf_source;
 mod source;
 
@@ -962,6 +963,8 @@ enum Msg {
         first: usize,
         records: Vec<[Vec<u8>; 3]>,
     },
+    /// The reading side found bad input: the writer stops with this error.
+    Failed(RepackError),
 }
 
 /// Converts `opts.input` into a `.slip` model at `opts.output`, calling
@@ -1056,22 +1059,37 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
                         qtype,
                         shape,
                         bytes,
-                    } => writer.add_dense(&name, qtype, shape, &bytes)?,
+                    } => {
+                        finite::check_finite(&name, qtype, shape, &bytes)?;
+                        writer.add_dense(&name, qtype, shape, &bytes)?
+                    }
                     Msg::Experts {
                         layer,
                         first,
                         records,
                     } => {
                         for (i, r) in records.iter().enumerate() {
-                            writer.write_expert(layer, first + i, &[&r[0], &r[1], &r[2]])?;
+                            let parts = [&r[0][..], &r[1][..], &r[2][..]];
+                            finite::check_expert_finite(
+                                layer,
+                                first + i,
+                                &writer.pool().parts.clone(),
+                                &parts,
+                            )?;
+                            writer.write_expert(layer, first + i, &parts)?;
                         }
                     }
+                    Msg::Failed(e) => return Err(e),
                 }
             }
             Ok(writer)
         });
         // Returns false when the writer thread has stopped (its error wins).
         let send_dense = |job: &DenseJob| -> bool {
+            if let Err(e) = finite::check_source(&job.name, &job.src) {
+                let _ = tx.send(Msg::Failed(e));
+                return false;
+            }
             let bytes = encode(&job.src, job.rows, job.cols, job.qtype, job.shift);
             let ok = tx
                 .send(Msg::Dense {
@@ -1106,15 +1124,31 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
                 }
                 for first in (0..layer.experts.len()).step_by(batch) {
                     let chunk = &layer.experts[first..(first + batch).min(layer.experts.len())];
-                    let records: Vec<[Vec<u8>; 3]> = chunk
+                    let records: Result<Vec<[Vec<u8>; 3]>> = chunk
                         .par_iter()
-                        .map(|parts| {
-                            std::array::from_fn(|k| {
+                        .enumerate()
+                        .map(|(i, parts)| {
+                            for (k, part) in parts.iter().enumerate() {
+                                let name = format!(
+                                    "expert {} of layer {l}, {}",
+                                    first + i,
+                                    plan.expert_layout[k].0
+                                );
+                                finite::check_source(&name, part)?;
+                            }
+                            Ok(std::array::from_fn(|k| {
                                 let (_, q, [r, c]) = plan.expert_layout[k];
                                 encode(&parts[k], r, c, q, false)
-                            })
+                            }))
                         })
                         .collect();
+                    let records = match records {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = tx.send(Msg::Failed(e));
+                            break 'outer;
+                        }
+                    };
                     alive = tx
                         .send(Msg::Experts {
                             layer: l,

@@ -201,7 +201,10 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                         stats: g.stats,
                     }),
                     Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err("internal error in the engine".to_string()),
+                    Err(_) => {
+                        engine.recover_after_panic();
+                        Err("internal error in the engine".to_string())
+                    }
                 }
             }
             Backend::Script { replies, next, eos } => {

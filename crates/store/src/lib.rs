@@ -58,6 +58,12 @@ pub trait ExpertStore: ExpertSource {
     /// Experts held in memory, per layer.
     fn resident_experts(&self) -> Vec<Vec<u32>>;
 
+    /// Forgets a request a pass left pending when it failed or panicked
+    /// mid-layer (the server catches panics and goes on), waiting for its
+    /// reads, so the next request runs. Stores without requests in flight
+    /// have nothing to forget.
+    fn abandon_pending(&mut self) {}
+
     /// Slots per layer of a bounded cache; `None` when every expert is
     /// always resident (nothing to warm, nothing left to fill).
     fn slot_capacity(&self) -> Option<usize> {

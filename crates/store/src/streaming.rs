@@ -639,6 +639,13 @@ impl StreamingStore {
 }
 
 impl ExpertStore for StreamingStore {
+    fn abandon_pending(&mut self) {
+        if let Some(p) = &self.pending {
+            let (layer, experts) = (p.layer, p.experts.clone());
+            self.drain_forgetting(layer, &experts);
+        }
+    }
+
     fn counters(&self) -> StoreCounters {
         self.counters
     }
