@@ -21,6 +21,23 @@ pub struct Conversation {
     pub extra: Map<String, Value>,
 }
 
+impl Conversation {
+    /// Fills what the request left unset from the server's default template
+    /// variables (`--chat-template-kwargs`): the request's own values win.
+    pub fn with_defaults(mut self, defaults: &Map<String, Value>) -> Self {
+        for (k, v) in defaults {
+            if k == "enable_thinking" {
+                if self.enable_thinking.is_none() {
+                    self.enable_thinking = v.as_bool();
+                }
+            } else if !self.extra.contains_key(k) {
+                self.extra.insert(k.clone(), v.clone());
+            }
+        }
+        self
+    }
+}
+
 /// A rendered prompt.
 #[derive(Debug, Clone)]
 pub struct Rendered {
@@ -149,6 +166,134 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
         _ => false,
     };
     Ok(Rendered { text, in_reasoning })
+}
+
+/// Opens a system message that [`merge_system_messages`] moved into a
+/// user turn; [`MOVED_SYSTEM_CLOSE`] closes it.
+pub const MOVED_SYSTEM_OPEN: &str = "<system>\n";
+/// Closes a moved system message.
+pub const MOVED_SYSTEM_CLOSE: &str = "\n</system>";
+
+fn role_of(m: &Value) -> &str {
+    m.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+fn is_system(m: &Value) -> bool {
+    matches!(role_of(m), "system" | "developer")
+}
+
+/// A chat-form message's text: a string, or the texts of a list of parts.
+fn message_text(m: &Value) -> String {
+    match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+fn marked(texts: &[String]) -> String {
+    texts
+        .iter()
+        .map(|t| format!("{MOVED_SYSTEM_OPEN}{t}{MOVED_SYSTEM_CLOSE}"))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// Gives a conversation the shape chat templates accept: at most one
+/// system message, first (Qwen3.5/3.6 templates raise "System message must
+/// be at the beginning" on any other), and a user turn (they raise "No user
+/// query found" without one), losing no text. `developer` is `system`.
+///
+/// - System messages before the first user message are joined, in order
+///   and a blank line apart, into the leading system message.
+/// - A later system message is written, between [`MOVED_SYSTEM_OPEN`] and
+///   [`MOVED_SYSTEM_CLOSE`], at the end of the user turn just before it;
+///   when the message before it is not a user turn, at the start of the
+///   user turn just after it; else as a user turn of its own. Each stays
+///   where the client put it, so the turns before it render as in the
+///   client's previous request and the server's kept prefix stays
+///   reusable (merging it into the leading system message would change
+///   the prompt's first tokens at every such message).
+/// - With no user message at all (a system-only request), the leading
+///   system text becomes the user turn, marked the same way.
+///
+/// Messages: `{"role", "content": string | [{"text"}], ...}` as in
+/// [`Conversation::messages`]; a merged message's content is a string.
+pub fn merge_system_messages(messages: Vec<Value>) -> Vec<Value> {
+    let first_user = messages
+        .iter()
+        .position(|m| role_of(m) == "user")
+        .unwrap_or(messages.len());
+    let mut leading: Vec<String> = Vec::new();
+    // Late system texts waiting for the turn after them.
+    let mut waiting: Vec<String> = Vec::new();
+    let mut out: Vec<Value> = Vec::with_capacity(messages.len() + 1);
+    for (i, mut m) in messages.into_iter().enumerate() {
+        if is_system(&m) {
+            let text = message_text(&m);
+            if text.is_empty() {
+                continue;
+            }
+            if i < first_user {
+                leading.push(text);
+                continue;
+            }
+            match out.last_mut() {
+                Some(prev) if waiting.is_empty() && role_of(prev) == "user" => {
+                    let joined = format!("{}\n\n{}", message_text(prev), marked(&[text]));
+                    prev["content"] = joined.into();
+                }
+                _ => waiting.push(text),
+            }
+            continue;
+        }
+        if !waiting.is_empty() {
+            let note = marked(&std::mem::take(&mut waiting));
+            if role_of(&m) == "user" {
+                let own = message_text(&m);
+                m["content"] = if own.is_empty() {
+                    note
+                } else {
+                    format!("{note}\n\n{own}")
+                }
+                .into();
+            } else {
+                out.push(json!({"role": "user", "content": note}));
+            }
+        }
+        out.push(m);
+    }
+    if !waiting.is_empty() {
+        out.push(json!({"role": "user", "content": marked(&waiting)}));
+    }
+    if !leading.is_empty() {
+        if out.iter().any(|m| role_of(m) == "user") {
+            out.insert(0, json!({"role": "system", "content": leading.join("\n\n")}));
+        } else {
+            out.insert(0, json!({"role": "user", "content": marked(&leading)}));
+        }
+    }
+    out
+}
+
+/// Reads template variables given as a JSON object (`--chat-template-kwargs`,
+/// a request's `chat_template_kwargs`); `enable_thinking` and
+/// `preserve_thinking`, when present, must be booleans.
+pub fn template_kwargs(v: Value, what: &str) -> Result<Map<String, Value>, String> {
+    let Value::Object(map) = v else {
+        return Err(format!(
+            "{what} must be a JSON object, e.g. {{\"enable_thinking\": false}}"
+        ));
+    };
+    for key in ["enable_thinking", "preserve_thinking"] {
+        if map.get(key).is_some_and(|v| !v.is_boolean() && !v.is_null()) {
+            return Err(format!("{what}: `{key}` must be true or false"));
+        }
+    }
+    Ok(map)
 }
 
 /// Content given as a string or as a list of parts (`{"type":"text",
