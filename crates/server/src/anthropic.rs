@@ -459,34 +459,24 @@ mod tests {
     }
 
     #[test]
-    fn maps_tool_use_and_results_to_messages() {
-        let req: MessagesRequest = serde_json::from_value(json!({
-            "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}],
-            "messages": [
-                {"role": "user", "content": "list /tmp"},
-                {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
-                    {"type": "tool_use", "id": "t1", "name": "ls", "input": {"path": "/tmp"}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "a b"}]},
-                    {"type": "text", "text": "thanks"}]}
-            ],
-            "tools": [{"name": "ls", "description": "list", "input_schema": {"type": "object"}}]
-        }))
-        .unwrap();
-        let c = conversation(&req).unwrap();
-        assert_eq!(c.messages[0], json!({"role": "system", "content": "sys"}));
+    fn omitted_reasoning_travels_in_the_signature() {
+        let mut w = EventWriter {
+            omit_reasoning: true,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        out.extend(w.output(OutputEvent::Reasoning("step one, ".into())));
+        out.extend(w.output(OutputEvent::Reasoning("step two".into())));
+        out.extend(w.output(OutputEvent::Content("Done.".into())));
+        let ev = parse_events(&out);
+        let deltas: Vec<&Value> = ev.iter().map(|(_, v)| &v["delta"]).collect();
+        assert!(deltas.iter().all(|d| d.get("thinking").is_none()), "{ev:?}");
+        assert_eq!(ev[0].1["content_block"]["type"], "thinking");
+        assert_eq!(ev[1].1["delta"]["type"], "signature_delta");
         assert_eq!(
-            c.messages[2]["tool_calls"][0]["function"]["arguments"],
-            json!({"path": "/tmp"})
+            ev[1].1["delta"]["signature"],
+            format!("{REASONING_SIGNATURE}step one, step two")
         );
-        assert_eq!(c.messages[2]["reasoning_content"], "hmm");
-        assert_eq!(
-            c.messages[3],
-            json!({"role": "tool", "content": "a b", "tool_call_id": "t1"})
-        );
-        assert_eq!(c.messages[4], json!({"role": "user", "content": "thanks"}));
-        assert_eq!(c.tools[0]["function"]["name"], "ls");
-        assert_eq!(c.enable_thinking, Some(false));
+        assert_eq!(ev[4].1["delta"]["text"], "Done.");
     }
 }

@@ -525,3 +525,245 @@ pub fn conversation(req: &MessagesRequest) -> Result<Mapped, ApiError> {
             .collect(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prompt::render;
+    use crate::prompt::tests::QWEN_LIKE;
+    use slipstream_engine::ChatTemplate;
+
+    fn request(v: Value) -> MessagesRequest {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn qwen_like(m: &Mapped) -> String {
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
+        render(&m.conv, Some(&t)).unwrap().text
+    }
+
+    fn err(v: Value) -> String {
+        conversation(&request(v)).unwrap_err().message
+    }
+
+    #[test]
+    fn maps_tool_use_and_results_to_messages() {
+        let req = request(json!({
+            "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}],
+            "messages": [
+                {"role": "user", "content": "list /tmp"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                    {"type": "tool_use", "id": "t1", "name": "ls", "input": {"path": "/tmp"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "a b"}]},
+                    {"type": "tool_result", "tool_use_id": "t2", "content": "no such file", "is_error": true},
+                    {"type": "text", "text": "thanks"}]}
+            ],
+            "tools": [{"name": "ls", "description": "list", "input_schema": {"type": "object"}}]
+        }));
+        let c = conversation(&req).unwrap().conv;
+        assert_eq!(c.messages[0], json!({"role": "system", "content": "sys"}));
+        assert_eq!(
+            c.messages[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"path": "/tmp"})
+        );
+        assert_eq!(c.messages[2]["reasoning_content"], "hmm");
+        assert_eq!(
+            c.messages[3],
+            json!({"role": "tool", "content": "a b", "tool_call_id": "t1"})
+        );
+        assert_eq!(c.messages[4]["content"], "Error: no such file");
+        assert_eq!(c.messages[5], json!({"role": "user", "content": "thanks"}));
+        assert_eq!(c.tools[0]["function"]["name"], "ls");
+        assert_eq!(c.enable_thinking, Some(false));
+    }
+
+    /// The shape Claude Code sends (2.1.x): billing header block, cached
+    /// system blocks, system turns in `messages`, adaptive thinking,
+    /// context management, effort, a deferred tool, a tool round.
+    fn claude_code_like() -> Value {
+        json!({
+            "model": "m", "max_tokens": 32000, "stream": true,
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.a1; cc_entrypoint=cli;"},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "Be concise.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+            ],
+            "messages": [
+                {"role": "system", "content": "Early note."},
+                {"role": "user", "content": [
+                    {"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                    {"type": "text", "text": "list files", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /w", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "", "signature": "slipstream-reasoning:Use Bash."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.txt", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "Hook: tests passed."}
+            ],
+            "tools": [
+                {"name": "Bash", "description": "Run a command", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}, "cache_control": {"type": "ephemeral"}},
+                {"name": "Later", "description": "deferred", "input_schema": {"type": "object"}, "defer_loading": true}
+            ],
+            "metadata": {"user_id": "u"},
+            "thinking": {"type": "adaptive", "display": "omitted"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"}
+        })
+    }
+
+    #[test]
+    fn a_claude_code_request_renders_every_system_text_once() {
+        let m = conversation(&request(claude_code_like())).unwrap();
+        assert_eq!(m.conv.enable_thinking, None, "adaptive: the server's default");
+        assert!(m.thinking.omit);
+        assert_eq!(m.conv.tools.len(), 1);
+        assert_eq!(m.deferred_tools[0]["function"]["name"], "Later");
+        let text = qwen_like(&m);
+        assert!(text.starts_with("<|im_start|>system\n# Tools"), "{text}");
+        for s in [
+            "You are Claude Code.",
+            "Be concise.",
+            "Early note.",
+            "# Environment\ncwd: /w",
+            "Hook: tests passed.",
+            "<system-reminder>ctx</system-reminder>",
+        ] {
+            assert_eq!(text.matches(s).count(), 1, "{s:?} once in:\n{text}");
+        }
+        assert!(!text.contains("billing"), "{text}");
+        assert!(!text.contains("cc_version"), "{text}");
+        // The leading system turn holds the top-level system and the note
+        // before the first user turn; later ones sit where they were sent.
+        let sys_end = text.find("<|im_end|>").unwrap();
+        assert!(text[..sys_end].contains("Early note."));
+        assert!(text.find("list files").unwrap() < text.find("# Environment").unwrap());
+        assert!(text.find("# Environment").unwrap() < text.find("<tool_call>").unwrap());
+        assert!(text.contains("<think>\nUse Bash.\n</think>"), "{text}");
+        // After a tool result the note joins it (a user turn there would
+        // be a new query to the template, dropping the loop's reasoning).
+        assert!(text.contains("a.txt\n\n<system>\nHook: tests passed.\n</system>\n</tool_response>"), "{text}");
+        assert!(text.ends_with("<|im_start|>assistant\n<think>\n"), "{text}");
+    }
+
+    #[test]
+    fn the_billing_header_does_not_change_the_prompt() {
+        let with = claude_code_like();
+        let mut other = with.clone();
+        other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=9.9.9; cc_entrypoint=sdk-cli;".into();
+        let mut without = with.clone();
+        without["system"].as_array_mut().unwrap().remove(0);
+        let render = |v: &Value| qwen_like(&conversation(&request(v.clone())).unwrap());
+        assert_eq!(render(&with), render(&other));
+        assert_eq!(render(&with), render(&without));
+        // A header line heading a string system prompt goes too.
+        let s = system_text(
+            &json!("x-anthropic-billing-header: cc_version=1;\nYou help."),
+            "system",
+        )
+        .unwrap();
+        assert_eq!(s, "You help.");
+    }
+
+    #[test]
+    fn the_captured_claude_code_request_maps_and_renders() {
+        let v: Value = serde_json::from_str(include_str!("../tests/fixtures/claude_code_request.json"))
+            .unwrap();
+        let header = v["system"][0]["text"].as_str().unwrap().to_string();
+        assert!(header.starts_with(BILLING_HEADER));
+        let env = v["messages"][1]["content"].as_str().unwrap().to_string();
+        let m = conversation(&request(v.clone())).unwrap();
+        let text = qwen_like(&m);
+        assert!(!text.contains(&header));
+        assert_eq!(text.matches(env.as_str()).count(), 1);
+        for block in v["system"].as_array().unwrap().iter().skip(1) {
+            let t = block["text"].as_str().unwrap();
+            assert_eq!(text.matches(t).count(), 1, "{t:?}");
+        }
+        let tools = v["tools"].as_array().unwrap();
+        let deferred = tools.iter().filter(|t| t["defer_loading"] == true).count();
+        assert_eq!(m.conv.tools.len() + m.deferred_tools.len(), tools.len());
+        assert_eq!(m.deferred_tools.len(), deferred);
+        assert!(text.contains("<function=Read>"), "the tool call renders");
+        assert!(text.contains("secret notes"), "the tool result renders");
+    }
+
+    #[test]
+    fn thinking_and_effort() {
+        let base = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+        let with = |k: &str, v: Value| {
+            let mut r = base.clone();
+            r[k] = v;
+            r
+        };
+        let t = |v: Value| thinking(&request(v)).map_err(|e| e.message);
+        assert_eq!(t(base.clone()).unwrap().enable, Some(false), "absent: off");
+        let on = t(with("thinking", json!({"type": "enabled", "budget_tokens": 2048}))).unwrap();
+        assert_eq!((on.enable, on.budget), (Some(true), Some(2048)));
+        assert_eq!(t(with("thinking", json!({"type": "disabled"}))).unwrap().enable, Some(false));
+        assert_eq!(t(with("thinking", json!({"type": "adaptive"}))).unwrap().enable, None);
+        let mut low = with("thinking", json!({"type": "adaptive"}));
+        low["output_config"] = json!({"effort": "low"});
+        assert_eq!(t(low.clone()).unwrap().enable, Some(false));
+        low["thinking"] = json!({"type": "enabled", "budget_tokens": 10});
+        assert_eq!(t(low).unwrap().enable, Some(true), "enabled wins over low effort");
+        for (k, v, says) in [
+            ("thinking", json!({"type": "enabled"}), "budget_tokens"),
+            ("thinking", json!({"type": "sometimes"}), "thinking.type"),
+            ("thinking", json!({"type": "adaptive", "display": "full"}), "thinking.display"),
+            ("thinking", json!("on"), "thinking must be an object"),
+            ("output_config", json!({"effort": "extreme"}), "output_config.effort"),
+            ("output_config", json!({"format": {"type": "json_schema", "schema": {}}}), "output_config.format"),
+            ("output_config", json!({"verbosity": 1}), "output_config.verbosity"),
+            ("context_management", json!(7), "context_management"),
+        ] {
+            let e = t(with(k, v)).unwrap_err();
+            assert!(e.contains(says), "{k}: {e}");
+        }
+    }
+
+    #[test]
+    fn other_blocks_claude_code_sends() {
+        let m = conversation(&request(json!({"model": "m", "messages": [
+            {"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
+                {"type": "document", "title": "Notes", "source": {"type": "text", "media_type": "text/plain", "data": "line"}},
+                {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}},
+                {"type": "search_result", "source": "https://x", "title": "X", "content": [{"type": "text", "text": "found"}]},
+                {"type": "text", "text": "look"}]},
+            {"role": "assistant", "content": [
+                {"type": "redacted_thinking", "data": "opaque"},
+                {"type": "server_tool_use", "id": "s1", "name": "web_search", "input": {"query": "q"}},
+                {"type": "web_search_tool_result", "tool_use_id": "s1", "content": []},
+                {"type": "text", "text": "ok", "citations": []},
+                {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "select:Later"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "tool_reference", "tool_name": "Later"},
+                    {"type": "image", "source": {}}]}]}
+        ], "tools": [{"name": "Later", "description": "d", "input_schema": {"type": "object"}, "defer_loading": true}]})))
+        .unwrap();
+        let msgs = &m.conv.messages;
+        let user = msgs[0]["content"].as_str().unwrap();
+        assert!(user.starts_with("[image omitted: this model reads text only]"), "{user}");
+        assert!(user.contains("Notes\n\nline"), "{user}");
+        assert!(user.contains("[document omitted"), "{user}");
+        assert!(user.contains("X (https://x)\nfound"), "{user}");
+        assert!(user.ends_with("look"));
+        let a = msgs[1]["content"].as_str().unwrap();
+        assert!(a.contains("[server_tool_use web_search: {\"query\":\"q\"}]"), "{a}");
+        assert!(a.contains("[web_search_tool_result omitted]"), "{a}");
+        assert!(msgs[1].get("reasoning_content").is_none());
+        let r = msgs[2]["content"].as_str().unwrap();
+        assert!(r.starts_with("<function>{") && r.contains("\"name\":\"Later\""), "{r}");
+        assert!(r.ends_with("[image omitted: this model reads text only]"), "{r}");
+        assert!(m.conv.tools.is_empty());
+
+        let e = err(json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]}));
+        assert!(e.contains("messages.0.content.0") && e.contains("`video`"), "{e}");
+        let e = err(json!({"model": "m", "messages": [{"role": "robot", "content": "x"}]}));
+        assert!(e.contains("messages.0.role"), "{e}");
+    }
+}

@@ -327,3 +327,19 @@ pub async fn next_or_ping(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::overflow_advice;
+
+    #[test]
+    fn overflow_advice_is_one_the_user_can_follow() {
+        let below = overflow_advice(5000, 4096, 32768);
+        assert!(below.contains("cut at least 905 tokens"), "{below}");
+        assert!(below.contains("--max-context") && below.contains("32768"), "{below}");
+        let at = overflow_advice(5000, 4096, 4096);
+        assert!(at.contains("cut at least 905 tokens"), "{at}");
+        assert!(!at.contains("--max-context"), "{at}");
+        assert!(at.contains("a model with more positions"), "{at}");
+    }
+}

@@ -511,3 +511,18 @@ fn html_escape(s: &str) -> String {
         .replace('>', "&gt;")
         .replace('"', "&quot;")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::context_limit;
+
+    #[test]
+    fn max_context_above_the_model_is_an_error_naming_its_limit() {
+        assert_eq!(context_limit(None, 4096).unwrap(), 4096);
+        assert_eq!(context_limit(Some(1000), 4096).unwrap(), 1000);
+        assert_eq!(context_limit(Some(4096), 4096).unwrap(), 4096);
+        let e = context_limit(Some(8192), 4096).unwrap_err().to_string();
+        assert!(e.contains("8192") && e.contains("4096 positions"), "{e}");
+        assert!(context_limit(Some(0), 4096).is_err());
+    }
+}

@@ -210,13 +210,16 @@ fn marked(texts: &[String]) -> String {
 /// - System messages before the first user message are joined, in order
 ///   and a blank line apart, into the leading system message.
 /// - A later system message is written, between [`MOVED_SYSTEM_OPEN`] and
-///   [`MOVED_SYSTEM_CLOSE`], at the end of the user turn just before it;
-///   when the message before it is not a user turn, at the start of the
-///   user turn just after it; else as a user turn of its own. Each stays
-///   where the client put it, so the turns before it render as in the
-///   client's previous request and the server's kept prefix stays
+///   [`MOVED_SYSTEM_CLOSE`], at the end of the user turn or tool result
+///   just before it; when an assistant turn is before it, at the start of
+///   the user turn just after it; else as a user turn of its own. Each
+///   stays where the client put it, so the turns before it render as in
+///   the client's previous request and the server's kept prefix stays
 ///   reusable (merging it into the leading system message would change
-///   the prompt's first tokens at every such message).
+///   the prompt's first tokens at every such message). After a tool result
+///   it does not become a user turn of its own: Qwen3.x templates take
+///   such a turn for a new query and stop rendering the reasoning of the
+///   tool loop before it, which would also change those turns' tokens.
 /// - With no user message at all (a system-only request), the leading
 ///   system text becomes the user turn, marked the same way.
 ///
@@ -242,7 +245,7 @@ pub fn merge_system_messages(messages: Vec<Value>) -> Vec<Value> {
                 continue;
             }
             match out.last_mut() {
-                Some(prev) if waiting.is_empty() && role_of(prev) == "user" => {
+                Some(prev) if waiting.is_empty() && matches!(role_of(prev), "user" | "tool") => {
                     let joined = format!("{}\n\n{}", message_text(prev), marked(&[text]));
                     prev["content"] = joined.into();
                 }
@@ -328,7 +331,7 @@ pub fn content_text(v: &Value, what: &str) -> Result<String, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -373,6 +376,130 @@ mod tests {
         assert!(render(&conv, Some(&t)).unwrap().in_reasoning);
         conv.enable_thinking = Some(false);
         assert!(!render(&conv, Some(&t)).unwrap().in_reasoning);
+    }
+
+    /// The Qwen3.5/3.6 template's rules (tests/fixtures).
+    pub(crate) const QWEN_LIKE: &str = include_str!("../tests/fixtures/qwen_like_template.jinja");
+
+    fn roles(m: &[Value]) -> Vec<&str> {
+        m.iter().map(role_of).collect()
+    }
+
+    #[test]
+    fn qwen_like_template_refuses_what_the_real_one_refuses() {
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
+        let late = Conversation {
+            messages: vec![
+                json!({"role": "user", "content": "hi"}),
+                json!({"role": "system", "content": "late"}),
+            ],
+            ..Default::default()
+        };
+        let e = render(&late, Some(&t)).unwrap_err();
+        assert!(e.contains("System message must be at the beginning"), "{e}");
+        let alone = Conversation {
+            messages: vec![json!({"role": "system", "content": "only"})],
+            ..Default::default()
+        };
+        let e = render(&alone, Some(&t)).unwrap_err();
+        assert!(e.contains("No user query"), "{e}");
+    }
+
+    #[test]
+    fn system_messages_before_the_first_user_turn_join_the_leading_one() {
+        let out = merge_system_messages(vec![
+            json!({"role": "system", "content": "one"}),
+            json!({"role": "developer", "content": "two"}),
+            json!({"role": "system", "content": ""}),
+            json!({"role": "system", "content": [{"type": "text", "text": "three"}]}),
+            json!({"role": "user", "content": "hi"}),
+        ]);
+        assert_eq!(
+            out,
+            vec![
+                json!({"role": "system", "content": "one\n\ntwo\n\nthree"}),
+                json!({"role": "user", "content": "hi"}),
+            ]
+        );
+    }
+
+    #[test]
+    fn later_system_messages_move_into_a_user_turn_in_place() {
+        let out = merge_system_messages(vec![
+            json!({"role": "system", "content": "first"}),
+            json!({"role": "user", "content": "q1"}),
+            json!({"role": "system", "content": "after user"}),
+            json!({"role": "assistant", "content": "a1"}),
+            json!({"role": "developer", "content": "after assistant"}),
+            json!({"role": "user", "content": "q2"}),
+            json!({"role": "assistant", "content": "a2", "tool_calls": []}),
+            json!({"role": "tool", "content": "r", "tool_call_id": "c"}),
+            json!({"role": "system", "content": "after tool"}),
+            json!({"role": "assistant", "content": "a3"}),
+            json!({"role": "system", "content": "last"}),
+        ]);
+        assert_eq!(
+            roles(&out),
+            ["system", "user", "assistant", "user", "assistant", "tool", "assistant", "user"]
+        );
+        assert_eq!(out[0]["content"], "first");
+        assert_eq!(out[1]["content"], "q1\n\n<system>\nafter user\n</system>");
+        assert_eq!(out[3]["content"], "<system>\nafter assistant\n</system>\n\nq2");
+        assert_eq!(out[5]["content"], "r\n\n<system>\nafter tool\n</system>");
+        assert_eq!(out[5]["tool_call_id"], "c");
+        assert_eq!(out[7]["content"], "<system>\nlast\n</system>");
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
+        let conv = Conversation {
+            messages: out,
+            ..Default::default()
+        };
+        let text = render(&conv, Some(&t)).unwrap().text;
+        for s in ["first", "after user", "after assistant", "after tool", "last"] {
+            assert_eq!(text.matches(s).count(), 1, "{s} once in {text}");
+        }
+    }
+
+    #[test]
+    fn a_system_only_conversation_becomes_a_user_turn() {
+        let out = merge_system_messages(vec![
+            json!({"role": "system", "content": "Say hi."}),
+            json!({"role": "developer", "content": "Be brief."}),
+        ]);
+        assert_eq!(
+            out,
+            vec![json!({"role": "user",
+                "content": "<system>\nSay hi.\n</system>\n\n<system>\nBe brief.\n</system>"})]
+        );
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
+        let conv = Conversation {
+            messages: out,
+            ..Default::default()
+        };
+        assert!(render(&conv, Some(&t)).unwrap().in_reasoning);
+    }
+
+    #[test]
+    fn request_settings_win_over_server_defaults() {
+        let defaults = template_kwargs(
+            json!({"enable_thinking": false, "preserve_thinking": true, "x": 1}),
+            "d",
+        )
+        .unwrap();
+        let mut conv = Conversation::default().with_defaults(&defaults);
+        assert_eq!(conv.enable_thinking, Some(false));
+        assert_eq!(conv.extra["preserve_thinking"], true);
+        conv = Conversation {
+            enable_thinking: Some(true),
+            extra: json!({"x": 2}).as_object().unwrap().clone(),
+            ..Default::default()
+        }
+        .with_defaults(&defaults);
+        assert_eq!(conv.enable_thinking, Some(true));
+        assert_eq!(conv.extra["x"], 2);
+        assert_eq!(conv.extra["preserve_thinking"], true);
+        assert!(template_kwargs(json!([1]), "k").is_err());
+        let e = template_kwargs(json!({"enable_thinking": "yes"}), "k").unwrap_err();
+        assert!(e.contains("enable_thinking"), "{e}");
     }
 
     #[test]
