@@ -10,8 +10,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
 use slipstream_engine::npy;
 use slipstream_engine::{
-    Engine, EngineConfig, GenerateRequest, RestoreOutcome, SamplingParams,
-    StoreChoice, StreamDecoder, WarmReport,
+    Engine, EngineConfig, GenerateRequest, RestoreOutcome, SamplingParams, StoreChoice,
+    StreamDecoder, WarmReport,
 };
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
@@ -496,7 +496,9 @@ fn run(args: RunArgs) -> Result<()> {
                 let template = template_override
                     .as_ref()
                     .or(engine.template.as_ref())
-                    .context("this model has no chat template; pass --chat-template or drop --chat")?;
+                    .context(
+                        "this model has no chat template; pass --chat-template or drop --chat",
+                    )?;
                 let mut messages = Vec::new();
                 if let Some(s) = &args.system {
                     messages.push(serde_json::json!({"role": "system", "content": s}));

@@ -12,12 +12,12 @@ use serde_json::{json, Value};
 use slipstream_engine::FinishReason;
 use tokio::sync::mpsc;
 
+use crate::anthropic_request::REASONING_SIGNATURE;
+pub use crate::anthropic_request::{conversation, Mapped, Message, MessagesRequest, Thinking};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
 use crate::openai::{new_id, sampling};
 use crate::parse::{OutputEvent, ToolCall};
-pub use crate::anthropic_request::{conversation, Mapped, Message, MessagesRequest, Thinking};
-use crate::anthropic_request::REASONING_SIGNATURE;
 use crate::prompt::Rendered;
 use crate::App;
 
@@ -234,7 +234,10 @@ impl EventWriter {
         }
         if self.open == Open::Thinking {
             let signature = if self.omit_reasoning {
-                format!("{REASONING_SIGNATURE}{}", std::mem::take(&mut self.reasoning))
+                format!(
+                    "{REASONING_SIGNATURE}{}",
+                    std::mem::take(&mut self.reasoning)
+                )
             } else {
                 String::new()
             };

@@ -102,7 +102,9 @@ pub fn thinking(req: &MessagesRequest) -> Result<Thinking, ApiError> {
     };
     if let Some(t) = req.thinking.as_ref().filter(|t| !t.is_null()) {
         let Some(obj) = t.as_object() else {
-            return Err(bad("thinking must be an object, e.g. {\"type\": \"adaptive\"}"));
+            return Err(bad(
+                "thinking must be an object, e.g. {\"type\": \"adaptive\"}",
+            ));
         };
         match obj.get("type").and_then(Value::as_str) {
             Some("enabled") => {
@@ -201,16 +203,18 @@ pub fn system_text(v: &Value, what: &str) -> Result<String, ApiError> {
             for (j, b) in blocks.iter().enumerate() {
                 match (b.get("type").and_then(Value::as_str), b.get("text")) {
                     (Some("text"), Some(Value::String(t))) => parts.push(t.as_str()),
-                    _ => {
-                        return Err(bad(format!(
-                            "{what}.{j}: system blocks must be {{\"type\": \"text\", \"text\": ...}}"
-                        )))
-                    }
+                    _ => return Err(bad(format!(
+                        "{what}.{j}: system blocks must be {{\"type\": \"text\", \"text\": ...}}"
+                    ))),
                 }
             }
             parts
         }
-        _ => return Err(bad(format!("{what} must be a string or a list of text blocks"))),
+        _ => {
+            return Err(bad(format!(
+                "{what} must be a string or a list of text blocks"
+            )))
+        }
     };
     Ok(parts
         .into_iter()
@@ -341,7 +345,9 @@ fn user_messages(
         match b.get("type").and_then(Value::as_str) {
             Some("text") => {
                 let t = b.get("text").and_then(Value::as_str).ok_or_else(|| {
-                    bad(format!("{what}.content.{j}: text block without string `text`"))
+                    bad(format!(
+                        "{what}.content.{j}: text block without string `text`"
+                    ))
                 })?;
                 push_text(&mut text, t);
             }
@@ -349,9 +355,14 @@ fn user_messages(
             Some("document") => push_text(&mut text, &document_text(b)),
             Some("search_result") => push_text(&mut text, &search_result_text(b)),
             Some("tool_result") => {
-                let id = b.get("tool_use_id").and_then(Value::as_str).ok_or_else(|| {
-                    bad(format!("{what}.content.{j}: tool_result without `tool_use_id`"))
-                })?;
+                let id = b
+                    .get("tool_use_id")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "{what}.content.{j}: tool_result without `tool_use_id`"
+                        ))
+                    })?;
                 let mut content =
                     tool_result_text(b.get("content").unwrap_or(&Value::Null), deferred);
                 if b.get("is_error").and_then(Value::as_bool) == Some(true) {
@@ -617,7 +628,10 @@ mod tests {
     #[test]
     fn a_claude_code_request_renders_every_system_text_once() {
         let m = conversation(&request(claude_code_like())).unwrap();
-        assert_eq!(m.conv.enable_thinking, None, "adaptive: the server's default");
+        assert_eq!(
+            m.conv.enable_thinking, None,
+            "adaptive: the server's default"
+        );
         assert!(m.thinking.omit);
         assert_eq!(m.conv.tools.len(), 1);
         assert_eq!(m.deferred_tools[0]["function"]["name"], "Later");
@@ -644,7 +658,10 @@ mod tests {
         assert!(text.contains("<think>\nUse Bash.\n</think>"), "{text}");
         // After a tool result the note joins it (a user turn there would
         // be a new query to the template, dropping the loop's reasoning).
-        assert!(text.contains("a.txt\n\n<system>\nHook: tests passed.\n</system>\n</tool_response>"), "{text}");
+        assert!(
+            text.contains("a.txt\n\n<system>\nHook: tests passed.\n</system>\n</tool_response>"),
+            "{text}"
+        );
         assert!(text.ends_with("<|im_start|>assistant\n<think>\n"), "{text}");
     }
 
@@ -652,7 +669,8 @@ mod tests {
     fn the_billing_header_does_not_change_the_prompt() {
         let with = claude_code_like();
         let mut other = with.clone();
-        other["system"][0]["text"] = "x-anthropic-billing-header: cc_version=9.9.9; cc_entrypoint=sdk-cli;".into();
+        other["system"][0]["text"] =
+            "x-anthropic-billing-header: cc_version=9.9.9; cc_entrypoint=sdk-cli;".into();
         let mut without = with.clone();
         without["system"].as_array_mut().unwrap().remove(0);
         let render = |v: &Value| qwen_like(&conversation(&request(v.clone())).unwrap());
@@ -669,8 +687,9 @@ mod tests {
 
     #[test]
     fn the_captured_claude_code_request_maps_and_renders() {
-        let v: Value = serde_json::from_str(include_str!("../tests/fixtures/claude_code_request.json"))
-            .unwrap();
+        let v: Value =
+            serde_json::from_str(include_str!("../tests/fixtures/claude_code_request.json"))
+                .unwrap();
         let header = v["system"][0]["text"].as_str().unwrap().to_string();
         assert!(header.starts_with(BILLING_HEADER));
         let env = v["messages"][1]["content"].as_str().unwrap().to_string();
@@ -700,23 +719,57 @@ mod tests {
         };
         let t = |v: Value| thinking(&request(v)).map_err(|e| e.message);
         assert_eq!(t(base.clone()).unwrap().enable, Some(false), "absent: off");
-        let on = t(with("thinking", json!({"type": "enabled", "budget_tokens": 2048}))).unwrap();
+        let on = t(with(
+            "thinking",
+            json!({"type": "enabled", "budget_tokens": 2048}),
+        ))
+        .unwrap();
         assert_eq!((on.enable, on.budget), (Some(true), Some(2048)));
-        assert_eq!(t(with("thinking", json!({"type": "disabled"}))).unwrap().enable, Some(false));
-        assert_eq!(t(with("thinking", json!({"type": "adaptive"}))).unwrap().enable, None);
+        assert_eq!(
+            t(with("thinking", json!({"type": "disabled"})))
+                .unwrap()
+                .enable,
+            Some(false)
+        );
+        assert_eq!(
+            t(with("thinking", json!({"type": "adaptive"})))
+                .unwrap()
+                .enable,
+            None
+        );
         let mut low = with("thinking", json!({"type": "adaptive"}));
         low["output_config"] = json!({"effort": "low"});
         assert_eq!(t(low.clone()).unwrap().enable, Some(false));
         low["thinking"] = json!({"type": "enabled", "budget_tokens": 10});
-        assert_eq!(t(low).unwrap().enable, Some(true), "enabled wins over low effort");
+        assert_eq!(
+            t(low).unwrap().enable,
+            Some(true),
+            "enabled wins over low effort"
+        );
         for (k, v, says) in [
             ("thinking", json!({"type": "enabled"}), "budget_tokens"),
             ("thinking", json!({"type": "sometimes"}), "thinking.type"),
-            ("thinking", json!({"type": "adaptive", "display": "full"}), "thinking.display"),
+            (
+                "thinking",
+                json!({"type": "adaptive", "display": "full"}),
+                "thinking.display",
+            ),
             ("thinking", json!("on"), "thinking must be an object"),
-            ("output_config", json!({"effort": "extreme"}), "output_config.effort"),
-            ("output_config", json!({"format": {"type": "json_schema", "schema": {}}}), "output_config.format"),
-            ("output_config", json!({"verbosity": 1}), "output_config.verbosity"),
+            (
+                "output_config",
+                json!({"effort": "extreme"}),
+                "output_config.effort",
+            ),
+            (
+                "output_config",
+                json!({"format": {"type": "json_schema", "schema": {}}}),
+                "output_config.format",
+            ),
+            (
+                "output_config",
+                json!({"verbosity": 1}),
+                "output_config.verbosity",
+            ),
             ("context_management", json!(7), "context_management"),
         ] {
             let e = t(with(k, v)).unwrap_err();
@@ -747,22 +800,39 @@ mod tests {
         .unwrap();
         let msgs = &m.conv.messages;
         let user = msgs[0]["content"].as_str().unwrap();
-        assert!(user.starts_with("[image omitted: this model reads text only]"), "{user}");
+        assert!(
+            user.starts_with("[image omitted: this model reads text only]"),
+            "{user}"
+        );
         assert!(user.contains("Notes\n\nline"), "{user}");
         assert!(user.contains("[document omitted"), "{user}");
         assert!(user.contains("X (https://x)\nfound"), "{user}");
         assert!(user.ends_with("look"));
         let a = msgs[1]["content"].as_str().unwrap();
-        assert!(a.contains("[server_tool_use web_search: {\"query\":\"q\"}]"), "{a}");
+        assert!(
+            a.contains("[server_tool_use web_search: {\"query\":\"q\"}]"),
+            "{a}"
+        );
         assert!(a.contains("[web_search_tool_result omitted]"), "{a}");
         assert!(msgs[1].get("reasoning_content").is_none());
         let r = msgs[2]["content"].as_str().unwrap();
-        assert!(r.starts_with("<function>{") && r.contains("\"name\":\"Later\""), "{r}");
-        assert!(r.ends_with("[image omitted: this model reads text only]"), "{r}");
+        assert!(
+            r.starts_with("<function>{") && r.contains("\"name\":\"Later\""),
+            "{r}"
+        );
+        assert!(
+            r.ends_with("[image omitted: this model reads text only]"),
+            "{r}"
+        );
         assert!(m.conv.tools.is_empty());
 
-        let e = err(json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]}));
-        assert!(e.contains("messages.0.content.0") && e.contains("`video`"), "{e}");
+        let e = err(
+            json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+        );
+        assert!(
+            e.contains("messages.0.content.0") && e.contains("`video`"),
+            "{e}"
+        );
         let e = err(json!({"model": "m", "messages": [{"role": "robot", "content": "x"}]}));
         assert!(e.contains("messages.0.role"), "{e}");
     }

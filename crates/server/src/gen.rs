@@ -135,7 +135,11 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
     }
     let reasoning_budget = match p.reasoning_budget.filter(|_| p.in_reasoning) {
         Some(tokens) => {
-            let encode = |t: &str| app.codec.encode(t).map_err(|e| ApiError::internal(flavor, e.to_string()));
+            let encode = |t: &str| {
+                app.codec
+                    .encode(t)
+                    .map_err(|e| ApiError::internal(flavor, e.to_string()))
+            };
             Some(ReasoningBudget {
                 tokens,
                 end: encode("</think>")?,
@@ -336,7 +340,10 @@ mod tests {
     fn overflow_advice_is_one_the_user_can_follow() {
         let below = overflow_advice(5000, 4096, 32768);
         assert!(below.contains("cut at least 905 tokens"), "{below}");
-        assert!(below.contains("--max-context") && below.contains("32768"), "{below}");
+        assert!(
+            below.contains("--max-context") && below.contains("32768"),
+            "{below}"
+        );
         let at = overflow_advice(5000, 4096, 4096);
         assert!(at.contains("cut at least 905 tokens"), "{at}");
         assert!(!at.contains("--max-context"), "{at}");

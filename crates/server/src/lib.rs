@@ -136,7 +136,9 @@ impl App {
         conv: &prompt::Conversation,
         flavor: Flavor,
     ) -> Result<prompt::Rendered, ApiError> {
-        let conv = conv.clone().with_defaults(&self.config.chat_template_kwargs);
+        let conv = conv
+            .clone()
+            .with_defaults(&self.config.chat_template_kwargs);
         prompt::render(&conv, self.info.template.as_deref())
             .map_err(|e| ApiError::bad_request(flavor, e))
     }

@@ -274,7 +274,10 @@ pub fn merge_system_messages(messages: Vec<Value>) -> Vec<Value> {
     }
     if !leading.is_empty() {
         if out.iter().any(|m| role_of(m) == "user") {
-            out.insert(0, json!({"role": "system", "content": leading.join("\n\n")}));
+            out.insert(
+                0,
+                json!({"role": "system", "content": leading.join("\n\n")}),
+            );
         } else {
             out.insert(0, json!({"role": "user", "content": marked(&leading)}));
         }
@@ -292,7 +295,10 @@ pub fn template_kwargs(v: Value, what: &str) -> Result<Map<String, Value>, Strin
         ));
     };
     for key in ["enable_thinking", "preserve_thinking"] {
-        if map.get(key).is_some_and(|v| !v.is_boolean() && !v.is_null()) {
+        if map
+            .get(key)
+            .is_some_and(|v| !v.is_boolean() && !v.is_null())
+        {
             return Err(format!("{what}: `{key}` must be true or false"));
         }
     }
@@ -440,11 +446,23 @@ pub(crate) mod tests {
         ]);
         assert_eq!(
             roles(&out),
-            ["system", "user", "assistant", "user", "assistant", "tool", "assistant", "user"]
+            [
+                "system",
+                "user",
+                "assistant",
+                "user",
+                "assistant",
+                "tool",
+                "assistant",
+                "user"
+            ]
         );
         assert_eq!(out[0]["content"], "first");
         assert_eq!(out[1]["content"], "q1\n\n<system>\nafter user\n</system>");
-        assert_eq!(out[3]["content"], "<system>\nafter assistant\n</system>\n\nq2");
+        assert_eq!(
+            out[3]["content"],
+            "<system>\nafter assistant\n</system>\n\nq2"
+        );
         assert_eq!(out[5]["content"], "r\n\n<system>\nafter tool\n</system>");
         assert_eq!(out[5]["tool_call_id"], "c");
         assert_eq!(out[7]["content"], "<system>\nlast\n</system>");
@@ -454,7 +472,13 @@ pub(crate) mod tests {
             ..Default::default()
         };
         let text = render(&conv, Some(&t)).unwrap().text;
-        for s in ["first", "after user", "after assistant", "after tool", "last"] {
+        for s in [
+            "first",
+            "after user",
+            "after assistant",
+            "after tool",
+            "last",
+        ] {
             assert_eq!(text.matches(s).count(), 1, "{s} once in {text}");
         }
     }
