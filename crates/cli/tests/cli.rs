@@ -334,16 +334,32 @@ fn chat_template_flags_and_max_context_checks() {
     let plain = prompt_tokens_of(&model, tmp.path(), &[]);
     let own = prompt_tokens_of(&model, tmp.path(), &["--chat"]);
     let replaced = prompt_tokens_of(&model, tmp.path(), &["--chat", "--chat-template", t]);
-    assert_eq!(replaced, plain, "the file's template renders the bare prompt");
-    assert!(own > replaced, "the model's ChatML template adds its markers");
+    assert_eq!(
+        replaced, plain,
+        "the file's template renders the bare prompt"
+    );
+    assert!(
+        own > replaced,
+        "the model's ChatML template adds its markers"
+    );
     let thinking = prompt_tokens_of(
         &model,
         tmp.path(),
-        &["--chat", "--chat-template", t, "--chat-template-kwargs", r#"{"enable_thinking": true}"#],
+        &[
+            "--chat",
+            "--chat-template",
+            t,
+            "--chat-template-kwargs",
+            r#"{"enable_thinking": true}"#,
+        ],
     );
     assert!(thinking > replaced);
     assert_eq!(
-        prompt_tokens_of(&model, tmp.path(), &["--chat", "--chat-template", t, "--think"]),
+        prompt_tokens_of(
+            &model,
+            tmp.path(),
+            &["--chat", "--chat-template", t, "--think"]
+        ),
         thinking
     );
 
@@ -364,5 +380,8 @@ fn chat_template_flags_and_max_context_checks() {
             .output()
             .unwrap(),
     );
-    assert!(err.contains("--max-context 100000") && err.contains("4096"), "{err}");
+    assert!(
+        err.contains("--max-context 100000") && err.contains("4096"),
+        "{err}"
+    );
 }

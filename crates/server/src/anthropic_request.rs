@@ -203,9 +203,11 @@ pub fn system_text(v: &Value, what: &str) -> Result<String, ApiError> {
             for (j, b) in blocks.iter().enumerate() {
                 match (b.get("type").and_then(Value::as_str), b.get("text")) {
                     (Some("text"), Some(Value::String(t))) => parts.push(t.as_str()),
-                    _ => return Err(bad(format!(
+                    _ => {
+                        return Err(bad(format!(
                         "{what}.{j}: system blocks must be {{\"type\": \"text\", \"text\": ...}}"
-                    ))),
+                    )))
+                    }
                 }
             }
             parts
