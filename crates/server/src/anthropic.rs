@@ -1,5 +1,6 @@
 //! Anthropic API: `/v1/messages` (streaming and not) and
-//! `/v1/messages/count_tokens`.
+//! `/v1/messages/count_tokens`. What a request may hold and how it maps to
+//! a conversation: `anthropic_request.rs`.
 
 use std::sync::Arc;
 
