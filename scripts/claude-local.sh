@@ -8,9 +8,15 @@
 # its own model names), then runs `claude` with ANTHROPIC_BASE_URL and a key
 # pointing at it. The server started here stops when claude exits.
 #
+# Claude Code is told the served model's name for every model it asks for
+# (main, sub-agents, background tasks) and the server's context
+# (CLAUDE_CODE_MAX_CONTEXT_TOKENS: its window for a model it does not know,
+# so it compacts the conversation before the server has to refuse it).
+#
 # Environment: SLIPSTREAM_PORT, SLIPSTREAM_API_KEY (default: a random key
 # for a server started here), SLIPSTREAM_BIN (default: slipstream on PATH,
-# else target/release/slipstream), SLIPSTREAM_SERVE_ARGS (extra flags).
+# else target/release/slipstream), SLIPSTREAM_SERVE_ARGS (extra flags),
+# CLAUDE_BIN (default: claude on PATH).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 port="${SLIPSTREAM_PORT:-8091}"
@@ -46,13 +52,21 @@ else
     key="${SLIPSTREAM_API_KEY:-none}"
 fi
 
-model="$(curl -fsS -H "x-api-key: $key" "$base/v1/models" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')"
+models="$(curl -fsS -H "x-api-key: $key" "$base/v1/models")"
+model="$(printf '%s' "$models" | sed -n 's/.*"id":"\([^"]*\)".*/\1/p')"
+model="${model:-slipstream}"
+context="$(printf '%s' "$models" | sed -n 's/.*"max_context":\([0-9]*\).*/\1/p')"
 export ANTHROPIC_BASE_URL="$base"
 export ANTHROPIC_API_KEY="$key"
-export ANTHROPIC_MODEL="${model:-slipstream}"
-export ANTHROPIC_SMALL_FAST_MODEL="${model:-slipstream}"
-export ANTHROPIC_DEFAULT_HAIKU_MODEL="${model:-slipstream}"
+export ANTHROPIC_MODEL="$model"
+export ANTHROPIC_SMALL_FAST_MODEL="$model"
+export ANTHROPIC_DEFAULT_HAIKU_MODEL="$model"
+export ANTHROPIC_DEFAULT_SONNET_MODEL="$model"
+export ANTHROPIC_DEFAULT_OPUS_MODEL="$model"
+export CLAUDE_CODE_SUBAGENT_MODEL="$model"
+if [ -n "$context" ]; then export CLAUDE_CODE_MAX_CONTEXT_TOKENS="$context"; fi
 export CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1
+export DISABLE_TELEMETRY=1
 # Long local prefills: give requests time.
 export API_TIMEOUT_MS="${API_TIMEOUT_MS:-3000000}"
-claude "$@"
+"${CLAUDE_BIN:-claude}" "$@"

@@ -1,9 +1,15 @@
 """The official `anthropic` SDK against a real server."""
 
+import os
+
 import anthropic
 import pytest
 
-from conftest import CODER_CALL, QWEN3_CALL, Server
+from conftest import CODER_CALL, QWEN3_CALL, ROOT, Server
+
+# A chat template with the Qwen3.5/3.6 rules: one system message, first, and
+# an opened <think> unless thinking is off.
+QWEN_LIKE = os.path.join(ROOT, "crates", "server", "tests", "fixtures", "qwen_like_template.jinja")
 
 TOOLS = [
     {
@@ -104,5 +110,44 @@ def test_tool_use_round_trip_on_the_wire():
         assert [b.type for b in final.content] == ["text", "tool_use"]
         assert final.content[0].text == "Checking.\n"
         assert final.content[1].input == {"city": "Paris", "days": 3}
+    finally:
+        s.stop()
+
+
+def test_mid_conversation_system_message_and_adaptive_thinking():
+    """What Claude Code sends: system turns inside `messages`, adaptive
+    thinking, effort, context management, cached blocks, its billing header."""
+    s = Server(["--model-name", "demo", "--chat-template", QWEN_LIKE])
+    try:
+        c = client(s)
+        kw = dict(
+            model="demo",
+            system=[
+                {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cc_entrypoint=cli;"},
+                {"type": "text", "text": "You are a scribe.", "cache_control": {"type": "ephemeral"}},
+            ],
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "And God said", "cache_control": {"type": "ephemeral"}}]},
+                {"role": "system", "content": "Answer in one line."},
+            ],
+            thinking={"type": "adaptive"},
+        )
+        extra = {"output_config": {"effort": "high"}, "temperature": 0,
+                 "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+        n = c.messages.count_tokens(**kw).input_tokens
+        other = dict(kw, system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=9;"}, kw["system"][1]])
+        assert c.messages.count_tokens(**other).input_tokens == n, "the billing header is not in the prompt"
+
+        r = c.messages.create(max_tokens=8, extra_body=extra, **kw)
+        assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == n
+        assert r.content[0].type == "thinking", "adaptive thinking is on: the template opened <think>"
+
+        with c.messages.stream(max_tokens=8, extra_body=extra, **kw) as stream:
+            final = stream.get_final_message()
+        assert [b.type for b in final.content] == [b.type for b in r.content]
+        assert final.content[0].thinking == r.content[0].thinking
+
+        off = c.messages.create(max_tokens=8, extra_body=extra, **dict(kw, thinking={"type": "disabled"}))
+        assert all(b.type != "thinking" for b in off.content)
     finally:
         s.stop()

@@ -10,8 +10,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
 use slipstream_engine::npy;
 use slipstream_engine::{
-    ChatMessage, Engine, EngineConfig, GenerateRequest, RestoreOutcome, SamplingParams,
-    StoreChoice, StreamDecoder, WarmReport,
+    Engine, EngineConfig, GenerateRequest, RestoreOutcome, SamplingParams, StoreChoice,
+    StreamDecoder, WarmReport,
 };
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
@@ -83,6 +83,14 @@ struct RunArgs {
     /// Let the chat template open a thinking block (templates that support it).
     #[arg(long, requires = "chat")]
     think: bool,
+    /// A chat template (Jinja, or a tokenizer_config.json holding one) to
+    /// use instead of the model's own.
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    chat_template: Option<PathBuf>,
+    /// Template variables as a JSON object, e.g. '{"enable_thinking": true}'
+    /// (`--think` is `enable_thinking: true`).
+    #[arg(long, value_name = "JSON", requires = "chat")]
+    chat_template_kwargs: Option<String>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_new: usize,
@@ -353,6 +361,24 @@ fn run(args: RunArgs) -> Result<()> {
         seed: args.seed,
     };
     sampling.check().map_err(|e| anyhow::anyhow!(e))?;
+    // Template settings are checked before the model opens.
+    let template_override = match &args.chat_template {
+        Some(p) => Some(slipstream_engine::ChatTemplate::new(
+            &slipstream_cli::read_chat_template(p)?,
+        )?),
+        None => None,
+    };
+    let mut template_kwargs = match &args.chat_template_kwargs {
+        Some(s) => slipstream_cli::parse_template_kwargs(s)?,
+        None => Default::default(),
+    };
+    let think = match template_kwargs.remove("enable_thinking") {
+        Some(serde_json::Value::Bool(false)) if args.think => {
+            bail!("--think contradicts --chat-template-kwargs' \"enable_thinking\": false")
+        }
+        Some(serde_json::Value::Bool(on)) => on || args.think,
+        _ => args.think,
+    };
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -477,22 +503,22 @@ fn run(args: RunArgs) -> Result<()> {
                 .as_ref()
                 .context("this model has no tokenizer; pass --prompt-tokens")?;
             let text = if args.chat {
-                let template = engine
-                    .template
+                let template = template_override
                     .as_ref()
-                    .context("this model has no chat template; drop --chat")?;
+                    .or(engine.template.as_ref())
+                    .context(
+                        "this model has no chat template; pass --chat-template or drop --chat",
+                    )?;
                 let mut messages = Vec::new();
                 if let Some(s) = &args.system {
-                    messages.push(ChatMessage {
-                        role: "system".into(),
-                        content: s.clone(),
-                    });
+                    messages.push(serde_json::json!({"role": "system", "content": s}));
                 }
-                messages.push(ChatMessage {
-                    role: "user".into(),
-                    content: text,
-                });
-                template.render(&messages, true, args.think)?
+                messages.push(serde_json::json!({"role": "user", "content": text}));
+                let mut context = template_kwargs.clone();
+                context.insert("messages".into(), messages.into());
+                context.insert("add_generation_prompt".into(), true.into());
+                context.insert("enable_thinking".into(), think.into());
+                template.render_json(&serde_json::Value::Object(context))?
             } else {
                 text
             };

@@ -73,7 +73,7 @@ pub struct ServeArgs {
     #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
     pub prompt_cache_size: u64,
     /// Most memory the RAM cache of conversation states holds, e.g. 4G
-    /// (0 turns it off). Agents' turns restore from it and prefill only
+    /// (0 keeps just one conversation). Agents' turns restore from it and prefill only
     /// their new tokens. Default: a quarter of the available memory, at
     /// most 8G.
     #[arg(long, value_parser = parse_size_arg)]
@@ -82,6 +82,15 @@ pub struct ServeArgs {
     /// model's, where the checkpoints of a long prompt cost at most its KV).
     #[arg(long)]
     pub state_checkpoint_interval: Option<usize>,
+    /// A chat template (Jinja, or a tokenizer_config.json holding one) to
+    /// use instead of the model's own.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
+    /// Template variables every request starts from, as a JSON object,
+    /// e.g. '{"enable_thinking": false, "preserve_thinking": true}'; a
+    /// request's own `chat_template_kwargs` and thinking settings win.
+    #[arg(long, value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
     /// TEST FACILITY, not for use: each request replies with the next text
     /// of this JSON file (a list of strings), verbatim, instead of sampling
     /// from the model. Lets tests drive tool calls through the wire formats.
@@ -94,7 +103,7 @@ fn parse_size_arg(s: &str) -> Result<u64, String> {
 }
 
 /// Builds the server's settings from the arguments (no I/O but the model
-/// path check and the test script).
+/// path check, the chat template file and the test script).
 pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig, BackendSpec)> {
     slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
     if args.queue == 0 {
@@ -141,6 +150,14 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
             stem
         }
     });
+    let chat_template = match &args.chat_template {
+        Some(p) => Some(crate::read_chat_template(p)?),
+        None => None,
+    };
+    let chat_template_kwargs = match &args.chat_template_kwargs {
+        Some(s) => crate::parse_template_kwargs(s)?,
+        None => Default::default(),
+    };
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -151,6 +168,8 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         model_id,
         any_model: args.any_model,
         ping_interval: Duration::from_secs(2),
+        chat_template,
+        chat_template_kwargs,
     };
     let backend = match &args.test_script {
         Some(p) => {

@@ -97,7 +97,9 @@ fn tiny_matrix_writes_results_with_drift_check() {
     if let (Some(a), Some(b)) = (a, b) {
         let rel = d["relative"].as_f64().unwrap();
         assert!((rel - (b - a).abs() / a).abs() < 1e-9);
-        assert_eq!(d["discarded"].as_bool().unwrap(), rel > 0.05);
+        // Time to first token counts too (it drifts on a busy machine).
+        let ttft_over = d["ttft_relative"].as_f64().is_some_and(|t| t > 0.05);
+        assert_eq!(d["discarded"].as_bool().unwrap(), rel > 0.05 || ttft_over);
     } else {
         assert_eq!(d["discarded"], true);
     }

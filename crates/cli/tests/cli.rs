@@ -246,10 +246,12 @@ fn bad_inputs_are_clear_errors() {
     );
     assert!(err.contains("checksum mismatch"), "{err}");
 
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
     let err = failed(
         bin()
             .args(["repack", "--input"])
-            .arg(tmp.path())
+            .arg(&empty)
             .arg("--output")
             .arg(tmp.path().join("x.slip"))
             .output()
@@ -342,4 +344,85 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
     assert_eq!(std::fs::read(docs.join("letter.txt")).unwrap(), b"keep");
     assert_eq!(std::fs::read_dir(&docs).unwrap().count(), 1);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+}
+
+/// Prompt tokens of a one-token `run` with `args`.
+fn prompt_tokens_of(model: &Path, dir: &Path, args: &[&str]) -> u64 {
+    let stats = dir.join("stats.json");
+    ok(bin()
+        .args(["run", "--model"])
+        .arg(model)
+        .args(["--prompt", "Hello there", "--max-new", "1", "--stats-json"])
+        .arg(&stats)
+        .args(args)
+        .output()
+        .unwrap());
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    v["stats"]["prompt_tokens"].as_u64().unwrap()
+}
+
+#[test]
+fn chat_template_flags_and_max_context_checks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_moe", "q4", tmp.path());
+    let template = tmp.path().join("t.jinja");
+    std::fs::write(
+        &template,
+        "{% if enable_thinking %}<think>{% endif %}{{ messages[-1].content }}",
+    )
+    .unwrap();
+    let t = template.to_str().unwrap();
+    let plain = prompt_tokens_of(&model, tmp.path(), &[]);
+    let own = prompt_tokens_of(&model, tmp.path(), &["--chat"]);
+    let replaced = prompt_tokens_of(&model, tmp.path(), &["--chat", "--chat-template", t]);
+    assert_eq!(
+        replaced, plain,
+        "the file's template renders the bare prompt"
+    );
+    assert!(
+        own > replaced,
+        "the model's ChatML template adds its markers"
+    );
+    let thinking = prompt_tokens_of(
+        &model,
+        tmp.path(),
+        &[
+            "--chat",
+            "--chat-template",
+            t,
+            "--chat-template-kwargs",
+            r#"{"enable_thinking": true}"#,
+        ],
+    );
+    assert!(thinking > replaced);
+    assert_eq!(
+        prompt_tokens_of(
+            &model,
+            tmp.path(),
+            &["--chat", "--chat-template", t, "--think"]
+        ),
+        thinking
+    );
+
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--chat", "--chat-template-kwargs", "[1]"])
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("--chat-template-kwargs"), "{err}");
+    let err = failed(
+        bin()
+            .args(["serve", "--port", "0", "--model"])
+            .arg(&model)
+            .args(["--max-context", "100000"])
+            .output()
+            .unwrap(),
+    );
+    assert!(
+        err.contains("--max-context 100000") && err.contains("4096"),
+        "{err}"
+    );
 }

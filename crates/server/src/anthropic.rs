@@ -1,5 +1,6 @@
 //! Anthropic API: `/v1/messages` (streaming and not) and
-//! `/v1/messages/count_tokens`.
+//! `/v1/messages/count_tokens`. What a request may hold and how it maps to
+//! a conversation: `anthropic_request.rs`.
 
 use std::sync::Arc;
 
@@ -8,257 +9,30 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use slipstream_engine::FinishReason;
 use tokio::sync::mpsc;
 
+use crate::anthropic_request::REASONING_SIGNATURE;
+pub use crate::anthropic_request::{conversation, Mapped, Message, MessagesRequest, Thinking};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
 use crate::openai::{new_id, sampling};
 use crate::parse::{OutputEvent, ToolCall};
-use crate::prompt::{render, Conversation, Rendered};
+use crate::prompt::Rendered;
 use crate::App;
 
 const F: Flavor = Flavor::Anthropic;
-
-#[derive(Debug, Deserialize)]
-pub struct Message {
-    pub role: String,
-    pub content: Value,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct MessagesRequest {
-    pub model: String,
-    /// Required by `/v1/messages`, absent from `count_tokens`.
-    pub max_tokens: Option<usize>,
-    pub messages: Vec<Message>,
-    #[serde(default)]
-    pub system: Value,
-    pub stop_sequences: Option<Vec<String>>,
-    #[serde(default)]
-    pub stream: bool,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub tools: Option<Vec<Value>>,
-    pub tool_choice: Option<Value>,
-    pub thinking: Option<Value>,
-}
 
 fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::bad_request(F, msg)
 }
 
-/// Text of a `tool_result` content (string or blocks).
-fn tool_result_text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Array(blocks) => blocks
-            .iter()
-            .map(|b| match b.get("type").and_then(Value::as_str) {
-                Some("text") => b
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string(),
-                Some(t) => format!("[{t} omitted]"),
-                None => String::new(),
-            })
-            .collect::<Vec<_>>()
-            .join("\n"),
-        Value::Null => String::new(),
-        other => other.to_string(),
-    }
-}
-
-fn system_text(v: &Value) -> Result<String, ApiError> {
-    match v {
-        Value::Null => Ok(String::new()),
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(blocks) => {
-            let mut parts = Vec::new();
-            for b in blocks {
-                match (b.get("type").and_then(Value::as_str), b.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => parts.push(t.clone()),
-                    _ => {
-                        return Err(bad(
-                            "system: blocks must be {\"type\": \"text\", \"text\": ...}",
-                        ))
-                    }
-                }
-            }
-            Ok(parts.join("\n\n"))
-        }
-        _ => Err(bad("system must be a string or a list of text blocks")),
-    }
-}
-
-/// Maps an Anthropic request to a conversation.
-pub fn conversation(req: &MessagesRequest) -> Result<Conversation, ApiError> {
-    let mut messages = Vec::new();
-    let system = system_text(&req.system)?;
-    if !system.is_empty() {
-        messages.push(json!({"role": "system", "content": system}));
-    }
-    for (i, m) in req.messages.iter().enumerate() {
-        let what = format!("messages.{i}");
-        let blocks: Vec<Value> = match &m.content {
-            Value::String(s) => vec![json!({"type": "text", "text": s})],
-            Value::Array(b) => b.clone(),
-            _ => {
-                return Err(bad(format!(
-                    "{what}.content must be a string or a list of blocks"
-                )))
-            }
-        };
-        match m.role.as_str() {
-            "user" => {
-                let mut text = String::new();
-                for (j, b) in blocks.iter().enumerate() {
-                    match b.get("type").and_then(Value::as_str) {
-                        Some("text") => {
-                            let t = b.get("text").and_then(Value::as_str).ok_or_else(|| {
-                                bad(format!("{what}.content.{j}: text block without string `text`"))
-                            })?;
-                            if !text.is_empty() {
-                                text.push('\n');
-                            }
-                            text.push_str(t);
-                        }
-                        Some("tool_result") => {
-                            let id = b.get("tool_use_id").and_then(Value::as_str).ok_or_else(|| {
-                                bad(format!("{what}.content.{j}: tool_result without `tool_use_id`"))
-                            })?;
-                            let mut content =
-                                tool_result_text(b.get("content").unwrap_or(&Value::Null));
-                            if b.get("is_error").and_then(Value::as_bool) == Some(true) {
-                                content = format!("Error: {content}");
-                            }
-                            messages.push(
-                                json!({"role": "tool", "content": content, "tool_call_id": id}),
-                            );
-                        }
-                        Some(t @ ("image" | "document")) => {
-                            return Err(bad(format!(
-                                "{what}.content.{j}: {t} blocks are not supported by this model (text only)"
-                            )))
-                        }
-                        Some(t) => {
-                            return Err(bad(format!(
-                                "{what}.content.{j}: unknown block type `{t}` in a user message"
-                            )))
-                        }
-                        None => return Err(bad(format!("{what}.content.{j}: block without `type`"))),
-                    }
-                }
-                if !text.is_empty()
-                    || !blocks
-                        .iter()
-                        .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
-                {
-                    messages.push(json!({"role": "user", "content": text}));
-                }
-            }
-            "assistant" => {
-                let mut text = String::new();
-                let mut reasoning = String::new();
-                let mut calls = Vec::new();
-                for (j, b) in blocks.iter().enumerate() {
-                    match b.get("type").and_then(Value::as_str) {
-                        Some("text") => {
-                            text.push_str(b.get("text").and_then(Value::as_str).unwrap_or(""))
-                        }
-                        Some("thinking") => reasoning
-                            .push_str(b.get("thinking").and_then(Value::as_str).unwrap_or("")),
-                        Some("redacted_thinking") => {}
-                        Some("tool_use") => {
-                            let name = b.get("name").and_then(Value::as_str).ok_or_else(|| {
-                                bad(format!("{what}.content.{j}: tool_use without `name`"))
-                            })?;
-                            let input = b.get("input").cloned().unwrap_or_else(|| json!({}));
-                            if !input.is_object() {
-                                return Err(bad(format!(
-                                    "{what}.content.{j}: tool_use `input` must be an object"
-                                )));
-                            }
-                            calls.push(json!({"type": "function", "id": b.get("id"),
-                                "function": {"name": name, "arguments": input}}));
-                        }
-                        Some(t) => {
-                            return Err(bad(format!(
-                            "{what}.content.{j}: unknown block type `{t}` in an assistant message"
-                        )))
-                        }
-                        None => {
-                            return Err(bad(format!("{what}.content.{j}: block without `type`")))
-                        }
-                    }
-                }
-                let mut msg = Map::new();
-                msg.insert("role".into(), "assistant".into());
-                msg.insert("content".into(), text.into());
-                if !reasoning.is_empty() {
-                    msg.insert("reasoning_content".into(), reasoning.into());
-                }
-                if !calls.is_empty() {
-                    msg.insert("tool_calls".into(), Value::Array(calls));
-                }
-                messages.push(Value::Object(msg));
-            }
-            r => {
-                return Err(bad(format!(
-                    "{what}.role: unknown role `{r}` (user or assistant)"
-                )))
-            }
-        }
-    }
-    if req.messages.is_empty() {
-        return Err(bad("messages: at least one message is required"));
-    }
-    let none = req
-        .tool_choice
-        .as_ref()
-        .and_then(|c| c.get("type"))
-        .and_then(Value::as_str)
-        == Some("none");
-    let mut tools = Vec::new();
-    if !none {
-        for (i, t) in req.tools.iter().flatten().enumerate() {
-            let Some(name) = t.get("name").and_then(Value::as_str) else {
-                return Err(bad(format!("tools.{i}: a tool needs a `name`")));
-            };
-            // Server tools (web search etc.) have no schema: not ours to run.
-            let Some(schema) = t.get("input_schema") else {
-                continue;
-            };
-            tools.push(json!({"type": "function", "function": {
-                "name": name,
-                "description": t.get("description").cloned().unwrap_or_else(|| "".into()),
-                "parameters": schema,
-            }}));
-        }
-    }
-    let thinking = req
-        .thinking
-        .as_ref()
-        .and_then(|t| t.get("type"))
-        .and_then(Value::as_str)
-        == Some("enabled");
-    Ok(Conversation {
-        messages,
-        tools,
-        enable_thinking: Some(thinking),
-        extra: Map::new(),
-    })
-}
-
-fn rendered(app: &App, req: &MessagesRequest) -> Result<(Rendered, Conversation), ApiError> {
+fn rendered(app: &App, req: &MessagesRequest) -> Result<(Rendered, Mapped), ApiError> {
     app.check_model(&req.model, F)?;
-    let conv = conversation(req)?;
-    let r = render(&conv, app.info.template.as_deref()).map_err(bad)?;
-    Ok((r, conv))
+    let mapped = conversation(req)?;
+    let r = app.render(&mapped.conv, F)?;
+    Ok((r, mapped))
 }
 
 pub async fn count_tokens(
@@ -322,24 +96,32 @@ async fn messages_inner(
     if max_tokens == 0 {
         return Err(bad("max_tokens: must be at least 1"));
     }
-    let (r, conv) = rendered(&app, &req)?;
+    let (r, mapped) = rendered(&app, &req)?;
     let stop = req.stop_sequences.clone().unwrap_or_default();
+    let mut tools = mapped.conv.tools.clone();
+    tools.extend(mapped.deferred_tools.iter().cloned());
+    let omit = mapped.thinking.omit;
     let params = GenParams {
         prompt_text: r.text,
         max_tokens: Some(max_tokens),
         sampling: sampling(F, req.temperature, req.top_p, req.top_k, None, None)?,
         stop,
         parse: true,
-        parse_tools: !conv.tools.is_empty(),
+        parse_tools: !tools.is_empty(),
         in_reasoning: r.in_reasoning,
-        tools: conv.tools.clone(),
+        reasoning_budget: mapped.thinking.budget.filter(|_| r.in_reasoning),
+        tools,
     };
     let gen = submit(&app, F, params)?;
     let model = app.config.model_id.clone();
     let id = new_id("msg_");
     if req.stream {
         let (tx, rx) = mpsc::channel::<String>(64);
-        tokio::spawn(stream_messages(app, gen, tx, model, id));
+        let writer = EventWriter {
+            omit_reasoning: omit,
+            ..Default::default()
+        };
+        tokio::spawn(stream_messages(app, gen, tx, model, id, writer));
         return Ok(sse_response(sse_body(rx)));
     }
     let mut gen = gen;
@@ -364,12 +146,19 @@ async fn messages_inner(
                             }
                         }
                         OutputEvent::Reasoning(t) => {
+                            // Omitted reasoning travels in the signature.
+                            let key = if omit { "signature" } else { "thinking" };
                             if last_type.as_deref() == Some("thinking") {
-                                append(content.last_mut(), "thinking", &t);
+                                append(content.last_mut(), key, &t);
                             } else {
-                                content.push(
-                                    json!({"type": "thinking", "thinking": t, "signature": ""}),
-                                );
+                                let mut block =
+                                    json!({"type": "thinking", "thinking": "", "signature": ""});
+                                block[key] = if omit {
+                                    format!("{REASONING_SIGNATURE}{t}").into()
+                                } else {
+                                    t.into()
+                                };
+                                content.push(block);
                             }
                         }
                         OutputEvent::ToolCall(c) => {
@@ -420,6 +209,11 @@ pub struct EventWriter {
     index: usize,
     open: Open,
     pub tool_calls: usize,
+    /// `display: "omitted"`: reasoning is sent in the block's signature at
+    /// its end (see [`REASONING_SIGNATURE`]), not as thinking deltas.
+    pub omit_reasoning: bool,
+    /// Reasoning of the open block, kept while `omit_reasoning`.
+    reasoning: String,
 }
 
 impl Default for EventWriter {
@@ -428,6 +222,8 @@ impl Default for EventWriter {
             index: 0,
             open: Open::None,
             tool_calls: 0,
+            omit_reasoning: false,
+            reasoning: String::new(),
         }
     }
 }
@@ -438,10 +234,18 @@ impl EventWriter {
             return;
         }
         if self.open == Open::Thinking {
+            let signature = if self.omit_reasoning {
+                format!(
+                    "{REASONING_SIGNATURE}{}",
+                    std::mem::take(&mut self.reasoning)
+                )
+            } else {
+                String::new()
+            };
             out.push(event(
                 "content_block_delta",
                 &json!({"type": "content_block_delta", "index": self.index,
-                    "delta": {"type": "signature_delta", "signature": ""}}),
+                    "delta": {"type": "signature_delta", "signature": signature}}),
             ));
         }
         out.push(event(
@@ -482,6 +286,10 @@ impl EventWriter {
             }
             OutputEvent::Reasoning(t) => {
                 self.open(Open::Thinking, &mut out);
+                if self.omit_reasoning {
+                    self.reasoning.push_str(&t);
+                    return out;
+                }
                 out.push(event(
                     "content_block_delta",
                     &json!({"type": "content_block_delta", "index": self.index,
@@ -547,13 +355,13 @@ async fn stream_messages(
     tx: mpsc::Sender<String>,
     model: String,
     id: String,
+    mut w: EventWriter,
 ) {
     let ping = event("ping", &json!({"type": "ping"}));
     let start = message_start(&id, &model, gen.prompt_tokens);
     if tx.send(start).await.is_err() || tx.send(ping.clone()).await.is_err() {
         return;
     }
-    let mut w = EventWriter::default();
     let interval = app.config.ping_interval;
     loop {
         let Some(step) = next_or_ping(&mut gen, &tx, &ping, interval).await else {
@@ -655,34 +463,24 @@ mod tests {
     }
 
     #[test]
-    fn maps_tool_use_and_results_to_messages() {
-        let req: MessagesRequest = serde_json::from_value(json!({
-            "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "sys"}],
-            "messages": [
-                {"role": "user", "content": "list /tmp"},
-                {"role": "assistant", "content": [
-                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
-                    {"type": "tool_use", "id": "t1", "name": "ls", "input": {"path": "/tmp"}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "a b"}]},
-                    {"type": "text", "text": "thanks"}]}
-            ],
-            "tools": [{"name": "ls", "description": "list", "input_schema": {"type": "object"}}]
-        }))
-        .unwrap();
-        let c = conversation(&req).unwrap();
-        assert_eq!(c.messages[0], json!({"role": "system", "content": "sys"}));
+    fn omitted_reasoning_travels_in_the_signature() {
+        let mut w = EventWriter {
+            omit_reasoning: true,
+            ..Default::default()
+        };
+        let mut out = Vec::new();
+        out.extend(w.output(OutputEvent::Reasoning("step one, ".into())));
+        out.extend(w.output(OutputEvent::Reasoning("step two".into())));
+        out.extend(w.output(OutputEvent::Content("Done.".into())));
+        let ev = parse_events(&out);
+        let deltas: Vec<&Value> = ev.iter().map(|(_, v)| &v["delta"]).collect();
+        assert!(deltas.iter().all(|d| d.get("thinking").is_none()), "{ev:?}");
+        assert_eq!(ev[0].1["content_block"]["type"], "thinking");
+        assert_eq!(ev[1].1["delta"]["type"], "signature_delta");
         assert_eq!(
-            c.messages[2]["tool_calls"][0]["function"]["arguments"],
-            json!({"path": "/tmp"})
+            ev[1].1["delta"]["signature"],
+            format!("{REASONING_SIGNATURE}step one, step two")
         );
-        assert_eq!(c.messages[2]["reasoning_content"], "hmm");
-        assert_eq!(
-            c.messages[3],
-            json!({"role": "tool", "content": "a b", "tool_call_id": "t1"})
-        );
-        assert_eq!(c.messages[4], json!({"role": "user", "content": "thanks"}));
-        assert_eq!(c.tools[0]["function"]["name"], "ls");
-        assert_eq!(c.enable_thinking, Some(false));
+        assert_eq!(ev[4].1["delta"]["text"], "Done.");
     }
 }

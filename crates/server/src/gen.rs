@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 
 use crate::error::{ApiError, Flavor};
 use crate::parse::{OutputEvent, OutputParser, StopFilter};
-use crate::worker::{Job, WorkerEvent};
+use crate::worker::{Job, ReasoningBudget, WorkerEvent};
 use crate::App;
 
 /// What a handler asks for.
@@ -24,6 +24,11 @@ pub struct GenParams {
     pub parse: bool,
     pub parse_tools: bool,
     pub in_reasoning: bool,
+    /// Most tokens of reasoning when the prompt ends inside an opened
+    /// `<think>` (Anthropic `thinking.budget_tokens`); the server closes
+    /// the reasoning after that many (see [`ReasoningBudget`]).
+    pub reasoning_budget: Option<usize>,
+    /// Tool definitions the parser types XML parameters by.
     pub tools: Vec<Value>,
 }
 
@@ -107,15 +112,19 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
         return Err(ApiError::bad_request(flavor, "the prompt is empty"));
     }
     let limit = app.max_context;
-    if prompt.len() >= limit {
-        return Err(ApiError::bad_request(
-            flavor,
-            format!(
-                "the prompt is {} tokens, over this server's context limit of {limit} tokens (prompt plus reply); shorten it or restart the server with a larger --max-context",
-                prompt.len()
-            ),
-        )
-        .code("context_length_exceeded"));
+    // Prompt tokens that leave room for one token of reply.
+    let most = limit - 1;
+    if prompt.len() > most {
+        let n = prompt.len();
+        let advice = overflow_advice(n, limit, app.info.max_position);
+        tracing::warn!("refused a prompt of {n} tokens: {advice}");
+        let message = match flavor {
+            // Anthropic's own wording, which Claude Code matches exactly
+            // (it then compacts the conversation); the advice is logged.
+            Flavor::Anthropic => format!("prompt is too long: {n} tokens > {most} maximum"),
+            Flavor::OpenAi => format!("the prompt is {n} tokens; {advice}"),
+        };
+        return Err(ApiError::bad_request(flavor, message).code("context_length_exceeded"));
     }
     let room = limit - prompt.len();
     let max_new = p.max_tokens.unwrap_or(room).min(room);
@@ -124,6 +133,21 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
             ApiError::bad_request(flavor, "max_tokens must be at least 1").param("max_tokens"),
         );
     }
+    let reasoning_budget = match p.reasoning_budget.filter(|_| p.in_reasoning) {
+        Some(tokens) => {
+            let encode = |t: &str| {
+                app.codec
+                    .encode(t)
+                    .map_err(|e| ApiError::internal(flavor, e.to_string()))
+            };
+            Some(ReasoningBudget {
+                tokens,
+                end: encode("</think>")?,
+                close: encode("\n</think>\n\n")?,
+            })
+        }
+        None => None,
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let n = prompt.len();
@@ -132,6 +156,7 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
             prompt,
             max_new_tokens: max_new,
             sampling: p.sampling,
+            reasoning_budget,
             cancel: cancel.clone(),
             events: tx,
         })
@@ -151,6 +176,26 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
         ended: false,
         pending_done: None,
     })
+}
+
+/// What a user can do about a prompt of `n` tokens that does not fit a
+/// context of `limit` tokens, on a model of `max_position` positions.
+pub fn overflow_advice(n: usize, limit: usize, max_position: usize) -> String {
+    let most = limit.saturating_sub(1);
+    let cut = n.saturating_sub(most);
+    let mut s = format!(
+        "this server takes at most {most} prompt tokens (its context of {limit} tokens holds the prompt and at least one token of reply): cut at least {cut} tokens"
+    );
+    if limit < max_position {
+        s.push_str(&format!(
+            ", or restart the server with a larger --max-context (this model supports up to {max_position})"
+        ));
+    } else {
+        s.push_str(&format!(
+            "; {limit} tokens is all this model supports (max_position_embeddings), so a longer prompt needs a model with more positions"
+        ));
+    }
+    s
 }
 
 impl Gen {
@@ -325,5 +370,24 @@ pub async fn pump(
         if end {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::overflow_advice;
+
+    #[test]
+    fn overflow_advice_is_one_the_user_can_follow() {
+        let below = overflow_advice(5000, 4096, 32768);
+        assert!(below.contains("cut at least 905 tokens"), "{below}");
+        assert!(
+            below.contains("--max-context") && below.contains("32768"),
+            "{below}"
+        );
+        let at = overflow_advice(5000, 4096, 4096);
+        assert!(at.contains("cut at least 905 tokens"), "{at}");
+        assert!(!at.contains("--max-context"), "{at}");
+        assert!(at.contains("a model with more positions"), "{at}");
     }
 }

@@ -9,6 +9,7 @@
 //! tokens).
 
 pub mod anthropic;
+pub mod anthropic_request;
 pub mod error;
 pub mod gen;
 pub mod openai;
@@ -55,6 +56,13 @@ pub struct ServerConfig {
     pub any_model: bool,
     /// Keep-alive interval of streams while nothing else is sent.
     pub ping_interval: Duration,
+    /// Jinja source of a chat template that replaces the model's own
+    /// (`--chat-template FILE`).
+    pub chat_template: Option<String>,
+    /// Template variables every request starts from
+    /// (`--chat-template-kwargs`, e.g. `enable_thinking`,
+    /// `preserve_thinking`); a request's own settings win.
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +77,8 @@ impl Default for ServerConfig {
             model_id: "slipstream".into(),
             any_model: false,
             ping_interval: Duration::from_secs(2),
+            chat_template: None,
+            chat_template_kwargs: serde_json::Map::new(),
         }
     }
 }
@@ -148,6 +158,34 @@ impl App {
             ),
         )
         .code("model_not_found"))
+    }
+
+    /// Renders `conv` with the server's template and default template
+    /// variables; a template error is the client's (400).
+    pub fn render(
+        &self,
+        conv: &prompt::Conversation,
+        flavor: Flavor,
+    ) -> Result<prompt::Rendered, ApiError> {
+        let conv = conv
+            .clone()
+            .with_defaults(&self.config.chat_template_kwargs);
+        prompt::render(&conv, self.info.template.as_deref())
+            .map_err(|e| ApiError::bad_request(flavor, e))
+    }
+}
+
+/// The context a server runs with: `requested` (`--max-context`), or the
+/// model's `max_position` (max_position_embeddings) when `None`. More than
+/// the model's positions is an error, never a silent cut.
+pub fn context_limit(requested: Option<usize>, max_position: usize) -> anyhow::Result<usize> {
+    match requested {
+        None => Ok(max_position.max(1)),
+        Some(0) => bail!("--max-context must be at least 1"),
+        Some(n) if n > max_position => bail!(
+            "--max-context {n} is more than this model supports: it was trained for {max_position} positions (max_position_embeddings); use --max-context {max_position} or less"
+        ),
+        Some(n) => Ok(n),
     }
 }
 
@@ -314,12 +352,13 @@ fn launch(
     config: ServerConfig,
     worker: Worker,
     codec: Arc<TextCodec>,
-    info: Info,
+    mut info: Info,
 ) -> anyhow::Result<RunningServer> {
-    let max_context = config
-        .max_context
-        .unwrap_or(info.max_position)
-        .clamp(1, info.max_position.max(1));
+    let max_context = context_limit(config.max_context, info.max_position)?;
+    if let Some(src) = &config.chat_template {
+        let template = slipstream_engine::ChatTemplate::new(src).context("--chat-template")?;
+        info.template = Some(Arc::new(template));
+    }
     let app = Arc::new(App {
         config: config.clone(),
         worker,
@@ -518,4 +557,19 @@ fn html_escape(s: &str) -> String {
         .replace('<', "&lt;")
         .replace('>', "&gt;")
         .replace('"', "&quot;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::context_limit;
+
+    #[test]
+    fn max_context_above_the_model_is_an_error_naming_its_limit() {
+        assert_eq!(context_limit(None, 4096).unwrap(), 4096);
+        assert_eq!(context_limit(Some(1000), 4096).unwrap(), 1000);
+        assert_eq!(context_limit(Some(4096), 4096).unwrap(), 4096);
+        let e = context_limit(Some(8192), 4096).unwrap_err().to_string();
+        assert!(e.contains("8192") && e.contains("4096 positions"), "{e}");
+        assert!(context_limit(Some(0), 4096).is_err());
+    }
 }

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
 use crate::parse::{OutputEvent, ToolCall};
-use crate::prompt::{content_text, render, Conversation};
+use crate::prompt::{content_text, merge_system_messages, template_kwargs, Conversation};
 use crate::App;
 
 const F: Flavor = Flavor::OpenAi;
@@ -54,8 +54,12 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     #[serde(default)]
     pub name: Option<String>,
+    /// The turn's reasoning, as vLLM/SGLang/llama.cpp name it...
     #[serde(default)]
     pub reasoning_content: Option<String>,
+    /// ...and as OpenRouter/Ollama and newer vLLM name it.
+    #[serde(default)]
+    pub reasoning: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -78,7 +82,12 @@ pub struct ChatRequest {
     pub n: Option<u32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
-    pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub chat_template_kwargs: Option<Value>,
+    /// Thinking on or off (vLLM/SGLang's top-level form).
+    pub enable_thinking: Option<bool>,
+    /// `none` or `minimal`: thinking off; `low`, `medium`, `high`,
+    /// `xhigh`: on (this server has no finer control of its length).
+    pub reasoning_effort: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -268,7 +277,7 @@ pub fn conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
         if let Some(n) = &m.name {
             msg.insert("name".into(), n.clone().into());
         }
-        if let Some(r) = &m.reasoning_content {
+        if let Some(r) = m.reasoning_content.as_ref().or(m.reasoning.as_ref()) {
             msg.insert("reasoning_content".into(), r.clone().into());
         }
         messages.push(Value::Object(msg));
@@ -276,6 +285,7 @@ pub fn conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::bad_request(F, "messages must not be empty").param("messages"));
     }
+    let messages = merge_system_messages(messages);
     let tool_choice_none = req
         .tool_choice
         .as_ref()
@@ -297,8 +307,32 @@ pub fn conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
             tools.push(t.clone());
         }
     }
-    let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
-    let enable_thinking = extra.remove("enable_thinking").and_then(|v| v.as_bool());
+    let mut extra = match &req.chat_template_kwargs {
+        None | Some(Value::Null) => Map::new(),
+        Some(v) => template_kwargs(v.clone(), "chat_template_kwargs")
+            .map_err(|e| ApiError::bad_request(F, e).param("chat_template_kwargs"))?,
+    };
+    let effort_thinking = match req.reasoning_effort.as_deref() {
+        None => None,
+        Some("none" | "minimal") => Some(false),
+        Some("low" | "medium" | "high" | "xhigh") => Some(true),
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                F,
+                format!(
+                    "reasoning_effort: unknown `{other}` (none, minimal, low, medium, high, xhigh)"
+                ),
+            )
+            .param("reasoning_effort"))
+        }
+    };
+    // The most specific setting wins: the template's own variable, then
+    // the top-level switch, then the effort.
+    let enable_thinking = extra
+        .remove("enable_thinking")
+        .and_then(|v| v.as_bool())
+        .or(req.enable_thinking)
+        .or(effort_thinking);
     Ok(Conversation {
         messages,
         tools,
@@ -327,8 +361,7 @@ async fn chat_inner(
         return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
     }
     let conv = conversation(&req)?;
-    let rendered =
-        render(&conv, app.info.template.as_deref()).map_err(|e| ApiError::bad_request(F, e))?;
+    let rendered = app.render(&conv, F)?;
     let stop = req.stop.map(StopSpec::into_vec).unwrap_or_default();
     check_stops(F, &stop)?;
     let params = GenParams {
@@ -346,6 +379,7 @@ async fn chat_inner(
         parse: true,
         parse_tools: !conv.tools.is_empty(),
         in_reasoning: rendered.in_reasoning,
+        reasoning_budget: None,
         tools: conv.tools.clone(),
     };
     let gen = submit(&app, F, params)?;
@@ -382,7 +416,9 @@ async fn chat_inner(
     };
     let mut message = json!({"role": "assistant", "content": content});
     if !reasoning.is_empty() {
-        message["reasoning_content"] = reasoning.into();
+        // Clients read one name or the other.
+        message["reasoning_content"] = reasoning.clone().into();
+        message["reasoning"] = reasoning.into();
     }
     if !calls.is_empty() {
         if content.is_empty() {
@@ -455,7 +491,7 @@ async fn stream_chat(
                 .map(|ev| match ev {
                     OutputEvent::Content(t) => chunk(json!({"content": t}), Value::Null),
                     OutputEvent::Reasoning(t) => {
-                        chunk(json!({"reasoning_content": t}), Value::Null)
+                        chunk(json!({"reasoning_content": t, "reasoning": t}), Value::Null)
                     }
                     OutputEvent::ToolCall(c) => {
                         calls += 1;
@@ -540,6 +576,7 @@ async fn completions_inner(
         parse: false,
         parse_tools: false,
         in_reasoning: false,
+        reasoning_budget: None,
         tools: Vec::new(),
     };
     let mut gen = submit(&app, F, params)?;

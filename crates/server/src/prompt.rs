@@ -21,6 +21,23 @@ pub struct Conversation {
     pub extra: Map<String, Value>,
 }
 
+impl Conversation {
+    /// Fills what the request left unset from the server's default template
+    /// variables (`--chat-template-kwargs`): the request's own values win.
+    pub fn with_defaults(mut self, defaults: &Map<String, Value>) -> Self {
+        for (k, v) in defaults {
+            if k == "enable_thinking" {
+                if self.enable_thinking.is_none() {
+                    self.enable_thinking = v.as_bool();
+                }
+            } else if !self.extra.contains_key(k) {
+                self.extra.insert(k.clone(), v.clone());
+            }
+        }
+        self
+    }
+}
+
 /// A rendered prompt.
 #[derive(Debug, Clone)]
 pub struct Rendered {
@@ -151,52 +168,141 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
     Ok(Rendered { text, in_reasoning })
 }
 
-/// Words that introduce a system message moved into a user turn by
-/// [`normalize_system_messages`].
-pub const SYSTEM_NOTE_PREFIX: &str = "[System message]";
+/// Opens a system message that [`merge_system_messages`] moved into a
+/// user turn; [`MOVED_SYSTEM_CLOSE`] closes it.
+pub const MOVED_SYSTEM_OPEN: &str = "<system>\n";
+/// Closes a moved system message.
+pub const MOVED_SYSTEM_CLOSE: &str = "\n</system>";
 
-/// Makes a conversation acceptable to templates that take one system
-/// message, first (Qwen3.5/3.6 raise "System message must be at the
-/// beginning" otherwise), without losing any text. `developer` counts as
-/// `system`. The system messages before the first user message become one
-/// leading system message, their texts in order, joined by blank lines
-/// (empty ones dropped); a later system message becomes a user turn that
-/// starts with [`SYSTEM_NOTE_PREFIX`] on a line of its own, in place.
-/// Messages: `{"role", "content": string, ...}` as in [`Conversation`].
-pub fn normalize_system_messages(messages: Vec<Value>) -> Vec<Value> {
-    let is_system = |m: &Value| {
-        matches!(
-            m.get("role").and_then(Value::as_str),
-            Some("system" | "developer")
-        )
-    };
+fn role_of(m: &Value) -> &str {
+    m.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+fn is_system(m: &Value) -> bool {
+    matches!(role_of(m), "system" | "developer")
+}
+
+/// A chat-form message's text: a string, or the texts of a list of parts.
+fn message_text(m: &Value) -> String {
+    match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    }
+}
+
+fn marked(texts: &[String]) -> String {
+    texts
+        .iter()
+        .map(|t| format!("{MOVED_SYSTEM_OPEN}{t}{MOVED_SYSTEM_CLOSE}"))
+        .collect::<Vec<_>>()
+        .join("\n\n")
+}
+
+/// Gives a conversation the shape chat templates accept: at most one
+/// system message, first (Qwen3.5/3.6 templates raise "System message must
+/// be at the beginning" on any other), and a user turn (they raise "No user
+/// query found" without one), losing no text. `developer` is `system`.
+///
+/// - System messages before the first user message are joined, in order
+///   and a blank line apart, into the leading system message.
+/// - A later system message is written, between [`MOVED_SYSTEM_OPEN`] and
+///   [`MOVED_SYSTEM_CLOSE`], at the end of the user turn or tool result
+///   just before it; when an assistant turn is before it, at the start of
+///   the user turn just after it; else as a user turn of its own. Each
+///   stays where the client put it, so the turns before it render as in
+///   the client's previous request and the server's kept prefix stays
+///   reusable (merging it into the leading system message would change
+///   the prompt's first tokens at every such message). After a tool result
+///   it does not become a user turn of its own: Qwen3.x templates take
+///   such a turn for a new query and stop rendering the reasoning of the
+///   tool loop before it, which would also change those turns' tokens.
+/// - With no user message at all (a system-only request), the leading
+///   system text becomes the user turn, marked the same way.
+///
+/// Messages: `{"role", "content": string | [{"text"}], ...}` as in
+/// [`Conversation::messages`]; a merged message's content is a string.
+pub fn merge_system_messages(messages: Vec<Value>) -> Vec<Value> {
     let first_user = messages
         .iter()
-        .position(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        .position(|m| role_of(m) == "user")
         .unwrap_or(messages.len());
     let mut leading: Vec<String> = Vec::new();
-    let mut rest = Vec::with_capacity(messages.len());
-    for (i, m) in messages.into_iter().enumerate() {
-        if !is_system(&m) {
-            rest.push(m);
+    // Late system texts waiting for the turn after them.
+    let mut waiting: Vec<String> = Vec::new();
+    let mut out: Vec<Value> = Vec::with_capacity(messages.len() + 1);
+    for (i, mut m) in messages.into_iter().enumerate() {
+        if is_system(&m) {
+            let text = message_text(&m);
+            if text.is_empty() {
+                continue;
+            }
+            if i < first_user {
+                leading.push(text);
+                continue;
+            }
+            match out.last_mut() {
+                Some(prev) if waiting.is_empty() && matches!(role_of(prev), "user" | "tool") => {
+                    let joined = format!("{}\n\n{}", message_text(prev), marked(&[text]));
+                    prev["content"] = joined.into();
+                }
+                _ => waiting.push(text),
+            }
             continue;
         }
-        let text = m.get("content").and_then(Value::as_str).unwrap_or("");
-        if i < first_user {
-            if !text.is_empty() {
-                leading.push(text.to_string());
+        if !waiting.is_empty() {
+            let note = marked(&std::mem::take(&mut waiting));
+            if role_of(&m) == "user" {
+                let own = message_text(&m);
+                m["content"] = if own.is_empty() {
+                    note
+                } else {
+                    format!("{note}\n\n{own}")
+                }
+                .into();
+            } else {
+                out.push(json!({"role": "user", "content": note}));
             }
-        } else {
-            rest.push(json!({"role": "user", "content": format!("{SYSTEM_NOTE_PREFIX}\n{text}")}));
         }
+        out.push(m);
+    }
+    if !waiting.is_empty() {
+        out.push(json!({"role": "user", "content": marked(&waiting)}));
     }
     if !leading.is_empty() {
-        rest.insert(
-            0,
-            json!({"role": "system", "content": leading.join("\n\n")}),
-        );
+        if out.iter().any(|m| role_of(m) == "user") {
+            out.insert(
+                0,
+                json!({"role": "system", "content": leading.join("\n\n")}),
+            );
+        } else {
+            out.insert(0, json!({"role": "user", "content": marked(&leading)}));
+        }
     }
-    rest
+    out
+}
+
+/// Reads template variables given as a JSON object (`--chat-template-kwargs`,
+/// a request's `chat_template_kwargs`); `enable_thinking` and
+/// `preserve_thinking`, when present, must be booleans.
+pub fn template_kwargs(v: Value, what: &str) -> Result<Map<String, Value>, String> {
+    let Value::Object(map) = v else {
+        return Err(format!(
+            "{what} must be a JSON object, e.g. {{\"enable_thinking\": false}}"
+        ));
+    };
+    for key in ["enable_thinking", "preserve_thinking"] {
+        if map
+            .get(key)
+            .is_some_and(|v| !v.is_boolean() && !v.is_null())
+        {
+            return Err(format!("{what}: `{key}` must be true or false"));
+        }
+    }
+    Ok(map)
 }
 
 /// Content given as a string or as a list of parts (`{"type":"text",
@@ -231,7 +337,7 @@ pub fn content_text(v: &Value, what: &str) -> Result<String, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
@@ -278,59 +384,146 @@ mod tests {
         assert!(!render(&conv, Some(&t)).unwrap().in_reasoning);
     }
 
-    /// Raises, as the Qwen3.5/3.6 templates do, on a system message that
-    /// is not first.
-    const SYSTEM_FIRST_ONLY: &str = "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{%- endif %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}{{- '<|im_start|>assistant\\n' }}";
+    /// The Qwen3.5/3.6 template's rules (tests/fixtures).
+    pub(crate) const QWEN_LIKE: &str = include_str!("../tests/fixtures/qwen_like_template.jinja");
+
+    fn roles(m: &[Value]) -> Vec<&str> {
+        m.iter().map(role_of).collect()
+    }
 
     #[test]
-    fn system_messages_merge_first_and_later_ones_become_user_notes() {
-        let messages = vec![
-            json!({"role": "developer", "content": "be brief"}),
-            json!({"role": "system", "content": ""}),
-            json!({"role": "system", "content": "use tools"}),
-            json!({"role": "user", "content": "hi"}),
-            json!({"role": "assistant", "content": "hello"}),
-            json!({"role": "developer", "content": "now in French"}),
-            json!({"role": "user", "content": "again"}),
-        ];
-        let t = ChatTemplate::new(SYSTEM_FIRST_ONLY).unwrap();
-        let raw = Conversation {
-            messages: messages.clone(),
+    fn qwen_like_template_refuses_what_the_real_one_refuses() {
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
+        let late = Conversation {
+            messages: vec![
+                json!({"role": "user", "content": "hi"}),
+                json!({"role": "system", "content": "late"}),
+            ],
             ..Default::default()
         };
-        assert!(
-            render(&raw, Some(&t)).is_err(),
-            "the template refuses the raw form"
-        );
-        let out = normalize_system_messages(messages);
+        let e = render(&late, Some(&t)).unwrap_err();
+        assert!(e.contains("System message must be at the beginning"), "{e}");
+        let alone = Conversation {
+            messages: vec![json!({"role": "system", "content": "only"})],
+            ..Default::default()
+        };
+        let e = render(&alone, Some(&t)).unwrap_err();
+        assert!(e.contains("No user query"), "{e}");
+    }
+
+    #[test]
+    fn system_messages_before_the_first_user_turn_join_the_leading_one() {
+        let out = merge_system_messages(vec![
+            json!({"role": "system", "content": "one"}),
+            json!({"role": "developer", "content": "two"}),
+            json!({"role": "system", "content": ""}),
+            json!({"role": "system", "content": [{"type": "text", "text": "three"}]}),
+            json!({"role": "user", "content": "hi"}),
+        ]);
         assert_eq!(
             out,
             vec![
-                json!({"role": "system", "content": "be brief\n\nuse tools"}),
+                json!({"role": "system", "content": "one\n\ntwo\n\nthree"}),
                 json!({"role": "user", "content": "hi"}),
-                json!({"role": "assistant", "content": "hello"}),
-                json!({"role": "user", "content": format!("{SYSTEM_NOTE_PREFIX}\nnow in French")}),
-                json!({"role": "user", "content": "again"}),
             ]
         );
+    }
+
+    #[test]
+    fn later_system_messages_move_into_a_user_turn_in_place() {
+        let out = merge_system_messages(vec![
+            json!({"role": "system", "content": "first"}),
+            json!({"role": "user", "content": "q1"}),
+            json!({"role": "system", "content": "after user"}),
+            json!({"role": "assistant", "content": "a1"}),
+            json!({"role": "developer", "content": "after assistant"}),
+            json!({"role": "user", "content": "q2"}),
+            json!({"role": "assistant", "content": "a2", "tool_calls": []}),
+            json!({"role": "tool", "content": "r", "tool_call_id": "c"}),
+            json!({"role": "system", "content": "after tool"}),
+            json!({"role": "assistant", "content": "a3"}),
+            json!({"role": "system", "content": "last"}),
+        ]);
+        assert_eq!(
+            roles(&out),
+            [
+                "system",
+                "user",
+                "assistant",
+                "user",
+                "assistant",
+                "tool",
+                "assistant",
+                "user"
+            ]
+        );
+        assert_eq!(out[0]["content"], "first");
+        assert_eq!(out[1]["content"], "q1\n\n<system>\nafter user\n</system>");
+        assert_eq!(
+            out[3]["content"],
+            "<system>\nafter assistant\n</system>\n\nq2"
+        );
+        assert_eq!(out[5]["content"], "r\n\n<system>\nafter tool\n</system>");
+        assert_eq!(out[5]["tool_call_id"], "c");
+        assert_eq!(out[7]["content"], "<system>\nlast\n</system>");
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
         let conv = Conversation {
             messages: out,
             ..Default::default()
         };
         let text = render(&conv, Some(&t)).unwrap().text;
-        assert!(text.starts_with("<|im_start|>system\nbe brief\n\nuse tools<|im_end|>"));
-        assert!(text.contains("<|im_start|>user\n[System message]\nnow in French<|im_end|>"));
+        for s in [
+            "first",
+            "after user",
+            "after assistant",
+            "after tool",
+            "last",
+        ] {
+            assert_eq!(text.matches(s).count(), 1, "{s} once in {text}");
+        }
     }
 
     #[test]
-    fn system_only_and_no_system_conversations() {
-        let only = vec![json!({"role": "developer", "content": "rules"})];
+    fn a_system_only_conversation_becomes_a_user_turn() {
+        let out = merge_system_messages(vec![
+            json!({"role": "system", "content": "Say hi."}),
+            json!({"role": "developer", "content": "Be brief."}),
+        ]);
         assert_eq!(
-            normalize_system_messages(only),
-            vec![json!({"role": "system", "content": "rules"})]
+            out,
+            vec![json!({"role": "user",
+                "content": "<system>\nSay hi.\n</system>\n\n<system>\nBe brief.\n</system>"})]
         );
-        let none = vec![json!({"role": "user", "content": "x"})];
-        assert_eq!(normalize_system_messages(none.clone()), none);
+        let t = ChatTemplate::new(QWEN_LIKE).unwrap();
+        let conv = Conversation {
+            messages: out,
+            ..Default::default()
+        };
+        assert!(render(&conv, Some(&t)).unwrap().in_reasoning);
+    }
+
+    #[test]
+    fn request_settings_win_over_server_defaults() {
+        let defaults = template_kwargs(
+            json!({"enable_thinking": false, "preserve_thinking": true, "x": 1}),
+            "d",
+        )
+        .unwrap();
+        let mut conv = Conversation::default().with_defaults(&defaults);
+        assert_eq!(conv.enable_thinking, Some(false));
+        assert_eq!(conv.extra["preserve_thinking"], true);
+        conv = Conversation {
+            enable_thinking: Some(true),
+            extra: json!({"x": 2}).as_object().unwrap().clone(),
+            ..Default::default()
+        }
+        .with_defaults(&defaults);
+        assert_eq!(conv.enable_thinking, Some(true));
+        assert_eq!(conv.extra["x"], 2);
+        assert_eq!(conv.extra["preserve_thinking"], true);
+        assert!(template_kwargs(json!([1]), "k").is_err());
+        let e = template_kwargs(json!({"enable_thinking": "yes"}), "k").unwrap_err();
+        assert!(e.contains("enable_thinking"), "{e}");
     }
 
     #[test]

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::gen::{pump, sse_body, sse_response, submit, GenParams, Step};
 use crate::openai::{new_id, now, sampling};
-use crate::prompt::{render, Conversation};
+use crate::prompt::Conversation;
 use crate::App;
 use events::{sse, ResponseWriter};
 
@@ -328,8 +328,7 @@ async fn create_inner(
         enable_thinking,
         extra: Map::new(),
     };
-    let rendered =
-        render(&conv, app.info.template.as_deref()).map_err(|e| ApiError::bad_request(F, e))?;
+    let rendered = app.render(&conv, F)?;
     let sampling = sampling(F, req.temperature, req.top_p, None, None, None)?;
     let params = GenParams {
         prompt_text: rendered.text,
@@ -339,6 +338,7 @@ async fn create_inner(
         parse: true,
         parse_tools: !conv.tools.is_empty(),
         in_reasoning: rendered.in_reasoning,
+        reasoning_budget: None,
         tools: conv.tools,
     };
     let mut gen = submit(&app, F, params)?;

@@ -16,8 +16,28 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
+    /// Set when the prompt ends inside an opened reasoning block and the
+    /// request limits its length (the [`Backend::Script`] test facility
+    /// replies verbatim and ignores it).
+    pub reasoning_budget: Option<ReasoningBudget>,
     pub cancel: Arc<AtomicBool>,
     pub events: UnboundedSender<WorkerEvent>,
+}
+
+/// Ends the model's reasoning after `tokens` generated tokens unless the
+/// model closed it itself: the worker then writes `close` (sent to the
+/// client like generated tokens, and counted with them) and generation
+/// goes on from the kept state, prefilling only those tokens.
+#[derive(Debug, Clone)]
+pub struct ReasoningBudget {
+    /// Most generated tokens of reasoning.
+    pub tokens: usize,
+    /// `</think>` tokenized: seeing it generated ends the watch. (Qwen3.x
+    /// have it as one token; a tokenizer that splits it matches only the
+    /// same split.)
+    pub end: Vec<u32>,
+    /// What closes the reasoning (`\n</think>\n\n` tokenized).
+    pub close: Vec<u32>,
 }
 
 /// What the engine sends back, in order: `Started`, `Token`s, `Done`.
@@ -178,14 +198,6 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
         };
         let result = match &mut backend {
             Backend::Engine(engine, cache, states) => {
-                let req = GenerateRequest {
-                    prompt: job.prompt.clone(),
-                    max_new_tokens: job.max_new_tokens,
-                    sampling: job.sampling.clone(),
-                    stop_tokens: Vec::new(),
-                    keep_logits: false,
-                    cancel: Some(job.cancel.clone()),
-                };
                 let mut restored = states.restore(&job.prompt, engine.new_state());
                 if let Some(cache) = cache {
                     restore_longest_prefix(cache, &mut restored, &job.prompt);
@@ -193,13 +205,10 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                 // A panic in the model must not take the server down (the
                 // conversation's state is lost with it; the cache keeps the rest).
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine.generate_cached(states, restored, &req, &mut on_token)
+                    generate(engine, states, restored, &job, &mut on_token)
                 }));
                 match r {
-                    Ok(Ok(g)) => Ok(Finished {
-                        finish: g.finish,
-                        stats: g.stats,
-                    }),
+                    Ok(Ok(f)) => Ok(f),
                     Ok(Err(e)) => Err(e.to_string()),
                     Err(_) => {
                         engine.recover_after_panic();
@@ -250,6 +259,100 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
         st.served.fetch_add(1, Ordering::SeqCst);
         let _ = job.events.send(WorkerEvent::Done(result));
     }
+}
+
+/// Runs `job` from the state `states` restored for it, sending each token
+/// to `on_token` (false stops); with a reasoning budget, in two parts when
+/// the budget closes the reasoning (see [`ReasoningBudget`]): the second
+/// part restores the first from the cache and prefills only the closing.
+fn generate(
+    engine: &mut Engine,
+    states: &mut StateCache,
+    restored: Restored,
+    job: &Job,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Finished, slipstream_engine::EngineError> {
+    let mut req = GenerateRequest {
+        prompt: job.prompt.clone(),
+        max_new_tokens: job.max_new_tokens,
+        sampling: job.sampling.clone(),
+        stop_tokens: Vec::new(),
+        keep_logits: false,
+        cancel: Some(job.cancel.clone()),
+    };
+    let Some(budget) = &job.reasoning_budget else {
+        let g = engine.generate_cached(states, restored, &req, on_token)?;
+        return Ok(Finished {
+            finish: g.finish,
+            stats: g.stats,
+        });
+    };
+    let eos = engine.eos_tokens().to_vec();
+    let mut generated: Vec<u32> = Vec::new();
+    let mut closed = false;
+    let mut over_budget = false;
+    let first = engine.generate_cached(states, restored, &req, &mut |id| {
+        generated.push(id);
+        if !on_token(id) {
+            return false;
+        }
+        closed |= !budget.end.is_empty() && generated.ends_with(&budget.end);
+        if !closed && generated.len() >= budget.tokens && !eos.contains(&id) {
+            over_budget = true;
+            return false;
+        }
+        true
+    })?;
+    if !over_budget || job.cancel.load(Ordering::SeqCst) {
+        return Ok(Finished {
+            finish: first.finish,
+            stats: first.stats,
+        });
+    }
+    let room = job.max_new_tokens.saturating_sub(generated.len());
+    let close = &budget.close[..budget.close.len().min(room)];
+    for &id in close {
+        if !on_token(id) {
+            let stats = followed_by(first.stats, None, close.len());
+            return Ok(Finished {
+                finish: FinishReason::Cancelled,
+                stats,
+            });
+        }
+    }
+    if room == close.len() {
+        return Ok(Finished {
+            finish: FinishReason::Length,
+            stats: followed_by(first.stats, None, close.len()),
+        });
+    }
+    req.prompt = [job.prompt.as_slice(), &generated, close].concat();
+    req.max_new_tokens = room - close.len();
+    let restored = states.restore(&req.prompt, engine.new_state());
+    let rest = engine.generate_cached(states, restored, &req, on_token)?;
+    Ok(Finished {
+        finish: rest.finish,
+        stats: followed_by(first.stats, Some(rest.stats), close.len()),
+    })
+}
+
+/// The figures of a generation that went on after `forced` written tokens
+/// with `rest` (rates stay the first part's).
+fn followed_by(
+    mut first: GenerationStats,
+    rest: Option<GenerationStats>,
+    forced: usize,
+) -> GenerationStats {
+    first.generated_tokens += forced;
+    if let Some(r) = rest {
+        first.generated_tokens += r.generated_tokens;
+        first.peak_rss_bytes = first.peak_rss_bytes.max(r.peak_rss_bytes);
+        first.expert_hits += r.expert_hits;
+        first.expert_misses += r.expert_misses;
+        first.expert_bytes_read += r.expert_bytes_read;
+        first.expert_fills += r.expert_fills;
+    }
+    first
 }
 
 /// Replaces the restored state by the prompt cache's longest prefix of

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use serde_json::{json, Map, Value};
 
 use crate::error::{ApiError, Flavor};
-use crate::prompt::{content_text, normalize_system_messages};
+use crate::prompt::{content_text, merge_system_messages};
 
 const F: Flavor = Flavor::OpenAi;
 
@@ -194,7 +194,7 @@ fn has_text(m: &Value, key: &str) -> bool {
 /// `function_call` items after it form one assistant turn (reasoning as
 /// `reasoning_content`, calls as `tool_calls`); `function_call_output`
 /// items become tool messages. System and developer messages are then
-/// normalized ([`normalize_system_messages`]).
+/// normalized ([`merge_system_messages`]).
 pub fn messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value>, ApiError> {
     let mut messages: Vec<Value> = Vec::new();
     if let Some(i) = instructions.filter(|i| !i.is_empty()) {
@@ -203,7 +203,7 @@ pub fn messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value>,
     let items = match input {
         Value::String(s) => {
             messages.push(json!({"role": "user", "content": s}));
-            return Ok(normalize_system_messages(messages));
+            return Ok(merge_system_messages(messages));
         }
         Value::Array(items) => items,
         _ => return Err(bad("input must be a string or a list of items", "input")),
@@ -314,7 +314,7 @@ pub fn messages(instructions: Option<&str>, input: &Value) -> Result<Vec<Value>,
     if messages.is_empty() {
         return Err(bad("input must not be empty", "input"));
     }
-    Ok(normalize_system_messages(messages))
+    Ok(merge_system_messages(messages))
 }
 
 #[cfg(test)]
