@@ -6,11 +6,20 @@ mod common;
 
 use common::{config, rt, server_with_states, url};
 use serde_json::{json, Value};
-use slipstream_server::{RunningServer, StateCacheSpec};
+use slipstream_server::{RunningServer, ServerConfig, StateCacheSpec};
 
-fn server() -> RunningServer {
+/// A template with the Qwen3.5/3.6 rules: it drops the reasoning of turns
+/// before the last query, so every turn's prompt diverges where the
+/// previous reply began.
+const QWEN_LIKE: &str = include_str!("fixtures/qwen_like_template.jinja");
+
+fn server(qwen_like: bool) -> RunningServer {
+    let config = ServerConfig {
+        chat_template: qwen_like.then(|| QWEN_LIKE.to_string()),
+        ..config()
+    };
     server_with_states(
-        config(),
+        config,
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
@@ -64,7 +73,7 @@ async fn openai_turn(s: &RunningServer, history: &[Value]) -> Turn {
             .unwrap(),
         reply: r["choices"][0]["message"]["content"]
             .as_str()
-            .unwrap()
+            .unwrap_or("")
             .to_string(),
     }
 }
@@ -74,7 +83,7 @@ async fn anthropic_turn(s: &RunningServer, history: &[Value]) -> Turn {
         s,
         "/v1/messages",
         json!({"model": "demo", "system": SYSTEM, "messages": history, "max_tokens": 12,
-               "temperature": 0}),
+               "temperature": 0, "thinking": {"type": "adaptive"}}),
     )
     .await;
     let input = r["usage"]["input_tokens"].as_u64().unwrap();
@@ -82,7 +91,14 @@ async fn anthropic_turn(s: &RunningServer, history: &[Value]) -> Turn {
     Turn {
         prompt: input + read,
         reused: read,
-        reply: r["content"][0]["text"].as_str().unwrap_or("").to_string(),
+        reply: r["content"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|b| b["type"] == "text")
+            .and_then(|b| b["text"].as_str())
+            .unwrap_or("")
+            .to_string(),
     }
 }
 
@@ -97,8 +113,8 @@ async fn turn(s: &RunningServer, anthropic: bool, history: &[Value]) -> Turn {
 /// Three turns with a side request before each later one; from turn 2 on,
 /// the reuse covers at least 95 % of the previous turn's prompt (which
 /// every later prompt extends).
-fn session(anthropic: bool) {
-    let s = server();
+fn session(anthropic: bool, qwen_like: bool) {
+    let s = server(qwen_like);
     rt().block_on(async {
         let mut history = vec![json!({"role": "user", "content": user_turn(1)})];
         let mut previous = turn(&s, anthropic, &history).await;
@@ -112,7 +128,7 @@ fn session(anthropic: bool) {
             let t = turn(&s, anthropic, &history).await;
             assert!(
                 t.reused as f64 >= 0.95 * previous.prompt as f64 && t.reused < t.prompt,
-                "turn {i} (anthropic: {anthropic}): reused {} of {}, the previous prompt had {}",
+                "turn {i} (anthropic: {anthropic}, qwen-like template: {qwen_like}): reused {} of {}, the previous prompt had {}",
                 t.reused,
                 t.prompt,
                 previous.prompt
@@ -124,10 +140,16 @@ fn session(anthropic: bool) {
 
 #[test]
 fn openai_turns_reuse_the_conversation_across_side_requests() {
-    session(false);
+    session(false, false);
 }
 
 #[test]
 fn anthropic_turns_reuse_the_conversation_across_side_requests() {
-    session(true);
+    session(true, false);
+}
+
+#[test]
+fn turns_reuse_the_conversation_when_the_template_drops_earlier_reasoning() {
+    session(false, true);
+    session(true, true);
 }
