@@ -72,6 +72,11 @@ pub struct ServeArgs {
     /// Most bytes the prompt cache holds (least recently used evicted).
     #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
     pub prompt_cache_size: u64,
+    /// A web origin whose pages may call the API (e.g.
+    /// http://localhost:3000; `*` for any); repeat for several. Without
+    /// it only the server's own chat page may.
+    #[arg(long, value_name = "ORIGIN")]
+    pub allow_origin: Vec<String>,
     /// Most memory the RAM cache of conversation states holds, e.g. 4G
     /// (0 keeps just one conversation). Agents' turns restore from it and prefill only
     /// their new tokens. Default: a quarter of the available memory, at
@@ -170,6 +175,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         ping_interval: Duration::from_secs(2),
         chat_template,
         chat_template_kwargs,
+        allowed_origins: args.allow_origin.clone(),
     };
     let backend = match &args.test_script {
         Some(p) => {

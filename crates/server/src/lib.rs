@@ -13,6 +13,7 @@ pub mod anthropic_request;
 pub mod error;
 pub mod gen;
 pub mod openai;
+pub mod origin;
 pub mod parse;
 pub mod prompt;
 pub mod responses;
@@ -63,6 +64,9 @@ pub struct ServerConfig {
     /// (`--chat-template-kwargs`, e.g. `enable_thinking`,
     /// `preserve_thinking`); a request's own settings win.
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Web origins (e.g. `http://localhost:3000`, or `*`) whose pages may
+    /// call the API besides the server's own chat page.
+    pub allowed_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -79,6 +83,7 @@ impl Default for ServerConfig {
             ping_interval: Duration::from_secs(2),
             chat_template: None,
             chat_template_kwargs: serde_json::Map::new(),
+            allowed_origins: Vec::new(),
         }
     }
 }
@@ -432,6 +437,10 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            app.clone(),
+            origin::cross_site_guard,
+        ))
         .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
         .with_state(app)
 }
