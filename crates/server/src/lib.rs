@@ -14,6 +14,8 @@ pub mod gen;
 pub mod openai;
 pub mod parse;
 pub mod prompt;
+pub mod request_log;
+pub mod script;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -54,6 +56,9 @@ pub struct ServerConfig {
     pub any_model: bool,
     /// Keep-alive interval of streams while nothing else is sent.
     pub ping_interval: Duration,
+    /// Append every API request to this file as JSON lines (see
+    /// [`request_log`]).
+    pub log_requests: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -68,6 +73,7 @@ impl Default for ServerConfig {
             model_id: "slipstream".into(),
             any_model: false,
             ping_interval: Duration::from_secs(2),
+            log_requests: None,
         }
     }
 }
@@ -84,12 +90,12 @@ pub enum BackendSpec {
         prompt_cache: Option<(PathBuf, u64)>,
     },
     /// TEST FACILITY: the model at `path` is opened for its tokenizer and
-    /// template only; each request emits the next of `replies` verbatim
-    /// (cycling) instead of sampling. See [`worker::Backend::Script`].
+    /// template only; each request emits the script's reply to its prompt,
+    /// verbatim, instead of sampling. See [`script::Script`].
     Script {
         path: PathBuf,
         engine: EngineConfig,
-        replies: Vec<String>,
+        script: script::Script<String>,
     },
 }
 
@@ -101,6 +107,8 @@ pub struct App {
     pub info: Info,
     pub max_context: usize,
     pub started: std::time::Instant,
+    /// Where API requests are recorded (`--log-requests`).
+    pub request_log: Option<Arc<request_log::RequestLog>>,
 }
 
 impl App {
@@ -134,8 +142,8 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)> {
-    let (path, engine_config, replies, prompt_cache) = match spec {
+fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
+    let (path, engine_config, script, prompt_cache) = match spec {
         BackendSpec::Model {
             path,
             engine,
@@ -144,15 +152,17 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
         BackendSpec::Script {
             path,
             engine,
-            replies,
-        } => (path, engine, Some(replies), None),
+            script,
+        } => (path, engine, Some(script), None),
     };
     let mut engine = Engine::open(&path, engine_config)
         .with_context(|| format!("opening model {}", path.display()))?;
-    let codec = engine
-        .codec
-        .take()
-        .context("this model has no tokenizer; the server needs one")?;
+    let codec = Arc::new(
+        engine
+            .codec
+            .take()
+            .context("this model has no tokenizer; the server needs one")?,
+    );
     let info = Info {
         eos: engine.eos_tokens().to_vec(),
         max_position: engine.model_config().max_position_embeddings,
@@ -176,19 +186,13 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
         }
         None => None,
     };
-    let backend = match replies {
+    let backend = match script {
         None => Backend::Engine(Box::new(engine), cache),
-        Some(texts) => {
-            let mut replies = Vec::new();
-            for t in &texts {
-                replies.push(codec.encode(t)?);
-            }
-            Backend::Script {
-                replies,
-                next: 0,
-                eos: info.eos.first().copied(),
-            }
-        }
+        Some(script) => Backend::Script {
+            script: script.try_map(|text| codec.encode(text))?,
+            codec: codec.clone(),
+            eos: info.eos.first().copied(),
+        },
     };
     Ok((backend, codec, info))
 }
@@ -280,6 +284,10 @@ fn launch(
         .max_context
         .unwrap_or(info.max_position)
         .clamp(1, info.max_position.max(1));
+    let request_log = match &config.log_requests {
+        Some(path) => Some(Arc::new(request_log::RequestLog::open(path)?)),
+        None => None,
+    };
     let app = Arc::new(App {
         config: config.clone(),
         worker,
@@ -287,6 +295,7 @@ fn launch(
         info,
         max_context,
         started: std::time::Instant::now(),
+        request_log,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -341,6 +350,11 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        // Recorded once authenticated (the auth layer, added last, runs first).
+        .layer(middleware::from_fn_with_state(
+            app.clone(),
+            request_log::record,
+        ))
         .layer(middleware::from_fn_with_state(app.clone(), auth));
     Router::new()
         .route("/", get(page))

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use slipstream_engine::{EngineConfig, StoreChoice};
+use slipstream_server::script::Script;
 use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig};
 
 /// The demo model, repacked once per test process.
@@ -67,7 +68,7 @@ fn scripted(config: ServerConfig, replies: &[&str]) -> RunningServer {
         BackendSpec::Script {
             path: demo_model(),
             engine: engine(),
-            replies: replies.iter().map(|s| s.to_string()).collect(),
+            script: Script::in_turn(replies.iter().map(|s| s.to_string()).collect()),
         },
     )
     .expect("server starts")
