@@ -259,6 +259,12 @@ enabled = false
 
 [feedback]
 enabled = false
+
+# These fetch plugin and app lists from GitHub and chatgpt.com.
+[features]
+plugins = false
+remote_plugin = false
+apps = false
 """
     )
     env = trip.env(CODEX_HOME=codex_home)
@@ -328,6 +334,9 @@ def test_opencode(trip):
         OPENCODE_DISABLE_MODELS_FETCH=1,
         OPENCODE_DISABLE_LSP_DOWNLOAD=1,
         OPENCODE_DISABLE_DEFAULT_PLUGINS=1,
+        # opencode installs its plugin package into its config directory in
+        # the background, through npm's config: offline, that just fails.
+        npm_config_offline="true",
     )
     trip.run([client_bin("opencode"), "run", trip.prompt()], env)
     trip.check_round_trip()
@@ -361,7 +370,8 @@ def test_aider(trip):
             }
         )
     )
-    env = trip.env()
+    # litellm (aider's client library) would fetch its model price list.
+    env = trip.env(LITELLM_LOCAL_MODEL_COST_MAP="True")
     trip.run(
         [
             os.environ.get("AIDER") or pytest.skip("AIDER is not set (run tests/clients/run.sh)"),

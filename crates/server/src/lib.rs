@@ -112,6 +112,15 @@ pub struct App {
 }
 
 impl App {
+    /// Whether `headers` carry the API key (always true when none is set).
+    pub fn key_accepted(&self, headers: &HeaderMap) -> bool {
+        match self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
+            None => true,
+            Some(key) => presented_key(headers)
+                .is_some_and(|k| constant_time_eq(k.as_bytes(), key.as_bytes())),
+        }
+    }
+
     /// Checks a request's model name.
     pub fn check_model(&self, model: &str, flavor: Flavor) -> Result<(), ApiError> {
         if self.config.any_model || model == self.config.model_id || model.is_empty() {
@@ -350,11 +359,6 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
-        // Recorded once authenticated (the auth layer, added last, runs first).
-        .layer(middleware::from_fn_with_state(
-            app.clone(),
-            request_log::record,
-        ))
         .layer(middleware::from_fn_with_state(app.clone(), auth));
     Router::new()
         .route("/", get(page))
@@ -362,6 +366,12 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Around the fallback too: a client calling a route this server
+        // lacks shows in the log.
+        .layer(middleware::from_fn_with_state(
+            app.clone(),
+            request_log::record,
+        ))
         .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
         .with_state(app)
 }

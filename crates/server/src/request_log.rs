@@ -48,11 +48,15 @@ impl RequestLog {
     }
 }
 
-/// Middleware: records the request, then hands it on unchanged.
+/// Middleware: records an API request (a `/v1/` path, routed or not, with
+/// the API key when one is set), then hands it on unchanged.
 pub async fn record(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
     let Some(log) = app.request_log.clone() else {
         return next.run(req).await;
     };
+    if !req.uri().path().starts_with("/v1/") || !app.key_accepted(req.headers()) {
+        return next.run(req).await;
+    }
     let method = req.method().to_string();
     let path = req
         .uri()

@@ -831,6 +831,108 @@ fn anthropic_tool_use_on_the_wire() {
 }
 
 #[test]
+fn script_rules_answer_by_the_prompts_text() {
+    let script = Script::from_json(
+        r#"[{"when": ["RESULT-7"], "reply": "final", "times": 1},
+            {"when": ["<tools>", "task-7"], "reply": "call", "times": 1}]"#,
+    )
+    .unwrap();
+    let s = start(
+        config(),
+        BackendSpec::Script {
+            path: demo_model(),
+            engine: engine(),
+            script,
+        },
+    )
+    .unwrap();
+    rt().block_on(async {
+        let ask = |messages: Value, with_tools: bool| {
+            let mut body = json!({"model": "demo", "messages": messages});
+            if with_tools {
+                body["tools"] = tools();
+            }
+            post(&s, "/v1/chat/completions", body)
+        };
+        let content = |v: &Value| v["choices"][0]["message"]["content"].clone();
+        let user = json!([{"role": "user", "content": "task-7"}]);
+        // Without the tool block (a side request): no rule, no plain entry.
+        let (st, v) = ask(user.clone(), false).await;
+        assert_eq!(st, 500, "{v}");
+        assert!(openai_error(&v).contains("no entry answers"), "{v}");
+        let (st, v) = ask(user.clone(), true).await;
+        assert_eq!((st, content(&v)), (200, json!("call")), "{v}");
+        // Spent after one use.
+        let (st, _) = ask(user, true).await;
+        assert_eq!(st, 500);
+        let (st, v) = ask(
+            json!([{"role": "user", "content": "task-7"},
+                {"role": "tool", "tool_call_id": "c", "content": "RESULT-7"}]),
+            true,
+        )
+        .await;
+        assert_eq!((st, content(&v)), (200, json!("final")), "{v}");
+    });
+}
+
+#[test]
+fn requests_are_logged_as_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let mut c = config();
+    c.log_requests = Some(log.clone());
+    c.api_key = Some("k".into());
+    let s = scripted(c, &["hi"]);
+    rt().block_on(async {
+        let client = reqwest::Client::new();
+        let body = json!({"model": "demo", "messages": [{"role": "user", "content": "hello"}]});
+        let r = client
+            .post(url(&s, "/v1/chat/completions?x=1"))
+            .bearer_auth("k")
+            .header("user-agent", "tester/1")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        // A route this server lacks is logged too (what was the client after?).
+        let r = client
+            .post(url(&s, "/v1/elsewhere"))
+            .bearer_auth("k")
+            .body("not json")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404);
+        // Without the key: refused, not logged. Outside /v1/: not logged.
+        let r = client
+            .post(url(&s, "/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+        reqwest::get(url(&s, "/health")).await.unwrap();
+    });
+    let lines: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0]["method"], "POST");
+    assert_eq!(lines[0]["path"], "/v1/chat/completions?x=1");
+    assert_eq!(lines[0]["user_agent"], "tester/1");
+    assert_eq!(
+        lines[0]["body"],
+        json!({"model": "demo", "messages": [{"role": "user", "content": "hello"}]})
+    );
+    assert!(lines[0]["time"].as_f64().unwrap() > 1e9);
+    assert_eq!(lines[1]["path"], "/v1/elsewhere");
+    assert_eq!(lines[1]["body"], "not json");
+}
+
+#[test]
 fn raw_connection_garbage_does_not_hurt() {
     let s = server(config());
     let mut t = TcpStream::connect(s.addr).unwrap();
