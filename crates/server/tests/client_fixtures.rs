@@ -107,12 +107,13 @@ fn aider_request_parses() {
     assert!(text.contains(MARKER) && text.contains("SEARCH/REPLACE"));
 }
 
-/// Claude Code (Anthropic Messages) and Codex (OpenAI Responses) fixtures
-/// are their first turn, recorded before this server accepted them; their
-/// parsing tests belong with those APIs' handlers. Here: the shapes they
-/// rely on are still what was recorded.
+/// Claude Code (Anthropic Messages) and Codex (OpenAI Responses): their
+/// follow-up turns, recorded against this server with those APIs' handlers
+/// merged in; the checks through those handlers belong with them. Here:
+/// the recorded round trip itself (the call, and the result holding the
+/// marker, in each API's shape).
 #[test]
-fn claude_code_and_codex_first_turns_are_recorded() {
+fn claude_code_and_codex_follow_ups_are_recorded() {
     let (path, body) = fixture("claude");
     assert!(path.starts_with("/v1/messages"), "{path}");
     assert!(body["tools"]
@@ -120,13 +121,28 @@ fn claude_code_and_codex_first_turns_are_recorded() {
         .unwrap()
         .iter()
         .any(|t| t["name"] == "Bash"));
-    assert!(body["messages"].as_array().is_some_and(|m| !m.is_empty()));
+    let messages = body["messages"].as_array().unwrap();
+    let (call, result) = (
+        &messages[messages.len() - 2]["content"][0],
+        &messages[messages.len() - 1]["content"][0],
+    );
+    assert_eq!(
+        (&call["type"], &call["name"]),
+        (&"tool_use".into(), &"Bash".into())
+    );
+    assert_eq!(result["type"], "tool_result");
+    assert_eq!(result["tool_use_id"], call["id"]);
+    assert!(result["content"].as_str().unwrap().contains(MARKER));
+
     let (path, body) = fixture("codex");
     assert_eq!(path, "/v1/responses");
-    assert!(body["tools"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|t| t["name"] == "exec_command"));
-    assert!(body["input"].as_array().is_some_and(|m| !m.is_empty()));
+    let input = body["input"].as_array().unwrap();
+    let (call, output) = (&input[input.len() - 2], &input[input.len() - 1]);
+    assert_eq!(
+        (&call["type"], &call["name"]),
+        (&"function_call".into(), &"exec_command".into())
+    );
+    assert_eq!(output["type"], "function_call_output");
+    assert_eq!(output["call_id"], call["call_id"]);
+    assert!(output["output"].as_str().unwrap().contains(MARKER));
 }
