@@ -132,9 +132,8 @@ class Trip:
             )
             self.rc, self.out, self.err = p.returncode, p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
-            self.rc = "timeout"
-            self.out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            self.err = (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            self.rc = f"none: killed after {CLIENT_TIMEOUT} s"
+            self.out, self.err = as_text(e.stdout), as_text(e.stderr)
         finally:
             self.server.stop()
         if os.environ.get("UPDATE_FIXTURES"):
@@ -180,6 +179,13 @@ class Trip:
         with open(os.path.join(FIXTURES, f"{self.name}.json"), "w") as f:
             json.dump({"path": pick["path"], "body": trimmed(pick["body"])}, f, indent=1)
             f.write("\n")
+
+
+def as_text(output):
+    """What a timed-out child wrote (bytes, or None when nothing)."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def trimmed(body, limit=FIXTURE_MAX_BYTES):
