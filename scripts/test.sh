@@ -2,7 +2,9 @@
 # All tests: the Rust workspace, then the server's end-to-end tests with the
 # official openai/anthropic Python SDKs and headless Chromium (the browser
 # test is skipped when Debian's chromium + chromium-driver are absent;
-# .ci/run installs them).
+# .ci/run installs them), then the coding-agent clients (Claude Code, Codex,
+# Qwen Code, opencode, aider) each through a tool round trip
+# (tests/clients; pinned, installed from npm and PyPI into target/clients/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVIDIA's NVRTC wheel (pinned in crates/cuda/nvrtc-requirements.txt) so the
@@ -19,3 +21,4 @@ export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SLIPSTREAM_REQUIRE_NVRTC=1
 cargo test --workspace
 bash tests/server/run.sh
+bash tests/clients/run.sh

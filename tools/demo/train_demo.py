@@ -59,7 +59,9 @@ def demo_config(vocab):
         shared_expert_intermediate_size=64,
         tie_word_embeddings=False,
         rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
+        # Declared, not trained (sequences are SEQ long): room for coding
+        # agents' long prompts in the server's client tests (tests/clients).
+        max_position_embeddings=262144,
         eos_token_id=mf.SPECIALS.index("<|im_end|>"),
         initializer_range=0.02,
     )

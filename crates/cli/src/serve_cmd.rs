@@ -96,9 +96,16 @@ pub struct ServeArgs {
     /// request's own `chat_template_kwargs` and thinking settings win.
     #[arg(long, value_name = "JSON")]
     pub chat_template_kwargs: Option<String>,
-    /// TEST FACILITY, not for use: each request replies with the next text
-    /// of this JSON file (a list of strings), verbatim, instead of sampling
-    /// from the model. Lets tests drive tool calls through the wire formats.
+    /// Append every API request to this file, one JSON line each (method,
+    /// path, user agent, body): to see what a client sends. The file holds
+    /// the conversations in full.
+    #[arg(long, value_name = "FILE")]
+    pub log_requests: Option<PathBuf>,
+    /// TEST FACILITY, not for use: replies come verbatim from this JSON
+    /// script instead of the model: a list of strings (given in turn) and
+    /// rules `{"when": TEXT | [TEXT...], "reply": TEXT, "times": N}` that
+    /// answer the prompts containing every `when` text. Lets tests drive
+    /// tool calls and whole agent clients through the wire formats.
     #[arg(long, hide = true)]
     pub test_script: Option<PathBuf>,
 }
@@ -176,17 +183,18 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         chat_template,
         chat_template_kwargs,
         allowed_origins: args.allow_origin.clone(),
+        log_requests: args.log_requests.clone(),
     };
     let backend = match &args.test_script {
         Some(p) => {
             let text = std::fs::read_to_string(p)
                 .with_context(|| format!("reading test script {}", p.display()))?;
-            let replies: Vec<String> = serde_json::from_str(&text)
-                .with_context(|| format!("{}: expected a JSON list of strings", p.display()))?;
+            let script = slipstream_server::script::Script::from_json(&text)
+                .map_err(|e| anyhow::anyhow!("test script {}: {e}", p.display()))?;
             BackendSpec::Script {
                 path: model,
                 engine,
-                replies,
+                script,
             }
         }
         None => BackendSpec::Model {

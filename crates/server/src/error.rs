@@ -122,20 +122,23 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// A body that could not be read (too large, cut off), in the API's shape.
+pub fn read_error(flavor: Flavor, e: BytesRejection) -> ApiError {
+    let status = e.status();
+    let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        "the request body is larger than the server's limit".to_string()
+    } else {
+        format!("cannot read the request body: {e}")
+    };
+    ApiError::new(flavor, status, msg)
+}
+
 /// Reads a JSON body, every failure an error in the API's shape.
 pub fn parse_body<T: DeserializeOwned>(
     flavor: Flavor,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
-    let bytes = body.map_err(|e| {
-        let status = e.status();
-        let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "the request body is larger than the server's limit".to_string()
-        } else {
-            format!("cannot read the request body: {e}")
-        };
-        ApiError::new(flavor, status, msg)
-    })?;
+    let bytes = body.map_err(|e| read_error(flavor, e))?;
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             flavor,

@@ -16,7 +16,9 @@ pub mod openai;
 pub mod origin;
 pub mod parse;
 pub mod prompt;
+pub mod request_log;
 pub mod responses;
+pub mod script;
 pub mod worker;
 
 use std::net::{IpAddr, SocketAddr};
@@ -67,6 +69,9 @@ pub struct ServerConfig {
     /// Web origins (e.g. `http://localhost:3000`, or `*`) whose pages may
     /// call the API besides the server's own chat page.
     pub allowed_origins: Vec<String>,
+    /// Append every API request to this file as JSON lines (see
+    /// [`request_log`]).
+    pub log_requests: Option<PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -84,6 +89,7 @@ impl Default for ServerConfig {
             chat_template: None,
             chat_template_kwargs: serde_json::Map::new(),
             allowed_origins: Vec::new(),
+            log_requests: None,
         }
     }
 }
@@ -102,12 +108,12 @@ pub enum BackendSpec {
         state_cache: StateCacheSpec,
     },
     /// TEST FACILITY: the model at `path` is opened for its tokenizer and
-    /// template only; each request emits the next of `replies` verbatim
-    /// (cycling) instead of sampling. See [`worker::Backend::Script`].
+    /// template only; each request emits the script's reply to its prompt,
+    /// verbatim, instead of sampling. See [`script::Script`].
     Script {
         path: PathBuf,
         engine: EngineConfig,
-        replies: Vec<String>,
+        script: script::Script<String>,
     },
 }
 
@@ -147,9 +153,20 @@ pub struct App {
     pub info: Info,
     pub max_context: usize,
     pub started: std::time::Instant,
+    /// Where API requests are recorded (`--log-requests`).
+    pub request_log: Option<Arc<request_log::RequestLog>>,
 }
 
 impl App {
+    /// Whether `headers` carry the API key (always true when none is set).
+    pub fn key_accepted(&self, headers: &HeaderMap) -> bool {
+        match self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
+            None => true,
+            Some(key) => presented_key(headers)
+                .is_some_and(|k| constant_time_eq(k.as_bytes(), key.as_bytes())),
+        }
+    }
+
     /// Checks a request's model name.
     pub fn check_model(&self, model: &str, flavor: Flavor) -> Result<(), ApiError> {
         if self.config.any_model || model == self.config.model_id || model.is_empty() {
@@ -208,8 +225,8 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)> {
-    let (path, engine_config, replies, prompt_cache, state_cache) = match spec {
+fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
+    let (path, engine_config, script, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
             engine,
@@ -219,15 +236,17 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
         BackendSpec::Script {
             path,
             engine,
-            replies,
-        } => (path, engine, Some(replies), None, StateCacheSpec::default()),
+            script,
+        } => (path, engine, Some(script), None, StateCacheSpec::default()),
     };
     let mut engine = Engine::open(&path, engine_config)
         .with_context(|| format!("opening model {}", path.display()))?;
-    let codec = engine
-        .codec
-        .take()
-        .context("this model has no tokenizer; the server needs one")?;
+    let codec = Arc::new(
+        engine
+            .codec
+            .take()
+            .context("this model has no tokenizer; the server needs one")?,
+    );
     let info = Info {
         eos: engine.eos_tokens().to_vec(),
         max_position: engine.model_config().max_position_embeddings,
@@ -251,7 +270,7 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
         }
         None => None,
     };
-    let backend = match replies {
+    let backend = match script {
         None => {
             let states = state_cache.build(&engine);
             tracing::info!(
@@ -261,17 +280,11 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, TextCodec, Info)>
             );
             Backend::Engine(Box::new(engine), cache, Box::new(states))
         }
-        Some(texts) => {
-            let mut replies = Vec::new();
-            for t in &texts {
-                replies.push(codec.encode(t)?);
-            }
-            Backend::Script {
-                replies,
-                next: 0,
-                eos: info.eos.first().copied(),
-            }
-        }
+        Some(script) => Backend::Script {
+            script: script.try_map(|text| codec.encode(text))?,
+            codec: codec.clone(),
+            eos: info.eos.first().copied(),
+        },
     };
     Ok((backend, codec, info))
 }
@@ -364,6 +377,10 @@ fn launch(
         let template = slipstream_engine::ChatTemplate::new(src).context("--chat-template")?;
         info.template = Some(Arc::new(template));
     }
+    let request_log = match &config.log_requests {
+        Some(path) => Some(Arc::new(request_log::RequestLog::open(path)?)),
+        None => None,
+    };
     let app = Arc::new(App {
         config: config.clone(),
         worker,
@@ -371,6 +388,7 @@ fn launch(
         info,
         max_context,
         started: std::time::Instant::now(),
+        request_log,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -440,6 +458,12 @@ pub fn router(app: Arc<App>) -> Router {
         .layer(middleware::from_fn_with_state(
             app.clone(),
             origin::cross_site_guard,
+        ))
+        // Around the fallback too: a client calling a route this server
+        // lacks shows in the log.
+        .layer(middleware::from_fn_with_state(
+            app.clone(),
+            request_log::record,
         ))
         .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
         .with_state(app)

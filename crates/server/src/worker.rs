@@ -11,6 +11,8 @@ use slipstream_engine::{
 };
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::script::Script;
+
 /// What a request asks the engine for.
 pub struct Job {
     pub prompt: Vec<u32>,
@@ -62,12 +64,12 @@ pub enum Backend {
     /// states above it.
     Engine(Box<Engine>, Option<Arc<PromptCache>>, Box<StateCache>),
     /// TEST FACILITY (`serve --test-script`): instead of sampling, each
-    /// request emits the next of these texts (cycling), tokenized, then
-    /// EOS. Lets tests drive tool calls and reasoning through the real wire
-    /// formats with a model that would never produce them.
+    /// request emits the script's reply to its prompt (see [`Script`]),
+    /// tokenized, then EOS. `codec` turns prompts back into text for the
+    /// script's rules.
     Script {
-        replies: Vec<Vec<u32>>,
-        next: usize,
+        script: Script<Vec<u32>>,
+        codec: Arc<TextCodec>,
         eos: Option<u32>,
     },
 }
@@ -117,7 +119,7 @@ impl Worker {
         make: F,
     ) -> anyhow::Result<(Worker, Arc<TextCodec>, Info, EngineLoop)>
     where
-        F: FnOnce() -> anyhow::Result<(Backend, TextCodec, Info)>,
+        F: FnOnce() -> anyhow::Result<(Backend, Arc<TextCodec>, Info)>,
     {
         let (backend, codec, info) = make()?;
         let (tx, rx) = mpsc::channel::<Job>();
@@ -128,13 +130,13 @@ impl Worker {
             state: state.clone(),
         };
         let engine = EngineLoop { backend, rx, state };
-        Ok((worker, Arc::new(codec), info, engine))
+        Ok((worker, codec, info, engine))
     }
 
     /// Starts the engine thread; `backend` is built on it.
     pub fn start<F>(capacity: usize, make: F) -> anyhow::Result<(Worker, Arc<TextCodec>, Info)>
     where
-        F: FnOnce() -> anyhow::Result<(Backend, TextCodec, Info)> + Send + 'static,
+        F: FnOnce() -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> + Send + 'static,
     {
         let (ready_tx, ready_rx) = mpsc::channel();
         std::thread::Builder::new()
@@ -216,40 +218,16 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                     }
                 }
             }
-            Backend::Script { replies, next, eos } => {
-                let reply = replies.get(*next % replies.len().max(1)).cloned();
-                *next += 1;
-                let mut toks = reply.unwrap_or_default();
-                toks.truncate(job.max_new_tokens);
-                let mut finish = FinishReason::Length;
-                let mut n = 0;
-                let t0 = std::time::Instant::now();
-                let mut all = toks.clone();
-                if all.len() < job.max_new_tokens {
-                    all.extend(eos.iter());
+            Backend::Script { script, codec, eos } => {
+                let prompt = if script.reads_prompts() {
+                    codec.decode(&job.prompt).unwrap_or_default()
+                } else {
+                    String::new()
+                };
+                match script.reply_to(&prompt) {
+                    Some(reply) => Ok(play_reply(reply, *eos, &job, &mut on_token)),
+                    None => Err("test script: no entry answers this prompt".to_string()),
                 }
-                for id in all {
-                    n += 1;
-                    if !on_token(id) {
-                        finish = FinishReason::Cancelled;
-                        break;
-                    }
-                    if Some(id) == *eos {
-                        finish = FinishReason::Stop;
-                        break;
-                    }
-                    std::thread::sleep(std::time::Duration::from_millis(2));
-                }
-                Ok(Finished {
-                    finish,
-                    stats: GenerationStats {
-                        prompt_tokens: job.prompt.len(),
-                        generated_tokens: n,
-                        time_to_first_token_s: 0.0,
-                        decode_tokens_per_s: n as f64 / t0.elapsed().as_secs_f64().max(1e-9),
-                        ..Default::default()
-                    },
-                })
             }
         };
         if let Ok(f) = &result {
@@ -258,6 +236,45 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
         st.busy.store(false, Ordering::SeqCst);
         st.served.fetch_add(1, Ordering::SeqCst);
         let _ = job.events.send(WorkerEvent::Done(result));
+    }
+}
+
+/// Emits a scripted reply's tokens (at most the job's `max_new_tokens`),
+/// then EOS, as a model would, a little apart so streams arrive in pieces.
+fn play_reply(
+    mut toks: Vec<u32>,
+    eos: Option<u32>,
+    job: &Job,
+    on_token: &mut impl FnMut(u32) -> bool,
+) -> Finished {
+    toks.truncate(job.max_new_tokens);
+    if toks.len() < job.max_new_tokens {
+        toks.extend(eos);
+    }
+    let mut finish = FinishReason::Length;
+    let mut n = 0;
+    let t0 = std::time::Instant::now();
+    for id in toks {
+        n += 1;
+        if !on_token(id) {
+            finish = FinishReason::Cancelled;
+            break;
+        }
+        if Some(id) == eos {
+            finish = FinishReason::Stop;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    Finished {
+        finish,
+        stats: GenerationStats {
+            prompt_tokens: job.prompt.len(),
+            generated_tokens: n,
+            time_to_first_token_s: 0.0,
+            decode_tokens_per_s: n as f64 / t0.elapsed().as_secs_f64().max(1e-9),
+            ..Default::default()
+        },
     }
 }
 

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::{json, Value};
+use slipstream_server::script::Script;
 use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig};
 
 #[test]
@@ -245,7 +246,7 @@ fn malformed_requests_get_errors_in_each_apis_shape() {
         assert_eq!(st, 400);
         let e = openai_error(&v);
         assert!(e.contains("at most 63 prompt tokens") && e.contains("cut at least"), "{v}");
-        assert!(e.contains("larger --max-context") && e.contains("4096"), "{v}");
+        assert!(e.contains("larger --max-context") && e.contains("262144"), "{v}");
         assert_eq!(v["error"]["code"], "context_length_exceeded");
         let huge = "x".repeat(10_000);
         let (st, v) = post(
@@ -470,7 +471,7 @@ fn cancel_on_disconnect_frees_the_engine() {
         use tokio::io::AsyncWriteExt;
         t.write_all(
             format!(
-                "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                "POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
                 body.len()
             )
             .as_bytes(),
@@ -678,6 +679,109 @@ fn anthropic_tool_use_on_the_wire() {
         let md: Value = serde_json::from_str(&ev.iter().find(|(n, _)| n == "message_delta").unwrap().1).unwrap();
         assert_eq!(md["delta"]["stop_reason"], "tool_use");
     });
+}
+
+#[test]
+fn script_rules_answer_by_the_prompts_text() {
+    let script = Script::from_json(
+        r#"[{"when": ["RESULT-7"], "reply": "final", "times": 1},
+            {"when": ["<tools>", "task-7"], "reply": "call", "times": 1}]"#,
+    )
+    .unwrap();
+    let s = start(
+        config(),
+        BackendSpec::Script {
+            path: demo_model(),
+            engine: engine(),
+            script,
+        },
+    )
+    .unwrap();
+    rt().block_on(async {
+        let ask = |messages: Value, with_tools: bool| {
+            let mut body = json!({"model": "demo", "messages": messages});
+            if with_tools {
+                body["tools"] = tools();
+            }
+            post(&s, "/v1/chat/completions", body)
+        };
+        let content = |v: &Value| v["choices"][0]["message"]["content"].clone();
+        let user = json!([{"role": "user", "content": "task-7"}]);
+        // Without the tool block (a side request): no rule, no plain entry.
+        let (st, v) = ask(user.clone(), false).await;
+        assert_eq!(st, 500, "{v}");
+        assert!(openai_error(&v).contains("no entry answers"), "{v}");
+        let (st, v) = ask(user.clone(), true).await;
+        assert_eq!((st, content(&v)), (200, json!("call")), "{v}");
+        // Spent after one use.
+        let (st, _) = ask(user, true).await;
+        assert_eq!(st, 500);
+        let (st, v) = ask(
+            json!([{"role": "user", "content": "task-7"},
+                {"role": "tool", "tool_call_id": "c", "content": "RESULT-7"}]),
+            true,
+        )
+        .await;
+        assert_eq!((st, content(&v)), (200, json!("final")), "{v}");
+    });
+}
+
+#[test]
+fn requests_are_logged_as_json_lines() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("requests.jsonl");
+    let mut c = config();
+    c.log_requests = Some(log.clone());
+    c.api_key = Some("k".into());
+    let s = scripted(c, &["hi"]);
+    rt().block_on(async {
+        let client = reqwest::Client::new();
+        let body = json!({"model": "demo", "messages": [{"role": "user", "content": "hello"}]});
+        let r = client
+            .post(url(&s, "/v1/chat/completions?x=1"))
+            .bearer_auth("k")
+            .header("user-agent", "tester/1")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        // A route this server lacks is logged too (what was the client after?).
+        let r = client
+            .post(url(&s, "/v1/elsewhere"))
+            .bearer_auth("k")
+            .body("not json")
+            .send()
+            .await
+            .unwrap();
+        // Refused as not JSON before routing (a browser form post).
+        assert_eq!(r.status(), 415);
+        // Without the key: refused, not logged. Outside /v1/: not logged.
+        let r = client
+            .post(url(&s, "/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+        reqwest::get(url(&s, "/health")).await.unwrap();
+    });
+    let lines: Vec<Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0]["method"], "POST");
+    assert_eq!(lines[0]["path"], "/v1/chat/completions?x=1");
+    assert_eq!(lines[0]["user_agent"], "tester/1");
+    assert_eq!(
+        lines[0]["body"],
+        json!({"model": "demo", "messages": [{"role": "user", "content": "hello"}]})
+    );
+    assert!(lines[0]["time"].as_f64().unwrap() > 1e9);
+    assert_eq!(lines[1]["path"], "/v1/elsewhere");
+    assert_eq!(lines[1]["body"], "not json");
 }
 
 #[test]
@@ -897,7 +1001,9 @@ fn claude_code_requests_are_accepted_and_reuse_the_prefix() {
 
 #[test]
 fn the_captured_claude_code_request_is_read_and_its_overflow_worded_as_anthropic_does() {
-    let s = server(config());
+    let mut c = config();
+    c.max_context = Some(4096);
+    let s = server(c);
     let body: Value =
         serde_json::from_str(include_str!("fixtures/claude_code_request.json")).unwrap();
     rt().block_on(async {
@@ -1132,7 +1238,7 @@ fn reasoning_is_read_and_written_under_both_names() {
 #[test]
 fn a_max_context_above_the_model_is_refused_at_start() {
     let mut c = config();
-    c.max_context = Some(8192);
+    c.max_context = Some(300_000);
     let e = match start(
         c,
         BackendSpec::Model {
@@ -1146,7 +1252,7 @@ fn a_max_context_above_the_model_is_refused_at_start() {
         Err(e) => format!("{e:#}"),
     };
     assert!(
-        e.contains("--max-context 8192") && e.contains("4096 positions"),
+        e.contains("--max-context 300000") && e.contains("262144 positions"),
         "{e}"
     );
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use slipstream_engine::{EngineConfig, StoreChoice};
+use slipstream_server::script::Script;
 use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
 
 /// The demo model, repacked once per test process.
@@ -74,7 +75,7 @@ pub fn scripted(config: ServerConfig, replies: &[&str]) -> RunningServer {
         BackendSpec::Script {
             path: demo_model(),
             engine: engine(),
-            replies: replies.iter().map(|s| s.to_string()).collect(),
+            script: Script::in_turn(replies.iter().map(|s| s.to_string()).collect()),
         },
     )
     .expect("server starts")
