@@ -82,6 +82,10 @@ pub struct ServeArgs {
     /// model's, where the checkpoints of a long prompt cost at most its KV).
     #[arg(long)]
     pub state_checkpoint_interval: Option<usize>,
+    /// Log each request's rendered prompt (the text the model reads) to
+    /// stderr, at info on the target `slipstream::prompt`.
+    #[arg(long)]
+    pub log_prompts: bool,
     /// TEST FACILITY, not for use: each request replies with the next text
     /// of this JSON file (a list of strings), verbatim, instead of sampling
     /// from the model. Lets tests drive tool calls through the wire formats.
@@ -151,6 +155,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         model_id,
         any_model: args.any_model,
         ping_interval: Duration::from_secs(2),
+        log_prompts: args.log_prompts,
     };
     let backend = match &args.test_script {
         Some(p) => {

@@ -1,6 +1,7 @@
 //! The local server: OpenAI (`/v1/chat/completions`, `/v1/completions`,
 //! `/v1/responses`, `/v1/models`) and Anthropic (`/v1/messages`, `/v1/messages/count_tokens`)
-//! APIs and a chat page at `/`, over one engine running on its own thread.
+//! APIs, a chat page at `/`, `/health` and `/metrics` (Prometheus), over
+//! one engine running on its own thread; an access log line per request.
 //!
 //! The only crate that knows HTTP and wire JSON. One model, one sequence at
 //! a time, a bounded FIFO queue; the kept model state is the conversation
@@ -8,9 +9,11 @@
 //! that disconnects cancels its generation (between prefill chunks or
 //! tokens).
 
+pub mod access;
 pub mod anthropic;
 pub mod error;
 pub mod gen;
+pub mod metrics;
 pub mod openai;
 pub mod parse;
 pub mod prompt;
@@ -55,6 +58,8 @@ pub struct ServerConfig {
     pub any_model: bool,
     /// Keep-alive interval of streams while nothing else is sent.
     pub ping_interval: Duration,
+    /// Log each rendered prompt at `info` on the target `slipstream::prompt`.
+    pub log_prompts: bool,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +74,7 @@ impl Default for ServerConfig {
             model_id: "slipstream".into(),
             any_model: false,
             ping_interval: Duration::from_secs(2),
+            log_prompts: false,
         }
     }
 }
@@ -132,6 +138,7 @@ pub struct App {
     pub info: Info,
     pub max_context: usize,
     pub started: std::time::Instant,
+    pub metrics: metrics::Metrics,
 }
 
 impl App {
@@ -327,6 +334,7 @@ fn launch(
         info,
         max_context,
         started: std::time::Instant::now(),
+        metrics: metrics::Metrics::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -386,6 +394,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth));
     Router::new()
         .route("/", get(page))
@@ -393,6 +402,10 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(api)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            app.clone(),
+            access::log_requests,
+        ))
         .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
         .with_state(app)
 }
