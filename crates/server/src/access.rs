@@ -1,7 +1,7 @@
 //! The access log: one line per request at `info` on the target
-//! `slipstream::access`, written when the request ends (for a stream, when
-//! its last event is sent or the client goes away), and the request counts
-//! of `/metrics`.
+//! `slipstream::access`, written when the request is done (for a stream:
+//! its last event sent, or the client gone, and its generation ended),
+//! and the request counts of `/metrics`.
 //!
 //! A line: method, path, status, seconds, then the generation's figures
 //! when the request ran one, e.g.
@@ -42,14 +42,15 @@ pub struct GenFigures {
     pub finish: Option<&'static str>,
 }
 
-/// A request's record, shared by the middleware and the request's
-/// generation (which may outlive the handler, in a stream's task).
-#[derive(Debug, Clone)]
+/// A request's record, shared by the middleware, the body of a streamed
+/// reply and the request's generation (which may outlive the handler, in a
+/// stream's task); the line is logged when the last of them lets go.
+#[derive(Clone)]
 pub struct RequestRecord {
     /// The request's number since the server started (also on the
     /// `--log-prompts` lines).
     pub id: u64,
-    figures: Arc<Mutex<Option<GenFigures>>>,
+    entry: Arc<Mutex<Pending>>,
 }
 
 tokio::task_local! {
@@ -57,29 +58,18 @@ tokio::task_local! {
 }
 
 impl RequestRecord {
-    fn new(id: u64) -> Self {
-        RequestRecord {
-            id,
-            figures: Arc::new(Mutex::new(None)),
-        }
-    }
-
     /// The record of the request this task is handling, if any.
     pub fn current() -> Option<RequestRecord> {
         CURRENT.try_with(Clone::clone).ok()
     }
 
-    /// Updates the generation's figures (created empty on first use).
-    pub fn update(&self, f: impl FnOnce(&mut GenFigures)) {
-        let mut g = self.figures.lock().unwrap_or_else(|e| e.into_inner());
-        f(g.get_or_insert_with(GenFigures::default));
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.entry.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn figures(&self) -> Option<GenFigures> {
-        self.figures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+    /// Updates the generation's figures (created empty on first use).
+    pub fn update(&self, f: impl FnOnce(&mut GenFigures)) {
+        f(self.lock().figures.get_or_insert_with(GenFigures::default));
     }
 }
 
@@ -127,37 +117,31 @@ pub fn access_line(e: &AccessEntry) -> String {
     s
 }
 
-/// Logs its request when dropped: when the reply is ready, when a
-/// stream's body ends, or when the request is abandoned.
+/// A request being served; logs it when dropped.
 struct Pending {
     app: Arc<App>,
     started: Instant,
+    id: u64,
     method: Method,
     path: String,
     /// The route (`/v1/responses/{id}`), the label of `/metrics`.
     endpoint: String,
-    record: RequestRecord,
+    /// `None` until the reply's head is ready.
     status: Option<u16>,
-    stream_ended: bool,
+    figures: Option<GenFigures>,
     streaming: bool,
-}
-
-impl Pending {
-    /// The stream's body was sent whole.
-    fn end_stream(&mut self) {
-        self.stream_ended = true;
-    }
+    stream_ended: bool,
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
         let entry = AccessEntry {
-            id: self.record.id,
+            id: self.id,
             method: self.method.clone(),
             path: std::mem::take(&mut self.path),
             status: self.status.unwrap_or(499),
             seconds: self.started.elapsed().as_secs_f64(),
-            generation: self.record.figures(),
+            generation: self.figures.take(),
             disconnected: self.streaming && !self.stream_ended,
         };
         self.app.metrics.record_request(&self.endpoint, entry.status);
@@ -165,44 +149,51 @@ impl Drop for Pending {
     }
 }
 
-/// The middleware: runs the request with its record in scope and logs it
-/// when it ends.
+/// The middleware: runs the request with its record in scope; the record
+/// logs it once the reply, its stream and its generation are all done.
 pub async fn log_requests(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
-    let record = RequestRecord::new(app.metrics.next_request_id());
+    let id = app.metrics.next_request_id();
     let endpoint = req
         .extensions()
         .get::<MatchedPath>()
         .map(|m| m.as_str().to_string())
         .unwrap_or_else(|| "unmatched".into());
-    let mut pending = Pending {
-        app,
-        started: Instant::now(),
-        method: req.method().clone(),
-        path: req.uri().path().to_string(),
-        endpoint,
-        record: record.clone(),
-        status: None,
-        stream_ended: false,
-        streaming: false,
+    let record = RequestRecord {
+        id,
+        entry: Arc::new(Mutex::new(Pending {
+            app,
+            started: Instant::now(),
+            id,
+            method: req.method().clone(),
+            path: req.uri().path().to_string(),
+            endpoint,
+            status: None,
+            figures: None,
+            streaming: false,
+            stream_ended: false,
+        })),
     };
-    let resp = CURRENT.scope(record, next.run(req)).await;
-    pending.status = Some(resp.status().as_u16());
+    let resp = CURRENT.scope(record.clone(), next.run(req)).await;
     let is_stream = resp
         .headers()
         .get(header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    if !is_stream {
-        return resp; // `pending` logs now
+    {
+        let mut e = record.lock();
+        e.status = Some(resp.status().as_u16());
+        e.streaming = is_stream;
     }
-    pending.streaming = true;
+    if !is_stream {
+        return resp;
+    }
     let (parts, body) = resp.into_parts();
     let body = futures_util::stream::unfold(
-        (body.into_data_stream(), pending),
-        |(mut body, mut pending)| async move {
+        (body.into_data_stream(), record),
+        |(mut body, record)| async move {
             match body.next().await {
-                Some(chunk) => Some((chunk, (body, pending))),
+                Some(chunk) => Some((chunk, (body, record))),
                 None => {
-                    pending.end_stream();
+                    record.lock().stream_ended = true;
                     None
                 }
             }
