@@ -144,7 +144,9 @@ impl Drop for Pending {
             generation: self.figures.take(),
             disconnected: self.streaming && !self.stream_ended,
         };
-        self.app.metrics.record_request(&self.endpoint, entry.status);
+        self.app
+            .metrics
+            .record_request(&self.endpoint, entry.status);
         tracing::info!(target: "slipstream::access", "{}", access_line(&entry));
     }
 }

@@ -141,7 +141,9 @@ impl Metrics {
     /// on it, when it ran.
     pub fn record_generation(&self, g: &GenFigures, engine_s: Option<f64>) {
         let mut c = self.lock();
-        *c.generations.entry(g.finish.unwrap_or("error")).or_default() += 1;
+        *c.generations
+            .entry(g.finish.unwrap_or("error"))
+            .or_default() += 1;
         c.prompt_tokens += g.prompt_tokens as u64;
         c.reused_prompt_tokens += g.reused_prompt_tokens as u64;
         c.generated_tokens += g.generated_tokens as u64;
@@ -187,7 +189,10 @@ impl Metrics {
             "# HELP slipstream_generations_total Generations by how they ended.\n# TYPE slipstream_generations_total counter"
         );
         for (finish, n) in &c.generations {
-            let _ = writeln!(out, "slipstream_generations_total{{finish=\"{finish}\"}} {n}");
+            let _ = writeln!(
+                out,
+                "slipstream_generations_total{{finish=\"{finish}\"}} {n}"
+            );
         }
         for (name, help, v) in [
             (
@@ -206,7 +211,10 @@ impl Metrics {
                 c.generated_tokens,
             ),
         ] {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+            );
         }
         c.ttft.write(
             &mut out,

@@ -20,8 +20,8 @@ mod tool_call;
 
 use serde_json::{Map, Value};
 
-use tool_call::{CallParser, Status};
 pub use tool_call::parse_json_call;
+use tool_call::{CallParser, Status};
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
@@ -51,7 +51,9 @@ pub enum OutputEvent {
     Content(String),
     Reasoning(String),
     /// A call begins: its name is complete.
-    ToolCallStart { name: String },
+    ToolCallStart {
+        name: String,
+    },
     /// The next piece of the open call's arguments JSON text.
     ToolCallArgs(String),
     /// The open call ended; the whole call.
@@ -582,7 +584,8 @@ mod tests {
     #[test]
     fn close_tags_inside_a_value_are_value_text() {
         // Only `</parameter>` followed by a next tag ends a value.
-        let content = "a</tool_call>\n</function>\nb</parameter>\nc</parameter><parameter\n</parameter>";
+        let content =
+            "a</tool_call>\n</function>\nb</parameter>\nc</parameter><parameter\n</parameter>";
         let text = format!("<tool_call>\n<function=write_file>\n<parameter=content>\n{content}\n</parameter>\n<parameter=path>\np\n</parameter>\n</function>\n</tool_call>\nDone.");
         let mut want = call("write_file", json!({"content": content, "path": "p"})).to_vec();
         want.push(OutputEvent::Content("Done.".into()));
@@ -620,7 +623,8 @@ mod tests {
         let want = call_text("write_file", json!({"mode": 64}), "{\"mode\":", true);
         check_cuts_with(|| with_tools(false), text, &want);
         // Inside a parameter's name.
-        let text = "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n<parameter=con";
+        let text =
+            "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n<parameter=con";
         let want = call_text("write_file", json!({"path": "a"}), "{\"path\":\"a\"", true);
         check_cuts_with(|| with_tools(false), text, &want);
         // After a whole parameter, the closing tags missing: complete.
@@ -686,9 +690,27 @@ mod tests {
     /// Value text made of pieces that look like the tags.
     fn value_text() -> impl Strategy<Value = String> {
         const PIECES: &[&str] = &[
-            "a", "é", "✓", " ", "\n", "\n\n", "<", ">", "/", "\"", "\\", "{", "}", "\t",
-            "</parameter>", "</tool_call>", "</function>", "<parameter", "<tool_call>",
-            "</think>", "<function",
+            "a",
+            "é",
+            "✓",
+            " ",
+            "\n",
+            "\n\n",
+            "<",
+            ">",
+            "/",
+            "\"",
+            "\\",
+            "{",
+            "}",
+            "\t",
+            "</parameter>",
+            "</tool_call>",
+            "</function>",
+            "<parameter",
+            "<tool_call>",
+            "</think>",
+            "<function",
         ];
         prop::collection::vec(prop::sample::select(PIECES), 0..14).prop_map(|v| v.concat())
     }

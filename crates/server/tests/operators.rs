@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use slipstream_server::ServerConfig;
 
 /// Everything logged on the server's operator targets in this test
@@ -102,7 +102,8 @@ fn access_log_prompts_and_metrics() {
     c.log_prompts = true;
     let s = scripted(c, &["Hello there, operator."]);
     rt().block_on(async {
-        let body = json!({"model": "demo", "messages": [{"role": "user", "content": "marker-7f3a"}]});
+        let body =
+            json!({"model": "demo", "messages": [{"role": "user", "content": "marker-7f3a"}]});
         let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
         assert_eq!(st, 200, "{v}");
         let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -117,8 +118,16 @@ fn access_log_prompts_and_metrics() {
         assert_eq!(st, 400);
 
         let figures = format!("prompt={prompt} reused=0 generated={generated} ");
-        let line = log_line(&["slipstream::access", "POST /v1/chat/completions 200", &figures]).await;
-        assert!(line.contains("finish=stop") && line.contains("ttft="), "{line}");
+        let line = log_line(&[
+            "slipstream::access",
+            "POST /v1/chat/completions 200",
+            &figures,
+        ])
+        .await;
+        assert!(
+            line.contains("finish=stop") && line.contains("ttft="),
+            "{line}"
+        );
         log_line(&["slipstream::access", "POST /v1/nope 404"]).await;
         log_line(&["slipstream::access", "POST /v1/messages 400"]).await;
         // The rendered prompt, under the number of its request's line.
@@ -131,7 +140,8 @@ fn access_log_prompts_and_metrics() {
         let m = metrics_with(
             &s,
             &[
-                "slipstream_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2".into(),
+                "slipstream_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"
+                    .into(),
                 "slipstream_requests_total{endpoint=\"unmatched\",status=\"404\"} 1".into(),
                 "slipstream_requests_total{endpoint=\"/v1/messages\",status=\"400\"} 1".into(),
             ],
@@ -173,9 +183,11 @@ fn metrics_need_the_api_key_when_one_is_set() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200);
-        assert!(r.text().await.unwrap().contains(
-            "slipstream_requests_total{endpoint=\"/metrics\",status=\"401\"} 1"
-        ));
+        assert!(r
+            .text()
+            .await
+            .unwrap()
+            .contains("slipstream_requests_total{endpoint=\"/metrics\",status=\"401\"} 1"));
     });
 }
 

@@ -79,7 +79,10 @@ fn check_streamed(pieces: &[(Duration, &str)], end: Duration) -> String {
         })
         .expect("the content streams")
         .0;
-    eprintln!("{} pieces, first content at {first_content:?} of {end:?}", pieces.len());
+    eprintln!(
+        "{} pieces, first content at {first_content:?} of {end:?}",
+        pieces.len()
+    );
     assert!(
         first_content < end / 3,
         "first content piece at {first_content:?} of {end:?}"
@@ -137,7 +140,9 @@ fn anthropic_streams_call_arguments() {
         let (ev, end) = timed_stream(&s, "/v1/messages", body.clone()).await;
         let pieces: Vec<(Duration, &str)> = ev
             .iter()
-            .filter(|(_, n, v)| n == "content_block_delta" && v["delta"]["type"] == "input_json_delta")
+            .filter(|(_, n, v)| {
+                n == "content_block_delta" && v["delta"]["type"] == "input_json_delta"
+            })
             .map(|(t, _, v)| (*t, v["delta"]["partial_json"].as_str().unwrap()))
             .collect();
         let args = check_streamed(&pieces, end);
