@@ -250,12 +250,15 @@ struct RepackArgs {
 }
 
 fn main() {
+    // Warnings, and the server's access log and `--log-prompts` lines.
+    const DEFAULT_LOG: &str = "warn,slipstream::access=info,slipstream::prompt=info";
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("SLIPSTREAM_LOG")
-                .unwrap_or_else(|_| "warn".into()),
+                .unwrap_or_else(|_| DEFAULT_LOG.into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

@@ -101,6 +101,10 @@ pub struct ServeArgs {
     /// the conversations in full.
     #[arg(long, value_name = "FILE")]
     pub log_requests: Option<PathBuf>,
+    /// Log each request's rendered prompt (the text the model reads) to
+    /// stderr, at info on the target `slipstream::prompt`.
+    #[arg(long)]
+    pub log_prompts: bool,
     /// TEST FACILITY, not for use: replies come verbatim from this JSON
     /// script instead of the model: a list of strings (given in turn) and
     /// rules `{"when": TEXT | [TEXT...], "reply": TEXT, "times": N}` that
@@ -184,6 +188,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         chat_template_kwargs,
         allowed_origins: args.allow_origin.clone(),
         log_requests: args.log_requests.clone(),
+        log_prompts: args.log_prompts,
     };
     let backend = match &args.test_script {
         Some(p) => {

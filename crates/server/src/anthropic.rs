@@ -71,6 +71,8 @@ fn usage(o: &Outcome) -> Value {
     })
 }
 
+/// A finished call's block (a cut call's `input` holds what was written,
+/// the last value as far as it went).
 fn tool_use_block(c: &ToolCall) -> Value {
     json!({"type": "tool_use", "id": new_id("toolu_"), "name": c.name, "input": c.arguments})
 }
@@ -161,10 +163,11 @@ async fn messages_inner(
                                 content.push(block);
                             }
                         }
-                        OutputEvent::ToolCall(c) => {
+                        OutputEvent::ToolCallEnd(c) => {
                             calls += 1;
                             content.push(tool_use_block(&c));
                         }
+                        OutputEvent::ToolCallStart { .. } | OutputEvent::ToolCallArgs(_) => {}
                     }
                 }
             }
@@ -202,6 +205,7 @@ enum Open {
     None,
     Text,
     Thinking,
+    ToolUse,
 }
 
 /// Builds the event sequence of a streamed message.
@@ -296,27 +300,23 @@ impl EventWriter {
                         "delta": {"type": "thinking_delta", "thinking": t}}),
                 ));
             }
-            OutputEvent::ToolCall(c) => {
+            OutputEvent::ToolCallStart { name } => {
                 self.close(&mut out);
                 self.tool_calls += 1;
-                let mut block = tool_use_block(&c);
-                block["input"] = json!({});
+                let block =
+                    json!({"type": "tool_use", "id": new_id("toolu_"), "name": name, "input": {}});
                 out.push(event(
                     "content_block_start",
                     &json!({"type": "content_block_start", "index": self.index, "content_block": block}),
                 ));
-                out.push(event(
-                    "content_block_delta",
-                    &json!({"type": "content_block_delta", "index": self.index,
-                        "delta": {"type": "input_json_delta",
-                            "partial_json": serde_json::to_string(&c.arguments).unwrap_or_default()}}),
-                ));
-                out.push(event(
-                    "content_block_stop",
-                    &json!({"type": "content_block_stop", "index": self.index}),
-                ));
-                self.index += 1;
+                self.open = Open::ToolUse;
             }
+            OutputEvent::ToolCallArgs(piece) => out.push(event(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": self.index,
+                    "delta": {"type": "input_json_delta", "partial_json": piece}}),
+            )),
+            OutputEvent::ToolCallEnd(_) => self.close(&mut out),
         }
         out
     }

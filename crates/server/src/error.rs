@@ -21,6 +21,8 @@ pub struct ApiError {
     pub message: String,
     pub code: Option<&'static str>,
     pub param: Option<String>,
+    /// Seconds for the `Retry-After` header.
+    pub retry_after_s: Option<u64>,
 }
 
 impl ApiError {
@@ -31,6 +33,7 @@ impl ApiError {
             message: message.into(),
             code: None,
             param: None,
+            retry_after_s: None,
         }
     }
 
@@ -51,8 +54,8 @@ impl ApiError {
     }
 
     /// The queue is full: 429 (OpenAI) or 529 overloaded (Anthropic), both
-    /// retried by the official SDKs.
-    pub fn queue_full(flavor: Flavor, capacity: usize) -> Self {
+    /// retried by the official SDKs, after `retry_after_s` (`Retry-After`).
+    pub fn queue_full(flavor: Flavor, capacity: usize, retry_after_s: u64) -> Self {
         let status = match flavor {
             Flavor::OpenAi => StatusCode::TOO_MANY_REQUESTS,
             Flavor::Anthropic => StatusCode::from_u16(529).unwrap_or(StatusCode::TOO_MANY_REQUESTS),
@@ -60,9 +63,15 @@ impl ApiError {
         Self::new(
             flavor,
             status,
-            format!("the server is busy: {capacity} requests are already waiting; retry later"),
+            format!("the server is busy: {capacity} requests are already waiting; retry in {retry_after_s} s"),
         )
         .code("queue_full")
+        .retry_after(retry_after_s)
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after_s = Some(seconds);
+        self
     }
 
     pub fn code(mut self, code: &'static str) -> Self {
@@ -118,7 +127,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after_s {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }
 

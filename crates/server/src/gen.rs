@@ -4,11 +4,13 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use serde_json::Value;
 use slipstream_engine::{FinishReason, GenerationStats, SamplingParams, StreamDecoder};
 use tokio::sync::mpsc;
 
+use crate::access::{GenFigures, RequestRecord};
 use crate::error::{ApiError, Flavor};
 use crate::parse::{OutputEvent, OutputParser, StopFilter};
 use crate::worker::{Job, ReasoningBudget, WorkerEvent};
@@ -100,6 +102,15 @@ pub struct Gen {
     pub prompt_tokens: usize,
     ended: bool,
     pending_done: Option<Outcome>,
+    /// The access log's record of the request (see [`crate::access`]).
+    record: Option<RequestRecord>,
+    submitted: Instant,
+    /// When the engine took the job.
+    started: Option<Instant>,
+    /// Tokens received so far.
+    received: usize,
+    /// The figures went to the record and the metrics.
+    reported: bool,
 }
 
 /// Tokenizes, checks the context limit and queues the job.
@@ -148,6 +159,11 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
         }
         None => None,
     };
+    let record = RequestRecord::current();
+    if app.config.log_prompts {
+        let id = record.as_ref().map_or(0, |r| r.id);
+        tracing::info!(target: "slipstream::prompt", "#{id}: {} prompt tokens\n{}", prompt.len(), p.prompt_text);
+    }
     let (tx, rx) = mpsc::unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let n = prompt.len();
@@ -160,7 +176,9 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
             cancel: cancel.clone(),
             events: tx,
         })
-        .map_err(|_| ApiError::queue_full(flavor, app.worker.capacity))?;
+        .map_err(|_| {
+            ApiError::queue_full(flavor, app.worker.capacity, app.metrics.retry_after_s())
+        })?;
     let parser = p
         .parse
         .then(|| OutputParser::new(p.in_reasoning, p.parse_tools).with_tool_schemas(&p.tools));
@@ -175,6 +193,11 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
         prompt_tokens: n,
         ended: false,
         pending_done: None,
+        record,
+        submitted: Instant::now(),
+        started: None,
+        received: 0,
+        reported: false,
     })
 }
 
@@ -198,6 +221,13 @@ pub fn overflow_advice(n: usize, limit: usize, max_position: usize) -> String {
     s
 }
 
+impl Drop for Gen {
+    fn drop(&mut self) {
+        // Dropped before its end: the client went away.
+        self.report(None, "cancelled");
+    }
+}
+
 impl Gen {
     /// The next step; `None` after `Done` or `Failed`. Cancel-safe.
     pub async fn next(&mut self) -> Option<Step> {
@@ -211,11 +241,28 @@ impl Gen {
         loop {
             let Some(ev) = self.rx.recv().await else {
                 self.ended = true;
+                self.report(None, "error");
                 return Some(Step::Failed("the engine thread stopped".into()));
             };
             match ev {
-                WorkerEvent::Started => return Some(Step::Started),
+                WorkerEvent::Started => {
+                    let now = Instant::now();
+                    self.started = Some(now);
+                    if let Some(r) = &self.record {
+                        let wait = (now - self.submitted).as_secs_f64();
+                        r.update(|f| f.wait_s = Some(wait));
+                    }
+                    return Some(Step::Started);
+                }
                 WorkerEvent::Token(id) => {
+                    self.received += 1;
+                    if let Some(r) = &self.record {
+                        let (n, prompt) = (self.received, self.prompt_tokens);
+                        r.update(|f| {
+                            f.generated_tokens = n;
+                            f.prompt_tokens = prompt;
+                        });
+                    }
                     if self.stop_string.is_some() || self.app.info.eos.contains(&id) {
                         continue;
                     }
@@ -224,6 +271,7 @@ impl Gen {
                         Err(e) => {
                             self.ended = true;
                             self.cancel.0.store(true, Ordering::SeqCst);
+                            self.report(None, "error");
                             return Some(Step::Failed(e.to_string()));
                         }
                     };
@@ -245,7 +293,10 @@ impl Gen {
                     self.ended = true;
                     let f = match r {
                         Ok(f) => f,
-                        Err(e) => return Some(Step::Failed(e)),
+                        Err(e) => {
+                            self.report(None, "error");
+                            return Some(Step::Failed(e));
+                        }
                     };
                     let mut ev = if self.stop_string.is_none() {
                         let rest = self.stop.finish();
@@ -268,6 +319,12 @@ impl Gen {
                         completion_tokens: f.stats.generated_tokens,
                         stats: f.stats,
                     };
+                    let label = match outcome.finish {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                        FinishReason::Cancelled => "cancelled",
+                    };
+                    self.report(Some(&outcome), label);
                     if ev.is_empty() {
                         return Some(Step::Done(outcome));
                     }
@@ -291,6 +348,39 @@ impl Gen {
                 None => return Err("generation ended early".into()),
             }
         }
+    }
+
+    /// Hands the generation's figures to the request's record and the
+    /// metrics, once: from `outcome` when it ended, else from what arrived.
+    fn report(&mut self, outcome: Option<&Outcome>, finish: &'static str) {
+        if std::mem::replace(&mut self.reported, true) {
+            return;
+        }
+        let figures = match outcome {
+            Some(o) => GenFigures {
+                prompt_tokens: o.prompt_tokens,
+                reused_prompt_tokens: o.stats.reused_prompt_tokens,
+                generated_tokens: o.completion_tokens,
+                wait_s: None,
+                time_to_first_token_s: Some(o.stats.time_to_first_token_s),
+                decode_tokens_per_s: Some(o.stats.decode_tokens_per_s),
+                finish: Some(finish),
+            },
+            None => GenFigures {
+                prompt_tokens: self.prompt_tokens,
+                generated_tokens: self.received,
+                finish: Some(finish),
+                ..GenFigures::default()
+            },
+        };
+        let wait_s = self.started.map(|t| (t - self.submitted).as_secs_f64());
+        let figures = GenFigures { wait_s, ..figures };
+        if let Some(r) = &self.record {
+            r.update(|f| *f = figures.clone());
+        }
+        // Only whole jobs tell how long the next one may take.
+        let engine_s = outcome.and(self.started.map(|t| t.elapsed().as_secs_f64()));
+        self.app.metrics.record_generation(&figures, engine_s);
     }
 
     fn feed(&mut self, text: &str) -> Vec<OutputEvent> {

@@ -1,6 +1,7 @@
 //! The local server: OpenAI (`/v1/chat/completions`, `/v1/completions`,
 //! `/v1/responses`, `/v1/models`) and Anthropic (`/v1/messages`, `/v1/messages/count_tokens`)
-//! APIs and a chat page at `/`, over one engine running on its own thread.
+//! APIs, a chat page at `/`, `/health` and `/metrics` (Prometheus), over
+//! one engine running on its own thread; an access log line per request.
 //!
 //! The only crate that knows HTTP and wire JSON. One model, one sequence at
 //! a time, a bounded FIFO queue; the kept model state is the conversation
@@ -8,10 +9,12 @@
 //! that disconnects cancels its generation (between prefill chunks or
 //! tokens).
 
+pub mod access;
 pub mod anthropic;
 pub mod anthropic_request;
 pub mod error;
 pub mod gen;
+pub mod metrics;
 pub mod openai;
 pub mod origin;
 pub mod parse;
@@ -72,6 +75,8 @@ pub struct ServerConfig {
     /// Append every API request to this file as JSON lines (see
     /// [`request_log`]).
     pub log_requests: Option<PathBuf>,
+    /// Log each rendered prompt at `info` on the target `slipstream::prompt`.
+    pub log_prompts: bool,
 }
 
 impl Default for ServerConfig {
@@ -90,6 +95,7 @@ impl Default for ServerConfig {
             chat_template_kwargs: serde_json::Map::new(),
             allowed_origins: Vec::new(),
             log_requests: None,
+            log_prompts: false,
         }
     }
 }
@@ -155,6 +161,7 @@ pub struct App {
     pub started: std::time::Instant,
     /// Where API requests are recorded (`--log-requests`).
     pub request_log: Option<Arc<request_log::RequestLog>>,
+    pub metrics: metrics::Metrics,
 }
 
 impl App {
@@ -389,6 +396,7 @@ fn launch(
         max_context,
         started: std::time::Instant::now(),
         request_log,
+        metrics: metrics::Metrics::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -448,6 +456,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/metrics", get(metrics::metrics))
         .layer(middleware::from_fn_with_state(app.clone(), auth));
     Router::new()
         .route("/", get(page))
@@ -464,6 +473,11 @@ pub fn router(app: Arc<App>) -> Router {
         .layer(middleware::from_fn_with_state(
             app.clone(),
             request_log::record,
+        ))
+        // Outermost: every request gets its access line.
+        .layer(middleware::from_fn_with_state(
+            app.clone(),
+            access::log_requests,
         ))
         .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
         .with_state(app)

@@ -206,16 +206,14 @@ fn usage(o: &Outcome) -> Value {
     })
 }
 
-/// The OpenAI wire form of a parsed tool call.
+/// The OpenAI wire form of a parsed tool call (the arguments as the stream
+/// wrote them: unfinished JSON for a call the token limit cut).
 pub fn tool_call_json(call: &ToolCall, index: usize, id: &str) -> Value {
     json!({
         "index": index,
         "id": id,
         "type": "function",
-        "function": {
-            "name": call.name,
-            "arguments": serde_json::to_string(&call.arguments).unwrap_or_else(|_| "{}".into()),
-        }
+        "function": {"name": call.name, "arguments": call.arguments_json},
     })
 }
 
@@ -402,10 +400,11 @@ async fn chat_inner(
                     match ev {
                         OutputEvent::Content(t) => content.push_str(&t),
                         OutputEvent::Reasoning(t) => reasoning.push_str(&t),
-                        OutputEvent::ToolCall(c) => {
+                        OutputEvent::ToolCallEnd(c) => {
                             let i = calls.len();
                             calls.push(tool_call_json(&c, i, &new_id("call_")));
                         }
+                        OutputEvent::ToolCallStart { .. } | OutputEvent::ToolCallArgs(_) => {}
                     }
                 }
             }
@@ -488,16 +487,24 @@ async fn stream_chat(
             Some(Step::Started) => continue,
             Some(Step::Output(evs)) => evs
                 .into_iter()
-                .map(|ev| match ev {
-                    OutputEvent::Content(t) => chunk(json!({"content": t}), Value::Null),
-                    OutputEvent::Reasoning(t) => {
-                        chunk(json!({"reasoning_content": t, "reasoning": t}), Value::Null)
-                    }
-                    OutputEvent::ToolCall(c) => {
+                .filter_map(|ev| match ev {
+                    OutputEvent::Content(t) => Some(chunk(json!({"content": t}), Value::Null)),
+                    OutputEvent::Reasoning(t) => Some(chunk(
+                        json!({"reasoning_content": t, "reasoning": t}),
+                        Value::Null,
+                    )),
+                    OutputEvent::ToolCallStart { name } => {
                         calls += 1;
-                        let call = tool_call_json(&c, calls - 1, &new_id("call_"));
-                        chunk(json!({"tool_calls": [call]}), Value::Null)
+                        let call = json!({"index": calls - 1, "id": new_id("call_"),
+                            "type": "function", "function": {"name": name, "arguments": ""}});
+                        Some(chunk(json!({"tool_calls": [call]}), Value::Null))
                     }
+                    OutputEvent::ToolCallArgs(piece) => {
+                        let call = json!({"index": calls.saturating_sub(1),
+                            "function": {"arguments": piece}});
+                        Some(chunk(json!({"tool_calls": [call]}), Value::Null))
+                    }
+                    OutputEvent::ToolCallEnd(_) => None,
                 })
                 .collect(),
             Some(Step::Done(o)) => {

@@ -6,11 +6,22 @@
 //! - Qwen3-Coder / Qwen3.5 / Qwen3.6:
 //!   `<tool_call><function=f><parameter=p>value</parameter></function></tool_call>`
 //!
+//! Tool calls stream: see [`tool_call`] for how a call's arguments are
+//! written as they come and where a value ends. A `<tool_call>` inside
+//! `<think>` is a call too: the reasoning stops before it and resumes after
+//! it (the block is open until `</think>`).
+//!
 //! Pure: no I/O, fed text pieces cut anywhere (even inside a tag), it
-//! emits the same events as when fed the whole text at once. Text that may
-//! still turn into a tag is held back until it is known.
+//! emits the same events as when fed the whole text at once (consecutive
+//! pieces of one kind merged). Text that may still turn into a tag is held
+//! back until it is known.
+
+mod tool_call;
 
 use serde_json::{Map, Value};
+
+pub use tool_call::parse_json_call;
+use tool_call::{CallParser, Status};
 
 const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
@@ -21,23 +32,40 @@ const TOOL_CLOSE: &str = "</tool_call>";
 #[derive(Debug, Clone, PartialEq)]
 pub struct ToolCall {
     pub name: String,
-    /// Always a JSON object.
+    /// Always a JSON object. For a cut call: the parameters written, the
+    /// last one as far as it went.
     pub arguments: Value,
+    /// The arguments as JSON text: exactly the concatenation of the call's
+    /// [`OutputEvent::ToolCallArgs`] pieces. `arguments` serialized when
+    /// the call is complete; a prefix of that when it was cut.
+    pub arguments_json: String,
+    /// The text ended inside the call (the token limit, a stop string or
+    /// the model's end): `arguments_json` is unfinished JSON.
+    pub cut: bool,
 }
 
-/// What the parser emits.
+/// What the parser emits. A tool call is `ToolCallStart`, one or more
+/// `ToolCallArgs`, then `ToolCallEnd`, with nothing between.
 #[derive(Debug, Clone, PartialEq)]
 pub enum OutputEvent {
     Content(String),
     Reasoning(String),
-    ToolCall(ToolCall),
+    /// A call begins: its name is complete.
+    ToolCallStart {
+        name: String,
+    },
+    /// The next piece of the open call's arguments JSON text.
+    ToolCallArgs(String),
+    /// The open call ended; the whole call.
+    ToolCallEnd(ToolCall),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug)]
 enum Mode {
     Content,
     Reasoning,
-    Tool,
+    /// Inside a `<tool_call>` block.
+    Tool(Box<CallParser>),
 }
 
 /// Streaming parser of model output.
@@ -46,13 +74,15 @@ pub struct OutputParser {
     mode: Mode,
     buf: String,
     parse_tools: bool,
+    /// The open tool call began inside `<think>`: reasoning resumes after it.
+    call_in_reasoning: bool,
     /// Drop whitespace at the start of the next content (after `</think>`
     /// or a tool call).
     trim_content: bool,
     /// Drop whitespace at the start of the reasoning.
     trim_reasoning: bool,
-    /// Parameter types by tool name, then parameter name (from the JSON
-    /// schemas), to keep string parameters of the XML form strings.
+    /// The tools' JSON schemas by name, to keep string parameters of the
+    /// XML form strings (and stream them).
     schemas: Map<String, Value>,
 }
 
@@ -68,6 +98,7 @@ impl OutputParser {
             },
             buf: String::new(),
             parse_tools,
+            call_in_reasoning: false,
             trim_content: false,
             trim_reasoning: in_reasoning,
             schemas: Map::new(),
@@ -97,7 +128,7 @@ impl OutputParser {
         self.buf.push_str(text);
         let mut out = Vec::new();
         loop {
-            match self.mode {
+            match &mut self.mode {
                 Mode::Content => {
                     let mut tags: Vec<&str> = vec![THINK_OPEN];
                     if self.parse_tools {
@@ -112,7 +143,7 @@ impl OutputParser {
                                 self.mode = Mode::Reasoning;
                                 self.trim_reasoning = true;
                             } else {
-                                self.mode = Mode::Tool;
+                                self.open_call(false);
                             }
                         }
                         None => {
@@ -124,61 +155,82 @@ impl OutputParser {
                         }
                     }
                 }
-                Mode::Reasoning => match self.buf.find(THINK_CLOSE) {
-                    Some(pos) => {
-                        let before = self.buf[..pos].to_string();
-                        self.emit_reasoning(&before, true, &mut out);
-                        self.buf.drain(..pos + THINK_CLOSE.len());
-                        self.mode = Mode::Content;
-                        self.trim_content = true;
+                Mode::Reasoning => {
+                    let mut tags: Vec<&str> = vec![THINK_CLOSE];
+                    if self.parse_tools {
+                        tags.push(TOOL_OPEN);
                     }
-                    None => {
-                        let keep = held_suffix(&self.buf, &[THINK_CLOSE]);
-                        // Trailing whitespace may end the block: hold it too.
-                        let body = &self.buf[..self.buf.len() - keep];
-                        let ws = body.len() - body.trim_end().len();
-                        let emit = body[..body.len() - ws].to_string();
-                        self.emit_reasoning(&emit, false, &mut out);
-                        self.buf.drain(..emit.len());
-                        return out;
-                    }
-                },
-                Mode::Tool => match self.buf.find(TOOL_CLOSE) {
-                    Some(pos) => {
-                        let body = self.buf[..pos].to_string();
-                        self.buf.drain(..pos + TOOL_CLOSE.len());
-                        self.mode = Mode::Content;
-                        self.trim_content = true;
-                        match parse_tool_call(&body, &self.schemas) {
-                            Some(call) => out.push(OutputEvent::ToolCall(call)),
-                            None => {
-                                out.push(OutputEvent::Content(format!(
-                                    "{TOOL_OPEN}{body}{TOOL_CLOSE}"
-                                )));
+                    match find_first(&self.buf, &tags) {
+                        Some((pos, tag)) => {
+                            let before = self.buf[..pos].to_string();
+                            self.emit_reasoning(&before, true, &mut out);
+                            self.buf.drain(..pos + tag.len());
+                            if tag == THINK_CLOSE {
+                                self.mode = Mode::Content;
+                                self.trim_content = true;
+                            } else {
+                                self.open_call(true);
                             }
                         }
+                        None => {
+                            let keep = held_suffix(&self.buf, &tags);
+                            // Trailing whitespace may end the block: hold it too.
+                            let body = &self.buf[..self.buf.len() - keep];
+                            let ws = body.len() - body.trim_end().len();
+                            let emit = body[..body.len() - ws].to_string();
+                            self.emit_reasoning(&emit, false, &mut out);
+                            self.buf.drain(..emit.len());
+                            return out;
+                        }
                     }
-                    None => return out,
+                }
+                Mode::Tool(call) => match call.push(&mut self.buf, &self.schemas, &mut out) {
+                    Status::Open => return out,
+                    Status::Closed => self.close_call(None, &mut out),
+                    Status::NotACall(text) => self.close_call(Some(text), &mut out),
                 },
             }
         }
     }
 
     /// Ends the text: flushes what was held back. An unfinished tool call
-    /// is parsed if it can be, else returned as content.
+    /// ends (cut, unless it was only missing its closing tags); a block
+    /// that is no call is returned as text.
     pub fn finish(&mut self) -> Vec<OutputEvent> {
-        let rest = std::mem::take(&mut self.buf);
         let mut out = Vec::new();
-        match self.mode {
-            Mode::Content => self.emit_content(&rest, &mut out),
+        if let Mode::Tool(call) = &mut self.mode {
+            let text = call.finish(&mut self.buf, &self.schemas, &mut out);
+            self.close_call(text, &mut out);
+        }
+        let rest = std::mem::take(&mut self.buf);
+        match &self.mode {
+            Mode::Content | Mode::Tool(_) => self.emit_content(&rest, &mut out),
             Mode::Reasoning => self.emit_reasoning(&rest, true, &mut out),
-            Mode::Tool => match parse_tool_call(&rest, &self.schemas) {
-                Some(call) => out.push(OutputEvent::ToolCall(call)),
-                None => self.emit_content(&format!("{TOOL_OPEN}{rest}"), &mut out),
-            },
         }
         self.mode = Mode::Content;
         out
+    }
+
+    fn open_call(&mut self, in_reasoning: bool) {
+        self.call_in_reasoning = in_reasoning;
+        self.mode = Mode::Tool(Box::new(CallParser::new()));
+    }
+
+    /// Leaves a `<tool_call>` block; `not_a_call`: its text, when it was
+    /// no call.
+    fn close_call(&mut self, not_a_call: Option<String>, out: &mut Vec<OutputEvent>) {
+        let in_reasoning = self.call_in_reasoning;
+        self.mode = if in_reasoning {
+            Mode::Reasoning
+        } else {
+            Mode::Content
+        };
+        match not_a_call {
+            Some(text) if in_reasoning => push_merged(out, OutputEvent::Reasoning(text)),
+            Some(text) => push_merged(out, OutputEvent::Content(text)),
+            None if in_reasoning => self.trim_reasoning = true,
+            None => self.trim_content = true,
+        }
     }
 
     fn emit_content(&mut self, text: &str, out: &mut Vec<OutputEvent>) {
@@ -217,10 +269,13 @@ impl OutputParser {
     }
 }
 
+/// Appends `ev`, merged into the last event when both are text of one kind
+/// or pieces of one call's arguments.
 fn push_merged(out: &mut Vec<OutputEvent>, ev: OutputEvent) {
     match (out.last_mut(), ev) {
         (Some(OutputEvent::Content(a)), OutputEvent::Content(b)) => a.push_str(&b),
         (Some(OutputEvent::Reasoning(a)), OutputEvent::Reasoning(b)) => a.push_str(&b),
+        (Some(OutputEvent::ToolCallArgs(a)), OutputEvent::ToolCallArgs(b)) => a.push_str(&b),
         (_, ev) => out.push(ev),
     }
 }
@@ -248,82 +303,6 @@ pub(crate) fn held_suffix(s: &str, tags: &[&str]) -> usize {
         }
     }
     best
-}
-
-/// Parses the body of a `<tool_call>` block, JSON or XML form.
-pub fn parse_tool_call(body: &str, schemas: &Map<String, Value>) -> Option<ToolCall> {
-    let body = body.trim();
-    if body.starts_with("<function=") {
-        return parse_xml_call(body, schemas);
-    }
-    let v: Value = serde_json::from_str(body).ok()?;
-    let name = v.get("name")?.as_str()?.to_string();
-    let arguments = match v.get("arguments").or_else(|| v.get("parameters")) {
-        None | Some(Value::Null) => Value::Object(Map::new()),
-        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
-            Ok(o @ Value::Object(_)) => o,
-            _ => return None,
-        },
-        Some(o @ Value::Object(_)) => o.clone(),
-        Some(_) => return None,
-    };
-    Some(ToolCall { name, arguments })
-}
-
-fn parse_xml_call(body: &str, schemas: &Map<String, Value>) -> Option<ToolCall> {
-    let rest = body.strip_prefix("<function=")?;
-    let gt = rest.find('>')?;
-    let name = rest[..gt].trim().to_string();
-    if name.is_empty() {
-        return None;
-    }
-    let mut rest = &rest[gt + 1..];
-    let props = schemas
-        .get(&name)
-        .and_then(|s| s.get("properties"))
-        .and_then(Value::as_object);
-    let mut args = Map::new();
-    while let Some(start) = rest.find("<parameter=") {
-        let after = &rest[start + "<parameter=".len()..];
-        let gt = after.find('>')?;
-        let pname = after[..gt].trim().to_string();
-        let value_and_rest = &after[gt + 1..];
-        // A parameter ends at `</parameter>`, or (sloppy output) at the next
-        // parameter or the end of the function.
-        let end = ["</parameter>", "<parameter=", "</function>"]
-            .iter()
-            .filter_map(|t| value_and_rest.find(t).map(|p| (p, *t)))
-            .min_by_key(|(p, _)| *p);
-        let (raw, next) = match end {
-            Some((p, "</parameter>")) => (&value_and_rest[..p], &value_and_rest[p + 12..]),
-            Some((p, _)) => (&value_and_rest[..p], &value_and_rest[p..]),
-            None => (value_and_rest, ""),
-        };
-        let raw = raw.strip_prefix('\n').unwrap_or(raw);
-        let raw = raw.strip_suffix('\n').unwrap_or(raw);
-        let ty = props
-            .and_then(|p| p.get(&pname))
-            .and_then(|s| s.get("type"))
-            .and_then(Value::as_str);
-        args.insert(pname, typed_value(raw, ty));
-        rest = next;
-    }
-    Some(ToolCall {
-        name,
-        arguments: Value::Object(args),
-    })
-}
-
-/// A parameter's text as the schema types it; without a schema, JSON when
-/// it parses as JSON, else the string.
-fn typed_value(raw: &str, ty: Option<&str>) -> Value {
-    match ty {
-        Some("string") => Value::String(raw.to_string()),
-        _ => match serde_json::from_str::<Value>(raw.trim()) {
-            Ok(v) => v,
-            Err(_) => Value::String(raw.to_string()),
-        },
-    }
 }
 
 /// Finds stop strings in streamed text, holding back what may begin one.
@@ -374,6 +353,7 @@ impl StopFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
 
     fn run_whole(p: &mut OutputParser, text: &str) -> Vec<OutputEvent> {
@@ -390,29 +370,97 @@ mod tests {
         out
     }
 
+    /// Feeds `text` in pieces cut at `cuts` (byte offsets on char
+    /// boundaries); the events, unmerged.
+    fn run_cut(mut p: OutputParser, text: &str, cuts: &[usize]) -> Vec<OutputEvent> {
+        let mut ev = Vec::new();
+        let mut from = 0;
+        for &c in cuts {
+            ev.extend(p.push(&text[from..c]));
+            from = c;
+        }
+        ev.extend(p.push(&text[from..]));
+        ev.extend(p.finish());
+        ev
+    }
+
+    /// Checks what holds of every event sequence: a call is start, pieces,
+    /// end with nothing between, and its pieces concatenate to its
+    /// `arguments_json`, which is `arguments` serialized (a prefix of it for
+    /// a cut call).
+    fn check_calls(ev: &[OutputEvent]) {
+        let mut open: Option<String> = None;
+        for e in ev {
+            match (e, open.as_mut()) {
+                (OutputEvent::ToolCallStart { .. }, None) => open = Some(String::new()),
+                (OutputEvent::ToolCallArgs(p), Some(text)) => text.push_str(p),
+                (OutputEvent::ToolCallEnd(c), Some(text)) => {
+                    assert_eq!(*text, c.arguments_json, "pieces of {c:?}");
+                    let full = c.arguments.to_string();
+                    if c.cut {
+                        assert!(full.starts_with(text.as_str()), "{full} / {text}");
+                    } else {
+                        assert_eq!(full, c.arguments_json);
+                    }
+                    open = None;
+                }
+                (e, open) => assert!(
+                    open.is_none(),
+                    "{e:?} inside a call (or a call event outside one)"
+                ),
+            }
+        }
+        assert!(open.is_none(), "a call never ended");
+    }
+
     /// Feeds `text` cut at every split point and in single characters; the
     /// merged events must equal those of the whole text.
-    fn check_all_cuts(in_reasoning: bool, tools: bool, text: &str, want: &[OutputEvent]) {
-        let whole = run_whole(&mut OutputParser::new(in_reasoning, tools), text);
+    fn check_cuts_with(make: impl Fn() -> OutputParser, text: &str, want: &[OutputEvent]) {
+        let whole = run_whole(&mut make(), text);
         assert_eq!(whole, want, "whole text");
         let idx: Vec<usize> = text.char_indices().map(|(i, _)| i).skip(1).collect();
         for &i in &idx {
             for &j in idx.iter().filter(|&&j| j >= i).step_by(7) {
-                let mut p = OutputParser::new(in_reasoning, tools);
-                let mut ev = p.push(&text[..i]);
-                ev.extend(p.push(&text[i..j]));
-                ev.extend(p.push(&text[j..]));
-                ev.extend(p.finish());
+                let ev = run_cut(make(), text, &[i, j]);
+                check_calls(&ev);
                 assert_eq!(merge(ev), want, "cut at {i},{j}");
             }
         }
-        let mut p = OutputParser::new(in_reasoning, tools);
-        let mut ev = Vec::new();
-        for c in text.chars() {
-            ev.extend(p.push(&c.to_string()));
-        }
-        ev.extend(p.finish());
+        let ev = run_cut(make(), text, &idx);
+        check_calls(&ev);
         assert_eq!(merge(ev), want, "char by char");
+    }
+
+    fn check_all_cuts(in_reasoning: bool, tools: bool, text: &str, want: &[OutputEvent]) {
+        check_cuts_with(|| OutputParser::new(in_reasoning, tools), text, want);
+    }
+
+    /// The merged events of a complete call.
+    fn call(name: &str, args: Value) -> [OutputEvent; 3] {
+        call_text(name, args.clone(), &args.to_string(), false)
+    }
+
+    fn call_text(name: &str, args: Value, text: &str, cut: bool) -> [OutputEvent; 3] {
+        [
+            OutputEvent::ToolCallStart { name: name.into() },
+            OutputEvent::ToolCallArgs(text.into()),
+            OutputEvent::ToolCallEnd(ToolCall {
+                name: name.into(),
+                arguments: args,
+                arguments_json: text.into(),
+                cut,
+            }),
+        ]
+    }
+
+    fn with_tools(in_reasoning: bool) -> OutputParser {
+        let tools = vec![
+            json!({"type": "function", "function": {"name": "write_file", "parameters": {
+            "type": "object", "properties": {"path": {"type": "string"},
+            "content": {"type": "string"}, "mode": {"type": "integer"},
+            "opts": {"type": "object"}}}}}),
+        ];
+        OutputParser::new(in_reasoning, true).with_tool_schemas(&tools)
     }
 
     #[test]
@@ -451,39 +499,29 @@ mod tests {
     #[test]
     fn qwen3_json_tool_call() {
         let text = "I'll check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>\n<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n</tool_call>";
-        check_all_cuts(
-            false,
-            true,
-            text,
-            &[
-                OutputEvent::Content("I'll check.\n".into()),
-                OutputEvent::ToolCall(ToolCall {
-                    name: "get_weather".into(),
-                    arguments: json!({"city": "Paris", "days": 3}),
-                }),
-                OutputEvent::ToolCall(ToolCall {
-                    name: "now".into(),
-                    arguments: json!({}),
-                }),
-            ],
-        );
+        let mut want = vec![OutputEvent::Content("I'll check.\n".into())];
+        want.extend(call("get_weather", json!({"city": "Paris", "days": 3})));
+        want.extend(call("now", json!({})));
+        check_all_cuts(false, true, text, &want);
+    }
+
+    #[test]
+    fn json_tool_call_with_a_close_tag_in_a_string() {
+        let text = "<tool_call>{\"name\": \"w\", \"arguments\": {\"s\": \"a</tool_call>\\\"b\"}}</tool_call>ok";
+        let mut want = call("w", json!({"s": "a</tool_call>\"b"})).to_vec();
+        want.push(OutputEvent::Content("ok".into()));
+        check_all_cuts(false, true, text, &want);
     }
 
     #[test]
     fn qwen3_coder_xml_tool_call() {
         let text = "<think>\nneed file\n</think>\n\n<tool_call>\n<function=read_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n<parameter=limit>\n20\n</parameter>\n<parameter=opts>\n{\"a\": [1, 2]}\n</parameter>\n</function>\n</tool_call>";
-        check_all_cuts(
-            false,
-            true,
-            text,
-            &[
-                OutputEvent::Reasoning("need file".into()),
-                OutputEvent::ToolCall(ToolCall {
-                    name: "read_file".into(),
-                    arguments: json!({"path": "src/main.rs", "limit": 20, "opts": {"a": [1, 2]}}),
-                }),
-            ],
-        );
+        let mut want = vec![OutputEvent::Reasoning("need file".into())];
+        want.extend(call(
+            "read_file",
+            json!({"path": "src/main.rs", "limit": 20, "opts": {"a": [1, 2]}}),
+        ));
+        check_all_cuts(false, true, text, &want);
     }
 
     #[test]
@@ -497,12 +535,121 @@ mod tests {
             &mut p,
             "<tool_call>\n<function=f>\n<parameter=code>\n123\n</parameter>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>",
         );
+        assert_eq!(ev, call("f", json!({"code": "123", "n": 5})));
+    }
+
+    #[test]
+    fn string_values_stream_as_they_are_written() {
+        let mut p = with_tools(false);
+        let ev = p.push("Writing.\n<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\nimport os\n\"hi\"\\");
         assert_eq!(
             ev,
-            vec![OutputEvent::ToolCall(ToolCall {
-                name: "f".into(),
-                arguments: json!({"code": "123", "n": 5}),
-            })]
+            [
+                OutputEvent::Content("Writing.\n".into()),
+                OutputEvent::ToolCallStart {
+                    name: "write_file".into()
+                },
+                OutputEvent::ToolCallArgs(
+                    "{\"path\":\"a.py\",\"content\":\"import os\\n\\\"hi\\\"\\\\".into()
+                ),
+            ]
+        );
+        // The last newline waits: it may be the one before the close.
+        assert_eq!(
+            p.push("\nx = 1\n"),
+            [OutputEvent::ToolCallArgs("\\nx = 1".into())]
+        );
+        // A non-string value is written whole when it closes.
+        assert_eq!(
+            p.push("</parameter>\n<parameter=mode>\n64"),
+            [OutputEvent::ToolCallArgs("\",\"mode\":".into())]
+        );
+        let mut ev = p.push("4\n</parameter>\n</function>\n</tool_call>");
+        ev.extend(p.finish());
+        let args = json!({"path": "a.py", "content": "import os\n\"hi\"\\\nx = 1", "mode": 644});
+        assert_eq!(
+            ev,
+            [
+                OutputEvent::ToolCallArgs("644}".into()),
+                OutputEvent::ToolCallEnd(ToolCall {
+                    name: "write_file".into(),
+                    arguments_json: args.to_string(),
+                    arguments: args,
+                    cut: false,
+                })
+            ]
+        );
+    }
+
+    #[test]
+    fn close_tags_inside_a_value_are_value_text() {
+        // Only `</parameter>` followed by a next tag ends a value.
+        let content =
+            "a</tool_call>\n</function>\nb</parameter>\nc</parameter><parameter\n</parameter>";
+        let text = format!("<tool_call>\n<function=write_file>\n<parameter=content>\n{content}\n</parameter>\n<parameter=path>\np\n</parameter>\n</function>\n</tool_call>\nDone.");
+        let mut want = call("write_file", json!({"content": content, "path": "p"})).to_vec();
+        want.push(OutputEvent::Content("Done.".into()));
+        check_cuts_with(|| with_tools(false), &text, &want);
+    }
+
+    #[test]
+    fn a_call_inside_think_is_a_call() {
+        let text = "<think>\nI need the file.\n<tool_call>\n<function=read_file>\n<parameter=path>\nx\n</parameter>\n</function>\n</tool_call>\nNow wait.\n</think>\n\nAsked.";
+        let mut want = vec![OutputEvent::Reasoning("I need the file.".into())];
+        want.extend(call("read_file", json!({"path": "x"})));
+        want.push(OutputEvent::Reasoning("Now wait.".into()));
+        want.push(OutputEvent::Content("Asked.".into()));
+        check_all_cuts(false, true, text, &want);
+        // The template opened the block; the model stops after the call.
+        let text = "Reading it.\n<tool_call>\n<function=read_file>\n<parameter=path>\nx\n</parameter>\n</function>\n</tool_call>";
+        let mut want = vec![OutputEvent::Reasoning("Reading it.".into())];
+        want.extend(call("read_file", json!({"path": "x"})));
+        check_all_cuts(true, true, text, &want);
+    }
+
+    #[test]
+    fn a_cut_call_is_reported_cut() {
+        // Inside a string value: the JSON stays open.
+        let text = "<tool_call>\n<function=write_file>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\nline 1\nli";
+        let want = call_text(
+            "write_file",
+            json!({"path": "a.py", "content": "line 1\nli"}),
+            "{\"path\":\"a.py\",\"content\":\"line 1\\nli",
+            true,
+        );
+        check_cuts_with(|| with_tools(false), text, &want);
+        // Inside a typed value: its key is written, the value never.
+        let text = "<tool_call>\n<function=write_file>\n<parameter=mode>\n64";
+        let want = call_text("write_file", json!({"mode": 64}), "{\"mode\":", true);
+        check_cuts_with(|| with_tools(false), text, &want);
+        // Inside a parameter's name.
+        let text =
+            "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n<parameter=con";
+        let want = call_text("write_file", json!({"path": "a"}), "{\"path\":\"a\"", true);
+        check_cuts_with(|| with_tools(false), text, &want);
+        // After a whole parameter, the closing tags missing: complete.
+        let text = "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n</fun";
+        check_cuts_with(
+            || with_tools(false),
+            text,
+            &call("write_file", json!({"path": "a"})),
+        );
+        // Before the name is complete: not a call.
+        let text = "<tool_call>\n<function=write_fi";
+        check_cuts_with(
+            || with_tools(false),
+            text,
+            &[OutputEvent::Content(text.into())],
+        );
+    }
+
+    #[test]
+    fn a_repeated_parameter_is_dropped() {
+        let text = "<tool_call>\n<function=write_file>\n<parameter=path>\na\n</parameter>\n<parameter=path>\nb\n</parameter>\n<parameter=mode>\n1\n</parameter>\n</function>\n</tool_call>";
+        check_cuts_with(
+            || with_tools(false),
+            text,
+            &call("write_file", json!({"path": "a", "mode": 1})),
         );
     }
 
@@ -516,18 +663,14 @@ mod tests {
     fn broken_tool_call_is_content() {
         let text = "<tool_call>not json</tool_call>";
         check_all_cuts(false, true, text, &[OutputEvent::Content(text.into())]);
+        let text = "<tool_call><function=</tool_call>";
+        check_all_cuts(false, true, text, &[OutputEvent::Content(text.into())]);
         // Unterminated but complete JSON still parses at the end.
         let ev = run_whole(
             &mut OutputParser::new(false, true),
             "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"x\\\": 1}\"}",
         );
-        assert_eq!(
-            ev,
-            vec![OutputEvent::ToolCall(ToolCall {
-                name: "f".into(),
-                arguments: json!({"x": 1})
-            })]
-        );
+        assert_eq!(ev, call("f", json!({"x": 1})));
     }
 
     #[test]
@@ -542,6 +685,97 @@ mod tests {
                 OutputEvent::Content("é".into()),
             ],
         );
+    }
+
+    /// Value text made of pieces that look like the tags.
+    fn value_text() -> impl Strategy<Value = String> {
+        const PIECES: &[&str] = &[
+            "a",
+            "é",
+            "✓",
+            " ",
+            "\n",
+            "\n\n",
+            "<",
+            ">",
+            "/",
+            "\"",
+            "\\",
+            "{",
+            "}",
+            "\t",
+            "</parameter>",
+            "</tool_call>",
+            "</function>",
+            "<parameter",
+            "<tool_call>",
+            "</think>",
+            "<function",
+        ];
+        prop::collection::vec(prop::sample::select(PIECES), 0..14).prop_map(|v| v.concat())
+    }
+
+    /// Whether the `</parameter>` rule would end `v` early.
+    fn closes_early(v: &str) -> bool {
+        v.match_indices(PARAM_CLOSE_TAG).any(|(p, _)| {
+            let next = v[p + PARAM_CLOSE_TAG.len()..].trim_start();
+            ["<parameter=", "</function>", "</tool_call>"]
+                .iter()
+                .any(|t| next.starts_with(t))
+        })
+    }
+
+    const PARAM_CLOSE_TAG: &str = "</parameter>";
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(400))]
+
+        /// Random values, random cut points: the same events as the whole
+        /// text, the values back as written, the pieces adding up.
+        #[test]
+        fn random_calls_cut_anywhere(
+            content in value_text(),
+            path in value_text(),
+            mode in any::<i32>(),
+            think in any::<bool>(),
+            cut_at in prop::collection::vec(any::<prop::sample::Index>(), 0..6),
+            truncate in prop::option::of(any::<prop::sample::Index>()),
+        ) {
+            prop_assume!(!closes_early(&content) && !closes_early(&path));
+            let text = format!("{}Go.\n<tool_call>\n<function=write_file>\n<parameter=content>\n{content}\n</parameter>\n<parameter=mode>\n{mode}\n</parameter>\n<parameter=path>\n{path}\n</parameter>\n</function>\n</tool_call>\nDone.",
+                if think { "<think>" } else { "" });
+            let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).skip(1).collect();
+            // The whole text, or a prefix (a reply cut by the token limit).
+            let text = match truncate {
+                Some(ix) => &text[..bounds[ix.index(bounds.len())]],
+                None => text.as_str(),
+            };
+            let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).skip(1).collect();
+            let whole = run_whole(&mut with_tools(false), text);
+            check_calls(&whole);
+            if !bounds.is_empty() {
+                let mut cuts: Vec<usize> = cut_at.iter().map(|ix| bounds[ix.index(bounds.len())]).collect();
+                cuts.sort();
+                cuts.dedup();
+                let ev = run_cut(with_tools(false), text, &cuts);
+                check_calls(&ev);
+                prop_assert_eq!(merge(ev), whole.clone());
+            }
+            if truncate.is_none() {
+                let args = json!({"content": content, "mode": mode, "path": path});
+                let end = whole.iter().find_map(|e| match e {
+                    OutputEvent::ToolCallEnd(c) => Some(c.clone()),
+                    _ => None,
+                });
+                prop_assert_eq!(end.map(|c| (c.arguments, c.cut)), Some((args, false)));
+                let done = if think {
+                    OutputEvent::Reasoning("Done.".into())
+                } else {
+                    OutputEvent::Content("Done.".into())
+                };
+                prop_assert_eq!(whole.last(), Some(&done));
+            }
+        }
     }
 
     #[test]

@@ -26,6 +26,14 @@ struct Open {
     text: String,
 }
 
+/// The function call being written: its item, arguments so far in
+/// `item["arguments"]`.
+#[derive(Debug)]
+struct OpenCall {
+    item: Value,
+    arguments: String,
+}
+
 /// One Response as it is written. Events are JSON objects with `type` and
 /// `sequence_number` (see [`sse`]).
 #[derive(Debug)]
@@ -40,6 +48,8 @@ pub struct ResponseWriter {
     /// Function calls that may still be returned (`parallel_tool_calls`,
     /// `max_tool_calls`); later ones are dropped.
     calls_left: usize,
+    /// The call being written; `None` inside a dropped one.
+    call: Option<OpenCall>,
 }
 
 /// An event as an SSE message.
@@ -68,6 +78,7 @@ impl ResponseWriter {
             open: None,
             routes,
             calls_left: max_calls,
+            call: None,
         }
     }
 
@@ -182,38 +193,59 @@ impl ResponseWriter {
         self.push(out, kind, d);
     }
 
-    fn call(&mut self, c: ToolCall, out: &mut Vec<Value>) {
+    /// A call begins: `output_item.added`, unless it is over the limit.
+    fn call_start(&mut self, name: String, out: &mut Vec<Value>) {
         if self.calls_left == 0 {
-            tracing::debug!(
-                "dropped a call to `{}`: over the request's tool call limit",
-                c.name
-            );
+            tracing::debug!("dropped a call to `{name}`: over the request's tool call limit");
             return;
         }
         self.calls_left -= 1;
         self.close("completed", out);
-        let index = self.output.len();
-        let arguments = serde_json::to_string(&c.arguments).unwrap_or_else(|_| "{}".into());
-        let id = new_id("fc_");
-        let mut item = json!({"id": id, "type": "function_call", "status": "in_progress",
-            "call_id": new_id("call_"), "name": c.name, "arguments": ""});
-        if let Some((namespace, name)) = self.routes.route(&c.name) {
+        let mut item = json!({"id": new_id("fc_"), "type": "function_call", "status": "in_progress",
+            "call_id": new_id("call_"), "name": name, "arguments": ""});
+        if let Some((namespace, name)) = self.routes.route(&name) {
             item["namespace"] = namespace.into();
             item["name"] = name.into();
         }
         self.item_event(out, "response.output_item.added", &item);
+        self.call = Some(OpenCall {
+            item,
+            arguments: String::new(),
+        });
+    }
+
+    fn call_args(&mut self, piece: String, out: &mut Vec<Value>) {
+        let index = self.output.len();
+        let Some(call) = self.call.as_mut() else {
+            return;
+        };
+        call.arguments.push_str(&piece);
+        let id = call.item["id"].clone();
         self.push(
             out,
             "response.function_call_arguments.delta",
-            json!({"item_id": id, "output_index": index, "delta": arguments}),
+            json!({"item_id": id, "output_index": index, "delta": piece}),
         );
+    }
+
+    /// A call ends: its arguments are done; a cut call's item is
+    /// `incomplete`, its arguments unfinished JSON, as streamed.
+    fn call_end(&mut self, c: &ToolCall, out: &mut Vec<Value>) {
+        let Some(OpenCall {
+            mut item,
+            arguments,
+        }) = self.call.take()
+        else {
+            return;
+        };
+        let index = self.output.len();
         self.push(
             out,
             "response.function_call_arguments.done",
-            json!({"item_id": id, "output_index": index, "name": item["name"], "arguments": arguments}),
+            json!({"item_id": item["id"], "output_index": index, "name": item["name"], "arguments": arguments}),
         );
         item["arguments"] = arguments.into();
-        item["status"] = "completed".into();
+        item["status"] = if c.cut { "incomplete" } else { "completed" }.into();
         self.item_event(out, "response.output_item.done", &item);
         self.output.push(item);
     }
@@ -224,7 +256,9 @@ impl ResponseWriter {
         match ev {
             OutputEvent::Content(t) => self.text(Kind::Message, t, &mut out),
             OutputEvent::Reasoning(t) => self.text(Kind::Reasoning, t, &mut out),
-            OutputEvent::ToolCall(c) => self.call(c, &mut out),
+            OutputEvent::ToolCallStart { name } => self.call_start(name, &mut out),
+            OutputEvent::ToolCallArgs(piece) => self.call_args(piece, &mut out),
+            OutputEvent::ToolCallEnd(c) => self.call_end(&c, &mut out),
         }
         out
     }
@@ -398,14 +432,14 @@ mod tests {
     #[test]
     fn calls_over_the_limit_are_dropped() {
         let mut w = ResponseWriter::new(json!({}), ToolRoutes::default(), 1);
-        let call = || {
-            OutputEvent::ToolCall(ToolCall {
-                name: "f".into(),
-                arguments: json!({}),
-            })
+        let mut call = || {
+            let mut p = OutputParser::new(false, true);
+            let mut ev = p.push("<tool_call>\n<function=f>\n</function>\n</tool_call>");
+            ev.extend(p.finish());
+            ev.into_iter().flat_map(|e| w.output(e)).collect::<Vec<_>>()
         };
-        assert!(!w.output(call()).is_empty());
-        assert!(w.output(call()).is_empty());
+        assert_eq!(call().len(), 4);
+        assert!(call().is_empty());
         let (_, r) = w.finish(&outcome(FinishReason::Stop), 0);
         assert_eq!(r["output"].as_array().unwrap().len(), 1);
     }
