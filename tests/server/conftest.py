@@ -7,7 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "common"))
-from slipserve import Server  # noqa: E402
+from slipserve import ROOT, Server  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")

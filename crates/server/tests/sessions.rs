@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{config, rt, server_with_states, url};
+use common::{config, rt, server_with_states};
 use serde_json::{json, Value};
 use slipstream_server::{RunningServer, ServerConfig, StateCacheSpec};
 
@@ -27,15 +27,11 @@ fn server(qwen_like: bool) -> RunningServer {
     )
 }
 
-async fn post(s: &RunningServer, path: &str, body: Value) -> Value {
-    let r = reqwest::Client::new()
-        .post(url(s, path))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    r.json().await.unwrap()
+/// A request that must succeed; its JSON body.
+async fn post_ok(s: &RunningServer, path: &str, body: Value) -> Value {
+    let (status, v) = common::post(s, path, body).await;
+    assert_eq!(status, 200, "{v}");
+    v
 }
 
 const SYSTEM: &str = "You are a careful coding agent. Read files before you edit them, keep \
@@ -60,7 +56,7 @@ struct Turn {
 async fn openai_turn(s: &RunningServer, history: &[Value]) -> Turn {
     let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
     messages.extend_from_slice(history);
-    let r = post(
+    let r = post_ok(
         s,
         "/v1/chat/completions",
         json!({"model": "demo", "messages": messages, "max_tokens": 12, "temperature": 0}),
@@ -79,7 +75,7 @@ async fn openai_turn(s: &RunningServer, history: &[Value]) -> Turn {
 }
 
 async fn anthropic_turn(s: &RunningServer, history: &[Value]) -> Turn {
-    let r = post(
+    let r = post_ok(
         s,
         "/v1/messages",
         json!({"model": "demo", "system": SYSTEM, "messages": history, "max_tokens": 12,
