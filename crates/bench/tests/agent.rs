@@ -1,12 +1,12 @@
 //! `bench agent` end to end against in-process servers on the demo model:
-//! a tiny transcript (3 turns, 1 side request) replayed against a server
-//! with its state cache and a peer without one; the rows in the CSV and the
+//! a tiny transcript (3 turns, 1 side request: `fixtures/agent_tiny.json`) replayed against a server
+//! and a second one as the peer; the rows in the CSV and the
 //! JSON, the table and the charts.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use slipstream_bench::agent::{run_agent_bench, AgentOptions, Target};
 use slipstream_engine::{EngineConfig, StoreChoice};
 use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
@@ -49,62 +49,31 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
 }
 
 /// Three turns of a tool-using conversation and a title request after the first.
-fn transcript() -> Value {
-    let verse = "And it came to pass in those days, that there went out a decree from Caesar Augustus, that all the world should be taxed.";
-    let call = |id: &str, path: &str| {
-        json!({"id": id, "type": "function",
-               "function": {"name": "Read", "arguments": json!({"file_path": path}).to_string()}})
-    };
-    json!({
-        "format": "slipstream-agent-transcript/1",
-        "tools": [{"type": "function", "function": {"name": "Read", "description": "Reads a file.",
-            "parameters": {"type": "object", "properties": {"file_path": {"type": "string"}},
-                           "required": ["file_path"]}}}],
-        "requests": [
-            {"label": "turn 1", "kind": "turn", "append": [
-                {"role": "system", "content": format!("You are a careful agent. {verse}")},
-                {"role": "user", "content": format!("Read the book and tell me. {verse}")}]},
-            {"label": "title", "kind": "side", "messages": [
-                {"role": "system", "content": "Give a title of three words."},
-                {"role": "user", "content": "Read the book and tell me."}]},
-            {"label": "turn 2", "kind": "turn", "append": [
-                {"role": "assistant", "content": "", "reasoning_content": "I should read it.",
-                 "tool_calls": [call("c1", "/book/luke.txt")]},
-                {"role": "tool", "tool_call_id": "c1", "content": format!("{verse} {verse}")}]},
-            {"label": "turn 3", "kind": "turn", "append": [
-                {"role": "assistant", "content": "And more.", "reasoning_content": "Next chapter.",
-                 "tool_calls": [call("c2", "/book/acts.txt")]},
-                {"role": "tool", "tool_call_id": "c2", "content": verse}]}
-        ]
-    })
+fn transcript() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/agent_tiny.json")
 }
 
 #[test]
 fn replays_a_session_against_two_servers() {
     let tmp = tempfile::tempdir().unwrap();
     let model = demo_model(tmp.path());
-    let cached = server(
+    let first = server(
         &model,
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
         },
     );
-    let uncached = server(
-        &model,
-        StateCacheSpec {
-            max_bytes: Some(0),
-            checkpoint_interval: None,
-        },
-    );
-    let path = tmp.path().join("t.json");
-    std::fs::write(&path, transcript().to_string()).unwrap();
+    let peer = server(&model, StateCacheSpec::default());
     let out = tmp.path().join("out");
     let opts = AgentOptions {
-        transcript: Some(path),
+        transcript: Some(transcript()),
         targets: vec![
-            ("slipstream".into(), Target::Url(format!("http://{}", cached.addr))),
-            ("no cache".into(), Target::Url(format!("http://{}/", uncached.addr))),
+            (
+                "slipstream".into(),
+                Target::Url(format!("http://{}", first.addr)),
+            ),
+            ("peer".into(), Target::Url(format!("http://{}/", peer.addr))),
         ],
         model_name: None,
         max_tokens: 4,
@@ -122,7 +91,8 @@ fn replays_a_session_against_two_servers() {
     assert_eq!(report.sessions.len(), 2);
 
     // The JSON rows: every request answered and timed.
-    let j: Value = serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let j: Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
     assert_eq!(j["meta"]["requests"], 4);
     assert_eq!(j["meta"]["finished"], true);
     for s in j["sessions"].as_array().unwrap() {
@@ -148,21 +118,29 @@ fn replays_a_session_against_two_servers() {
         assert!(s["session_s"].as_f64().unwrap() >= rows[3]["started_s"].as_f64().unwrap());
     }
     // With the state cache, turns 2 and 3 reuse the conversation so far
-    // (across the side request); without it, nothing is reused.
+    // (across the side request).
     let rows = |i: usize| j["sessions"][i]["rows"].as_array().unwrap().clone();
-    let (with, without) = (rows(0), rows(1));
-    assert_eq!(with[0]["reused_tokens"], 0);
-    for r in &with[2..] {
+    let (first_rows, peer_rows) = (rows(0), rows(1));
+    assert_eq!(first_rows[0]["reused_tokens"], 0);
+    for r in &first_rows[2..] {
         let reused = r["reused_tokens"].as_u64().unwrap();
         assert!(reused > 0, "{r}");
-        assert!(r["new_tokens"].as_u64().unwrap() < r["prompt_tokens"].as_u64().unwrap() / 2, "{r}");
+        assert!(
+            r["new_tokens"].as_u64().unwrap() < r["prompt_tokens"].as_u64().unwrap() / 2,
+            "{r}"
+        );
     }
-    assert!(without.iter().all(|r| r["reused_tokens"] == 0));
-    assert!(with[2]["new_tokens"].as_u64() < without[2]["new_tokens"].as_u64());
+    // The peer got the same requests.
+    assert_eq!(
+        peer_rows[3]["prompt_tokens"],
+        first_rows[3]["prompt_tokens"]
+    );
     // The bound is checked on the first server's rows only.
     assert_eq!(j["bound"]["checked"], 4);
-    assert!(with.iter().all(|r| r["ttft_bound_s"].as_f64().is_some()));
-    assert!(without.iter().all(|r| r["ttft_bound_s"].is_null()));
+    assert!(first_rows
+        .iter()
+        .all(|r| r["ttft_bound_s"].as_f64().is_some()));
+    assert!(peer_rows.iter().all(|r| r["ttft_bound_s"].is_null()));
     assert!(j["speedup"].as_f64().unwrap() > 0.0);
 
     // The CSV: a header and a row per request per server.
@@ -176,19 +154,23 @@ fn replays_a_session_against_two_servers() {
     assert_eq!(row3[col("label")], "turn 2");
     assert!(row3[col("reused_tokens")].parse::<u64>().unwrap() > 0);
     assert!(row3[col("ttft_s")].parse::<f64>().unwrap() > 0.0);
-    assert!(lines[5].starts_with("no cache,1,turn 1,turn,"));
+    assert!(lines[5].starts_with("peer,1,turn 1,turn,"));
 
     let table = std::fs::read_to_string(out.join("table.md")).unwrap();
     assert!(table.contains("| 2 | title (side) |"), "{table}");
-    assert!(table.contains("no cache took"), "{table}");
+    assert!(table.contains("peer took"), "{table}");
     for name in ["agent-ttft", "agent-elapsed"] {
         let svg = std::fs::read_to_string(out.join(format!("{name}.svg"))).unwrap();
-        assert_eq!(svg.matches("<circle").count(), 2 * 4 + 2, "{name}: 4 points a server and the legend");
+        assert_eq!(
+            svg.matches("<circle").count(),
+            2 * 4 + 2,
+            "{name}: 4 points a server and the legend"
+        );
         let png = std::fs::read(out.join(format!("{name}.png"))).unwrap();
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     }
-    cached.shutdown();
-    uncached.shutdown();
+    first.shutdown();
+    peer.shutdown();
 }
 
 #[test]
@@ -197,7 +179,10 @@ fn an_unreachable_server_is_a_clear_error() {
     let port = slipstream_bench::agent::servers::free_port().unwrap();
     let opts = AgentOptions {
         transcript: None,
-        targets: vec![("slipstream".into(), Target::Url(format!("http://127.0.0.1:{port}")))],
+        targets: vec![(
+            "slipstream".into(),
+            Target::Url(format!("http://127.0.0.1:{port}")),
+        )],
         model_name: None,
         max_tokens: 4,
         threads: 1,

@@ -809,7 +809,7 @@ def build():
     a = assistant("The clippy warnings are in code this change did not touch except one needless borrow in money.rs. "
                   "I'll fix that one and show the diff.", 3, "", [c1, c2])
     requests.append({"label": "turn 12", "kind": "turn", "append": [
-        a, tool_result(c1, edit_result("/home/dev/ledger-tool/src/money.rs", 30, money[29:34])),
+        a, tool_result(c1, edit_result("/home/dev/ledger-tool/src/money.rs", 27, money[26:40])),
         tool_result(c2, git_diff())]})
 
     final = {"role": "assistant", "content": (
