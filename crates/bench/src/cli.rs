@@ -252,6 +252,9 @@ pub struct AgentArgs {
     /// Name of the peer in the results.
     #[arg(long, default_value = "llama.cpp")]
     pub peer_name: String,
+    /// Wire API: openai (chat completions) or anthropic (messages).
+    #[arg(long, default_value = "openai")]
+    pub api: String,
     /// Model name sent in requests (default: the first of the server's
     /// /v1/models).
     #[arg(long)]
@@ -364,6 +367,7 @@ pub fn agent_options(args: &AgentArgs, runner: PathBuf, progress: bool) -> Resul
     Ok(AgentOptions {
         transcript: args.transcript.clone(),
         targets,
+        api: crate::agent::transcript::Api::parse(&args.api)?,
         model_name: args.model_name.clone(),
         max_tokens: args.max_tokens,
         threads,

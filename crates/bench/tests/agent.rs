@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde_json::Value;
+use slipstream_bench::agent::transcript::Api;
 use slipstream_bench::agent::{run_agent_bench, AgentOptions, Target};
 use slipstream_engine::{EngineConfig, StoreChoice};
 use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
@@ -75,6 +76,7 @@ fn replays_a_session_against_two_servers() {
             ),
             ("peer".into(), Target::Url(format!("http://{}/", peer.addr))),
         ],
+        api: Api::OpenAi,
         model_name: None,
         max_tokens: 4,
         threads: 1,
@@ -183,6 +185,7 @@ fn an_unreachable_server_is_a_clear_error() {
             "slipstream".into(),
             Target::Url(format!("http://127.0.0.1:{port}")),
         )],
+        api: Api::OpenAi,
         model_name: None,
         max_tokens: 4,
         threads: 1,
@@ -197,4 +200,53 @@ fn an_unreachable_server_is_a_clear_error() {
     };
     let e = format!("{:#}", run_agent_bench(&opts).unwrap_err());
     assert!(e.contains("/v1/models"), "{e}");
+}
+
+#[test]
+fn replays_over_the_anthropic_api() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo_model(tmp.path());
+    let s = server(
+        &model,
+        StateCacheSpec {
+            max_bytes: Some(1 << 30),
+            checkpoint_interval: Some(8),
+        },
+    );
+    let out = tmp.path().join("out");
+    let opts = AgentOptions {
+        transcript: Some(transcript()),
+        targets: vec![(
+            "slipstream".into(),
+            Target::Url(format!("http://{}", s.addr)),
+        )],
+        api: Api::Anthropic,
+        model_name: Some("demo".into()),
+        max_tokens: 4,
+        threads: 1,
+        ctx_size: 4096,
+        request_timeout: Duration::from_secs(120),
+        startup_timeout: Duration::from_secs(60),
+        warmup: false,
+        prefill_rate: None,
+        out_dir: out.clone(),
+        commit: None,
+        progress: false,
+    };
+    let report = run_agent_bench(&opts).unwrap();
+    let rows = &report.sessions[0].rows;
+    assert_eq!(rows.len(), 4);
+    assert_eq!(report.sessions[0].failed_requests, 0, "{rows:?}");
+    for r in rows {
+        assert!(r.measured.ttft_s.unwrap() > 0.0);
+        assert!(r.measured.prompt_tokens.unwrap() > 10);
+        assert!(r.measured.server_prefill_s.is_some());
+    }
+    assert!(rows[2].measured.reused_tokens.unwrap() > 0, "{:?}", rows[2]);
+    assert!(rows[3].measured.reused_tokens.unwrap() > 0, "{:?}", rows[3]);
+    assert!(std::fs::read_to_string(out.join("table.md"))
+        .unwrap()
+        .contains("Anthropic messages API"));
+    assert_eq!(report.speedup, None, "one server: nothing to compare");
+    s.shutdown();
 }

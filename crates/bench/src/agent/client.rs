@@ -1,11 +1,13 @@
-//! One streamed chat request, timed from the client: time to the first
-//! token event, total time, and the token counts the server reports.
+//! One streamed request (OpenAI chat completions or Anthropic messages),
+//! timed from the client: time to the first token event, total time, and
+//! the token counts the server reports.
 //!
-//! The figures come from what both servers send: slipstream's usage chunk
-//! (`prompt_tokens`, `prompt_tokens_details.cached_tokens`, and its
-//! `slipstream.time_to_first_token_s`) and llama-server's `timings`
-//! (`prompt_n` tokens prefilled, `cache_n` taken from its cache,
-//! `prompt_ms`).
+//! The figures come from what both servers send: OpenAI usage
+//! (`prompt_tokens`, `prompt_tokens_details.cached_tokens`), Anthropic usage
+//! (`input_tokens` new, `cache_read_input_tokens` reused: the last event
+//! that has both wins), slipstream's `slipstream.time_to_first_token_s`, and
+//! llama-server's `timings` (`prompt_n` tokens prefilled, `cache_n` taken from
+//! its cache, `prompt_ms`), which win where present.
 
 use std::time::{Duration, Instant};
 
@@ -104,6 +106,9 @@ async fn stream(
             }
             let v: Value = serde_json::from_str(&data)
                 .map_err(|e| format!("a stream event is not JSON ({e}): {}", clip(&data, 200)))?;
+            if v["type"] == "message_stop" {
+                done = true;
+            }
             if let Some(e) = v.get("error") {
                 return Err(format!(
                     "the server reported an error: {}",
@@ -117,29 +122,62 @@ async fn stream(
         }
     }
     if !done {
-        return Err("the stream ended before [DONE]".into());
+        return Err("the stream ended before [DONE] or message_stop".into());
     }
     Ok(())
 }
 
-/// Whether a chunk carries a generated token or the finish reason.
-fn carries_token(chunk: &Value) -> bool {
-    let Some(choice) = chunk.pointer("/choices/0") else {
-        return false;
-    };
-    let delta = &choice["delta"];
-    let text = |k: &str| delta[k].as_str().is_some_and(|s| !s.is_empty());
-    text("content")
-        || text("reasoning_content")
-        || delta["tool_calls"]
-            .as_array()
-            .is_some_and(|a| !a.is_empty())
-        || choice["finish_reason"].as_str().is_some()
+/// Whether an event carries a generated token or the finish reason.
+fn carries_token(event: &Value) -> bool {
+    let nonempty = |v: &Value| v.as_str().is_some_and(|s| !s.is_empty());
+    match event["type"].as_str() {
+        // Anthropic: text, thinking or tool-argument deltas, a tool_use
+        // block's start (its name is generated), the stop reason.
+        Some("content_block_delta") => {
+            let d = &event["delta"];
+            nonempty(&d["text"]) || nonempty(&d["thinking"]) || nonempty(&d["partial_json"])
+        }
+        Some("content_block_start") => event["content_block"]["type"] == "tool_use",
+        Some("message_delta") => event["delta"]["stop_reason"].is_string(),
+        _ => {
+            let Some(choice) = event.pointer("/choices/0") else {
+                return false;
+            };
+            let delta = &choice["delta"];
+            nonempty(&delta["content"])
+                || nonempty(&delta["reasoning_content"])
+                || delta["tool_calls"]
+                    .as_array()
+                    .is_some_and(|a| !a.is_empty())
+                || choice["finish_reason"].as_str().is_some()
+        }
+    }
 }
 
 /// Token counts and server timings from a chunk, where it has them.
 fn read_figures(chunk: &Value, m: &mut Measured) {
-    if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
+    let anthropic_usage = chunk
+        .pointer("/message/usage")
+        .or_else(|| chunk.get("usage"))
+        .filter(|u| u["cache_read_input_tokens"].is_u64() && u["input_tokens"].is_u64());
+    if let Some(u) = anthropic_usage {
+        let (new, reused) = (
+            u["input_tokens"].as_u64().unwrap_or(0),
+            u["cache_read_input_tokens"].as_u64().unwrap_or(0),
+        );
+        m.prompt_tokens = Some(new + reused);
+        m.reused_tokens = Some(reused);
+    }
+    if let Some(n) = chunk
+        .pointer("/usage/output_tokens")
+        .and_then(Value::as_u64)
+    {
+        m.completion_tokens = Some(n);
+    }
+    if let Some(u) = chunk
+        .get("usage")
+        .filter(|u| u.is_object() && anthropic_usage.is_none())
+    {
         if let Some(p) = u["prompt_tokens"].as_u64() {
             m.prompt_tokens = Some(p);
         }
@@ -251,6 +289,24 @@ mod tests {
             &json!({"choices": [{"delta": {}, "finish_reason": "stop"}]})
         ));
         assert!(!carries_token(&json!({"choices": [], "usage": {}})));
+        let ev = |v: Value| carries_token(&v);
+        assert!(!ev(json!({"type": "message_start", "message": {}})));
+        assert!(!ev(
+            json!({"type": "content_block_start", "content_block": {"type": "text", "text": ""}})
+        ));
+        assert!(!ev(
+            json!({"type": "content_block_delta", "delta": {"type": "text_delta", "text": ""}})
+        ));
+        assert!(ev(
+            json!({"type": "content_block_delta", "delta": {"type": "thinking_delta", "thinking": "h"}})
+        ));
+        assert!(ev(
+            json!({"type": "content_block_start", "content_block": {"type": "tool_use", "name": "Read"}})
+        ));
+        assert!(ev(
+            json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}})
+        ));
+        assert!(!ev(json!({"type": "ping"})));
 
         let mut m = Measured::default();
         read_figures(
@@ -278,5 +334,38 @@ mod tests {
         );
         assert_eq!(m.server_prefill_s, Some(1.5));
         assert_eq!(m.completion_tokens, Some(8));
+
+        // Anthropic, slipstream's way: message_start counts the whole prompt
+        // before prefill, message_delta splits it.
+        let mut m = Measured::default();
+        read_figures(
+            &json!({"type": "message_start", "message": {"usage": {"input_tokens": 100,
+                "output_tokens": 0, "cache_read_input_tokens": 0}}}),
+            &mut m,
+        );
+        read_figures(
+            &json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                "usage": {"input_tokens": 10, "output_tokens": 8, "cache_read_input_tokens": 90}}),
+            &mut m,
+        );
+        assert_eq!(
+            (m.prompt_tokens, m.reused_tokens, m.completion_tokens),
+            (Some(100), Some(90), Some(8))
+        );
+        // llama-server's way: message_start after prefill, message_delta with output tokens only.
+        let mut m = Measured::default();
+        read_figures(
+            &json!({"type": "message_start", "message": {"usage": {"input_tokens": 20,
+                "output_tokens": 0, "cache_read_input_tokens": 100}}}),
+            &mut m,
+        );
+        read_figures(
+            &json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 8}}),
+            &mut m,
+        );
+        assert_eq!(
+            (m.prompt_tokens, m.reused_tokens, m.completion_tokens),
+            (Some(120), Some(100), Some(8))
+        );
     }
 }

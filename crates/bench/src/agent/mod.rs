@@ -5,8 +5,9 @@
 //! tokens and the time to first token, and the whole session's time.
 //!
 //! Every request is sent as the transcript recorded it, whatever the server
-//! generated before (see [`transcript`]), streamed, greedy, with few
-//! generated tokens, so the figures are those of prompt handling. A server
+//! generated before (see [`transcript`]), over OpenAI chat completions or
+//! Anthropic messages, streamed, greedy, with few generated tokens, so the
+//! figures are those of prompt handling. A server
 //! is either given by URL or started here (`slipstream serve` on a `.slip`
 //! model, `llama-server` on a GGUF: see [`servers`]); a started server's
 //! log goes to `OUT/logs/`, and before it starts the other runtime's model
@@ -28,7 +29,7 @@ use serde_json::{json, Value};
 
 use report::{AgentReport, Meta, Row, Session};
 use servers::{LlamaCaching, ServerProcess};
-use transcript::Transcript;
+use transcript::{Api, Transcript};
 
 /// A server to replay the session against.
 #[derive(Clone, Debug)]
@@ -60,6 +61,8 @@ pub struct AgentOptions {
     /// (name, target) in order: the first is the one the time-to-first-token
     /// bound is checked on, the second the one it is compared with.
     pub targets: Vec<(String, Target)>,
+    /// The wire API every request goes through.
+    pub api: Api,
     /// The model name to send (default: the first id of `/v1/models`).
     pub model_name: Option<String>,
     /// Most tokens generated per request.
@@ -110,6 +113,7 @@ pub fn run_agent_bench(opts: &AgentOptions) -> Result<AgentReport> {
                 |p| p.display().to_string(),
             ),
             requests: transcript.requests.len(),
+            api: opts.api,
             max_tokens: opts.max_tokens,
             threads: opts.threads,
             ctx_size: opts.ctx_size,
@@ -231,7 +235,7 @@ async fn replay(
             .await
             .with_context(|| format!("asking {base_url}/v1/models for a model name"))?,
     };
-    let url = format!("{base_url}/v1/chat/completions");
+    let url = format!("{base_url}{}", opts.api.path());
     let warmup_s = if opts.warmup {
         let body = json!({
             "model": model,
@@ -264,7 +268,7 @@ async fn replay(
     let ticks_before = crate::machine::cpu_ticks();
     let session_start = Instant::now();
     for (i, req) in transcript.requests.iter().enumerate() {
-        let body = transcript.chat_body(i, &model, opts.max_tokens);
+        let body = transcript.body(opts.api, i, &model, opts.max_tokens);
         let started_s = session_start.elapsed().as_secs_f64();
         let measured = client::measure(&client, &url, &body, opts.request_timeout).await;
         let row = Row {

@@ -5,7 +5,7 @@
 use serde::Serialize;
 
 use super::client::Measured;
-use super::transcript::Kind;
+use super::transcript::{Api, Kind};
 use crate::chart::{Chart, Series};
 use crate::machine::Machine;
 
@@ -73,6 +73,7 @@ pub struct Meta {
     /// The transcript file, or `bundled`.
     pub transcript: String,
     pub requests: usize,
+    pub api: Api,
     pub max_tokens: usize,
     pub threads: usize,
     pub ctx_size: usize,
@@ -282,12 +283,16 @@ pub fn markdown(report: &AgentReport) -> String {
     }
     let m = &report.meta;
     out.push_str(&format!(
-        "\nMeasured {} at commit {} on {}; transcript {} ({} requests), at most {} generated tokens a request, greedy; {} threads, context {} tokens. Time to first token is the client's: from sending the request to the first streamed chunk carrying a token or the finish reason. Reused tokens: slipstream's `prompt_tokens_details.cached_tokens`, llama-server's `timings.cache_n`.\n",
+        "\nMeasured {} at commit {} on {}; transcript {} ({} requests, {} API), at most {} generated tokens a request, greedy; {} threads, context {} tokens. Time to first token is the client's: from sending the request to the first streamed chunk carrying a token or the finish reason. Reused tokens: the usage's `cached_tokens` or `cache_read_input_tokens`, llama-server's `timings.cache_n` where it sends them.\n",
         m.date,
         m.commit,
         m.machine.summary(),
         m.transcript,
         m.requests,
+        match m.api {
+            Api::OpenAi => "OpenAI chat",
+            Api::Anthropic => "Anthropic messages",
+        },
         m.max_tokens,
         m.threads,
         m.ctx_size
@@ -390,6 +395,7 @@ mod tests {
                 machine: Machine::detect(),
                 transcript: "bundled".into(),
                 requests: 3,
+                api: Api::OpenAi,
                 max_tokens: 8,
                 threads: 2,
                 ctx_size: 1000,

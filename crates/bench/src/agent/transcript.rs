@@ -190,6 +190,126 @@ impl Transcript {
     }
 }
 
+/// The wire API a replay speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Api {
+    /// `POST /v1/chat/completions`.
+    OpenAi,
+    /// `POST /v1/messages`.
+    Anthropic,
+}
+
+impl Api {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "openai" => Ok(Api::OpenAi),
+            "anthropic" => Ok(Api::Anthropic),
+            _ => bail!("--api `{s}`: openai or anthropic"),
+        }
+    }
+
+    /// The request path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::OpenAi => "/v1/chat/completions",
+            Api::Anthropic => "/v1/messages",
+        }
+    }
+}
+
+impl Transcript {
+    /// Request `index` in `api`'s form (see [`Transcript::chat_body`] and
+    /// [`Transcript::messages_body`]).
+    pub fn body(&self, api: Api, index: usize, model: &str, max_tokens: usize) -> Value {
+        match api {
+            Api::OpenAi => self.chat_body(index, model, max_tokens),
+            Api::Anthropic => self.messages_body(index, model, max_tokens),
+        }
+    }
+
+    /// The Anthropic messages body of request `index`, translated from the
+    /// OpenAI form: system messages become `system`, reasoning a `thinking`
+    /// block, tool calls `tool_use` blocks (arguments parsed), consecutive
+    /// tool results one user message of `tool_result` blocks; tools take
+    /// `input_schema`. Streamed, greedy, at most `max_tokens` generated.
+    pub fn messages_body(&self, index: usize, model: &str, max_tokens: usize) -> Value {
+        let r = &self.requests[index];
+        let mut system: Vec<Value> = Vec::new();
+        let mut messages: Vec<Value> = Vec::new();
+        for m in &r.messages {
+            let text = m["content"].as_str().unwrap_or("").to_string();
+            match m["role"].as_str().unwrap_or("user") {
+                "system" => system.push(json!({"type": "text", "text": text})),
+                "assistant" => {
+                    let mut blocks = Vec::new();
+                    if let Some(r) = m["reasoning_content"].as_str().filter(|r| !r.is_empty()) {
+                        blocks.push(json!({"type": "thinking", "thinking": r, "signature": ""}));
+                    }
+                    if !text.is_empty() {
+                        blocks.push(json!({"type": "text", "text": text}));
+                    }
+                    for c in m["tool_calls"].as_array().into_iter().flatten() {
+                        let args = &c["function"]["arguments"];
+                        let input = match args {
+                            Value::String(s) => {
+                                serde_json::from_str(s).unwrap_or_else(|_| json!({}))
+                            }
+                            Value::Object(_) => args.clone(),
+                            _ => json!({}),
+                        };
+                        blocks.push(json!({"type": "tool_use", "id": c["id"],
+                            "name": c["function"]["name"], "input": input}));
+                    }
+                    messages.push(json!({"role": "assistant", "content": blocks}));
+                }
+                "tool" => {
+                    let block = json!({"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                        "content": text});
+                    let merge = messages.last().is_some_and(|l| {
+                        l["role"] == "user"
+                            && l["content"]
+                                .as_array()
+                                .is_some_and(|b| b.iter().all(|b| b["type"] == "tool_result"))
+                    });
+                    match messages.last_mut().filter(|_| merge) {
+                        Some(last) => {
+                            if let Some(b) = last["content"].as_array_mut() {
+                                b.push(block);
+                            }
+                        }
+                        None => messages.push(json!({"role": "user", "content": [block]})),
+                    }
+                }
+                _ => messages.push(json!({"role": "user", "content": text})),
+            }
+        }
+        let mut body = json!({
+            "model": model,
+            "messages": messages,
+            "stream": true,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        });
+        if !system.is_empty() {
+            body["system"] = Value::Array(system);
+        }
+        if r.with_tools && !self.tools.is_empty() {
+            let tools: Vec<Value> = self
+                .tools
+                .iter()
+                .map(|t| {
+                    let f = &t["function"];
+                    json!({"name": f["name"], "description": f["description"],
+                        "input_schema": f["parameters"]})
+                })
+                .collect();
+            body["tools"] = Value::Array(tools);
+        }
+        body
+    }
+}
+
 fn check_messages(messages: &[Value], what: &str) -> Result<()> {
     for (j, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
@@ -247,6 +367,44 @@ mod tests {
         );
         assert_eq!(body["max_tokens"], 8);
         assert_eq!(body["stream"], true);
+    }
+
+    #[test]
+    fn anthropic_form() {
+        let t = Transcript::parse(BUNDLED).unwrap();
+        let last = t
+            .requests
+            .iter()
+            .rposition(|r| r.kind == Kind::Turn)
+            .unwrap();
+        let b = t.body(Api::Anthropic, last, "m", 8);
+        assert_eq!(b["system"][0]["type"], "text");
+        assert!(b["system"][0]["text"].as_str().unwrap().len() > 10_000);
+        let tools = b["tools"].as_array().unwrap();
+        assert_eq!(tools.len(), 24);
+        assert_eq!(tools[1]["name"], "Bash");
+        assert_eq!(tools[1]["input_schema"]["required"][0], "command");
+        let msgs = b["messages"].as_array().unwrap();
+        // user, then (assistant, tool results) per turn: alternating roles.
+        assert_eq!(msgs.len(), 1 + 2 * 11);
+        for (i, m) in msgs.iter().enumerate() {
+            assert_eq!(m["role"], if i % 2 == 0 { "user" } else { "assistant" });
+        }
+        let a = &msgs[msgs.len() - 2]["content"];
+        assert_eq!(a[0]["type"], "thinking");
+        let uses: Vec<&Value> = a
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert_eq!(uses.len(), 2);
+        assert_eq!(uses[1]["input"]["command"], "git diff");
+        let results = msgs.last().unwrap()["content"].as_array().unwrap();
+        assert_eq!(results.len(), 2, "parallel results share one user message");
+        assert_eq!(results[1]["tool_use_id"], uses[1]["id"]);
+        assert_eq!(Api::parse("anthropic").unwrap().path(), "/v1/messages");
+        assert!(Api::parse("gemini").is_err());
     }
 
     #[test]
