@@ -4,12 +4,17 @@
 # Usage: scripts/build_llama_cpp.sh [OUT_DIR]
 #   OUT_DIR  where the binaries end up (default ~/.cache/slipstream/llama.cpp);
 #            must lie outside the repository. After the build OUT_DIR/bin holds
-#            llama-bench, llama-cli and llama-completion (those the source has),
-#            and OUT_DIR/VERSION names the source they came from.
+#            llama-bench, llama-cli, llama-completion and llama-server (those
+#            the source has), and OUT_DIR/VERSION names the source they came from.
+#            llama-server is the peer of `slipstream bench agent`; it is built
+#            without its web UI (no npm, no download of prebuilt assets) and
+#            without HTTPS (it only listens on loopback here).
 #
 # The source is the llama.cpp copy vendored in the llama-cpp-python sdist
 # (vendor/llama.cpp), fetched with pip so that no git clone is needed:
-#   pip download --no-deps --no-binary :all: llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION
+#   pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION
+# (`--no-binary :all:` would also build the sdist's build backend from source
+# just to read its metadata: minutes, where this takes seconds.)
 # Needs: python3 + pip, cmake >= 3.14, a C/C++ compiler. Build takes ~8-10 min on 2 cores.
 # Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), JOBS (default nproc).
 set -euo pipefail
@@ -34,7 +39,7 @@ mkdir -p "$src_root"
 sdist="$(ls "$src_root"/llama_cpp_python-"$version".tar.gz 2>/dev/null || true)"
 if [ -z "$sdist" ]; then
   echo "fetching llama-cpp-python==$version sdist with pip" >&2
-  python3 -m pip download --no-deps --no-binary :all: --dest "$src_root" "llama-cpp-python==$version"
+  python3 -m pip download --no-deps --no-binary llama-cpp-python --dest "$src_root" "llama-cpp-python==$version"
   sdist="$(ls "$src_root"/llama_cpp_python-"$version".tar.gz)"
 fi
 
@@ -51,7 +56,8 @@ cmake -S "$llama" -B "$build" \
   -DGGML_NATIVE=ON \
   -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
   -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
   -DBUILD_SHARED_LIBS=OFF
 
 # Build only the targets the source defines.
@@ -59,12 +65,12 @@ cmake -S "$llama" -B "$build" \
 # and pipefail would count that as a failure)
 help_text="$(cmake --build "$build" --target help 2>/dev/null || true)"
 targets=()
-for t in llama-bench llama-cli llama-completion; do
+for t in llama-bench llama-cli llama-completion llama-server; do
   if printf '%s\n' "$help_text" | grep -E "^\.\.\. $t\$" >/dev/null; then
     targets+=("$t")
   fi
 done
-[ "${#targets[@]}" -gt 0 ] || { echo "error: none of llama-bench/llama-cli/llama-completion is a target in $llama" >&2; exit 1; }
+[ "${#targets[@]}" -gt 0 ] || { echo "error: none of llama-bench/llama-cli/llama-completion/llama-server is a target in $llama" >&2; exit 1; }
 echo "building: ${targets[*]} with $jobs jobs" >&2
 cmake --build "$build" --config Release -j "$jobs" --target "${targets[@]}"
 

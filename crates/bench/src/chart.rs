@@ -194,17 +194,20 @@ fn draw(chart: &Chart, p: &mut dyn Painter) {
             black,
         );
     }
-    // x ticks: the data's x values on a log axis, else six even steps
-    let xs: Vec<f64> = if ax.x_log {
-        let mut v: Vec<f64> = chart
-            .series
-            .iter()
-            .flat_map(|s| s.points.iter().map(|p| p.0))
-            .filter(|x| *x > 0.0 && x.is_finite())
-            .collect();
-        v.sort_by(f64::total_cmp);
-        v.dedup();
-        v
+    // x ticks: the data's x values on a log axis or where they are few
+    // whole numbers (request numbers), else six even steps
+    let mut data_xs: Vec<f64> = chart
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .filter(|x| x.is_finite() && (!ax.x_log || *x > 0.0))
+        .collect();
+    data_xs.sort_by(f64::total_cmp);
+    data_xs.dedup();
+    let whole =
+        !data_xs.is_empty() && data_xs.len() <= 40 && data_xs.iter().all(|x| x.fract() == 0.0);
+    let xs: Vec<f64> = if ax.x_log || whole {
+        data_xs
     } else {
         (0..=5)
             .map(|k| ax.x_min + (ax.x_max - ax.x_min) * f64::from(k) / 5.0)

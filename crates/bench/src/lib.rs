@@ -10,7 +10,11 @@
 //! whole run is marked discarded (and still written). Output: `results.csv`, `results.json`, `table.md` and three
 //! charts as SVG and PNG, rewritten after every run so an interrupted
 //! benchmark keeps what it measured, plus one log directory per run.
+//!
+//! `slipstream bench agent` ([`agent`]) replays a recorded agent session
+//! against running servers instead.
 
+pub mod agent;
 pub mod cache;
 pub mod cgroup;
 pub mod chart;
@@ -274,7 +278,7 @@ struct RunContext<'a> {
 /// Ids per `--prompt-tokens` argument (one argument may hold at most 128 KiB).
 const IDS_PER_ARG: usize = 4096;
 
-fn slug(s: &str) -> String {
+pub(crate) fn slug(s: &str) -> String {
     let mut out = String::new();
     for c in s.chars() {
         if c.is_ascii_alphanumeric() {
@@ -286,7 +290,7 @@ fn slug(s: &str) -> String {
     out.trim_matches('-').chars().take(60).collect()
 }
 
-fn shell_words(cmd: &Command) -> String {
+pub(crate) fn shell_words(cmd: &Command) -> String {
     let mut s = cmd.get_program().to_string_lossy().to_string();
     for a in cmd.get_args() {
         let a = a.to_string_lossy();
@@ -301,7 +305,7 @@ fn shell_words(cmd: &Command) -> String {
 }
 
 /// Last `n` non-empty lines of a file.
-fn tail(path: &Path, n: usize) -> String {
+pub(crate) fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" / ")

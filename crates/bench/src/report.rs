@@ -239,7 +239,7 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or(String::new(), |v| format!("{v:.digits$}"))
 }
 
-fn csv_field(s: &str) -> String {
+pub(crate) fn csv_field(s: &str) -> String {
     if s.contains([',', '"', '\n']) {
         format!("\"{}\"", s.replace('"', "\"\""))
     } else {

@@ -43,7 +43,8 @@ enum Command {
     Hwbench(slipstream_cli::hwbench_cmd::HwbenchArgs),
     /// Benchmark matrix: each run a fresh process meeting a stated file
     /// cache, optional memory cap and llama.cpp peer; CSV, JSON, charts.
-    Bench(Box<slipstream_bench::cli::BenchArgs>),
+    /// `bench agent`: a recorded agent session replayed against servers.
+    Bench(Box<slipstream_bench::cli::BenchCommand>),
 }
 
 #[derive(Args)]

@@ -286,3 +286,141 @@ fn memory_cap_runs_in_a_cgroup_where_allowed() {
         .collect();
     assert!(left.is_empty(), "cgroups left behind: {left:?}");
 }
+
+/// `bench agent` starting both servers itself: `slipstream serve` on the
+/// demo model, and a fake llama-server (a script that records its
+/// arguments and serves the same model with `slipstream serve` on the port
+/// it was given) on a placeholder GGUF.
+#[test]
+fn agent_replay_starts_both_servers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let demo = tmp.path().join("demo.slip");
+    ok(bin()
+        .args(["repack", "--input"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo"))
+        .arg("--output")
+        .arg(&demo)
+        .output()
+        .unwrap());
+    let peer = tmp.path().join("llama");
+    std::fs::create_dir_all(peer.join("bin")).unwrap();
+    let script = peer.join("bin/llama-server");
+    std::fs::write(
+        &script,
+        format!(
+            r#"#!/bin/sh
+echo "$@" > "$(dirname "$0")/args.log"
+port=0
+while [ $# -gt 0 ]; do
+  case "$1" in --port) port=$2; shift;; esac; shift
+done
+exec {bin} serve --model {model} --port $port --any-model --threads 1
+"#,
+            bin = env!("CARGO_BIN_EXE_slipstream"),
+            model = demo.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF placeholder").unwrap();
+    let out = tmp.path().join("out");
+    let (stdout, stderr) = ok(bin()
+        .args(["bench", "agent", "--model"])
+        .arg(&demo)
+        .arg("--gguf")
+        .arg(&gguf)
+        .arg("--llama-server")
+        .arg(&peer)
+        .arg("--transcript")
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/tests/fixtures/agent_tiny.json"))
+        .args(["--max-tokens", "4", "--threads", "1", "--ctx-size", "4096"])
+        .args(["--llama-server-arg=-np", "--llama-server-arg", "1"])
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap());
+    assert!(stdout.contains("| 2 | title (side) |"), "{stdout}");
+    assert!(
+        stderr.contains("[bench agent] slipstream  3 turn 2"),
+        "{stderr}"
+    );
+    let j = results(&out);
+    let s = j["sessions"].as_array().unwrap();
+    assert_eq!(s.len(), 2);
+    assert_eq!(
+        (s[0]["runtime"].as_str(), s[1]["runtime"].as_str()),
+        (Some("slipstream"), Some("llama.cpp"))
+    );
+    assert!(s[0]["command"].as_str().unwrap().contains("serve --model"));
+    let args = std::fs::read_to_string(peer.join("bin/args.log")).unwrap();
+    assert!(
+        args.contains("--jinja --ctx-checkpoints 32 --cache-ram 8192 --cache-reuse 256 -np 1"),
+        "{args}"
+    );
+    assert!(args.contains("-t 1 -c 4096"), "{args}");
+    for session in s {
+        assert_eq!(session["failed_requests"], 0, "{session}");
+        assert!(session["startup_s"].as_f64().unwrap() > 0.0);
+        assert!(session["peak_rss_bytes"].as_u64().unwrap() > 1 << 20);
+        assert!(out
+            .join("logs")
+            .join(format!(
+                "{}.log",
+                if session["runtime"] == "slipstream" {
+                    "slipstream"
+                } else {
+                    "llama-cpp"
+                }
+            ))
+            .is_file());
+    }
+    // slipstream serves turn 2 from its state cache.
+    assert!(s[0]["rows"][2]["reused_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(s[1]["rows"].as_array().unwrap().len(), 4);
+    for name in ["agent-ttft", "agent-elapsed"] {
+        assert!(out.join(format!("{name}.svg")).is_file());
+    }
+
+    // Bad combinations are clear errors.
+    for (args, expect) in [
+        (vec!["bench", "agent"], "--server URL"),
+        (
+            vec!["bench", "agent", "--server", "localhost:1"],
+            "must start with http://",
+        ),
+        (
+            vec![
+                "bench",
+                "agent",
+                "--server",
+                "http://x",
+                "--gguf",
+                "/nonexistent",
+            ],
+            "--llama-server",
+        ),
+        (
+            vec![
+                "bench",
+                "agent",
+                "--server",
+                "http://x",
+                "--max-tokens",
+                "0",
+            ],
+            "--max-tokens",
+        ),
+    ] {
+        let o = bin()
+            .args(&args)
+            .arg("--out")
+            .arg(tmp.path().join("bad"))
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert!(stderr.contains(expect), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
