@@ -13,9 +13,14 @@ use slipstream_server::{RunningServer, ServerConfig, StateCacheSpec};
 /// previous reply began.
 const QWEN_LIKE: &str = include_str!("fixtures/qwen_like_template.jinja");
 
-fn server(qwen_like: bool) -> RunningServer {
+/// Qwen3.5's own template (`fixtures/fetch_qwen35_template.sh` takes it
+/// from a pinned PyPI package); Qwen3.6's renders the same prompts unless
+/// `preserve_thinking` is set.
+const QWEN35: &str = include_str!("fixtures/qwen3.5_template.jinja");
+
+fn server(template: Option<&str>) -> RunningServer {
     let config = ServerConfig {
-        chat_template: qwen_like.then(|| QWEN_LIKE.to_string()),
+        chat_template: template.map(str::to_string),
         ..config()
     };
     server_with_states(
@@ -53,15 +58,27 @@ struct Turn {
     reply: String,
 }
 
-async fn openai_turn(s: &RunningServer, history: &[Value]) -> Turn {
+/// The one tool of the sessions with tool use, as each API declares it.
+fn read_tool(anthropic: bool) -> Value {
+    let schema = json!({"type": "object", "properties": {"path": {"type": "string"}},
+                        "required": ["path"]});
+    if anthropic {
+        json!({"name": "Read", "description": "Read a file.", "input_schema": schema})
+    } else {
+        json!({"type": "function", "function": {"name": "Read", "description": "Read a file.",
+                                                 "parameters": schema}})
+    }
+}
+
+async fn openai_turn(s: &RunningServer, history: &[Value], tools: bool) -> Turn {
     let mut messages = vec![json!({"role": "system", "content": SYSTEM})];
     messages.extend_from_slice(history);
-    let r = post_ok(
-        s,
-        "/v1/chat/completions",
-        json!({"model": "demo", "messages": messages, "max_tokens": 12, "temperature": 0}),
-    )
-    .await;
+    let mut body =
+        json!({"model": "demo", "messages": messages, "max_tokens": 12, "temperature": 0});
+    if tools {
+        body["tools"] = json!([read_tool(false)]);
+    }
+    let r = post_ok(s, "/v1/chat/completions", body).await;
     Turn {
         prompt: r["usage"]["prompt_tokens"].as_u64().unwrap(),
         reused: r["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -74,14 +91,13 @@ async fn openai_turn(s: &RunningServer, history: &[Value]) -> Turn {
     }
 }
 
-async fn anthropic_turn(s: &RunningServer, history: &[Value]) -> Turn {
-    let r = post_ok(
-        s,
-        "/v1/messages",
-        json!({"model": "demo", "system": SYSTEM, "messages": history, "max_tokens": 12,
-               "temperature": 0, "thinking": {"type": "adaptive"}}),
-    )
-    .await;
+async fn anthropic_turn(s: &RunningServer, history: &[Value], tools: bool) -> Turn {
+    let mut body = json!({"model": "demo", "system": SYSTEM, "messages": history,
+                          "max_tokens": 12, "temperature": 0, "thinking": {"type": "adaptive"}});
+    if tools {
+        body["tools"] = json!([read_tool(true)]);
+    }
+    let r = post_ok(s, "/v1/messages", body).await;
     let input = r["usage"]["input_tokens"].as_u64().unwrap();
     let read = r["usage"]["cache_read_input_tokens"].as_u64().unwrap();
     Turn {
@@ -98,33 +114,62 @@ async fn anthropic_turn(s: &RunningServer, history: &[Value]) -> Turn {
     }
 }
 
-async fn turn(s: &RunningServer, anthropic: bool, history: &[Value]) -> Turn {
+async fn turn(s: &RunningServer, anthropic: bool, history: &[Value], tools: bool) -> Turn {
     if anthropic {
-        anthropic_turn(s, history).await
+        anthropic_turn(s, history, tools).await
     } else {
-        openai_turn(s, history).await
+        openai_turn(s, history, tools).await
+    }
+}
+
+/// The messages an agent appends after a reply: the reply (with reasoning
+/// and, with tools, a call of the Read tool) and the next user turn (with
+/// tools: the tool's result, as each API carries it).
+fn follow_up(anthropic: bool, tools: bool, i: usize, reply: &str) -> Vec<Value> {
+    let reasoning = format!("I should look at the listing of turn {}.", i - 1);
+    let id = format!("call_{i}");
+    let path = format!("src/file{i}.rs");
+    match (anthropic, tools) {
+        (_, false) => vec![
+            json!({"role": "assistant", "content": reply}),
+            json!({"role": "user", "content": user_turn(i)}),
+        ],
+        (false, true) => vec![
+            json!({"role": "assistant", "content": reply, "reasoning_content": reasoning,
+                   "tool_calls": [{"id": id, "type": "function", "function": {
+                       "name": "Read", "arguments": json!({"path": path}).to_string()}}]}),
+            json!({"role": "tool", "tool_call_id": id, "content": user_turn(i)}),
+        ],
+        (true, true) => vec![
+            json!({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": reasoning, "signature": ""},
+                {"type": "text", "text": reply},
+                {"type": "tool_use", "id": id, "name": "Read", "input": {"path": path}}]}),
+            json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": id, "content": user_turn(i)}]}),
+        ],
     }
 }
 
 /// Three turns with a side request before each later one; from turn 2 on,
 /// the reuse covers at least 95 % of the previous turn's prompt (which
 /// every later prompt extends).
-fn session(anthropic: bool, qwen_like: bool) {
-    let s = server(qwen_like);
+fn session(anthropic: bool, template: Option<&str>, tools: bool) {
+    let s = server(template);
     rt().block_on(async {
         let mut history = vec![json!({"role": "user", "content": user_turn(1)})];
-        let mut previous = turn(&s, anthropic, &history).await;
+        let mut previous = turn(&s, anthropic, &history, tools).await;
         assert_eq!(previous.reused, 0);
         for i in 2..=3 {
             let side =
                 vec![json!({"role": "user", "content": "Write a five-word title for this chat."})];
-            turn(&s, anthropic, &side).await;
-            history.push(json!({"role": "assistant", "content": previous.reply.clone()}));
-            history.push(json!({"role": "user", "content": user_turn(i)}));
-            let t = turn(&s, anthropic, &history).await;
+            turn(&s, anthropic, &side, false).await;
+            history.extend(follow_up(anthropic, tools, i, &previous.reply));
+            let t = turn(&s, anthropic, &history, tools).await;
             assert!(
                 t.reused as f64 >= 0.95 * previous.prompt as f64 && t.reused < t.prompt,
-                "turn {i} (anthropic: {anthropic}, qwen-like template: {qwen_like}): reused {} of {}, the previous prompt had {}",
+                "turn {i} (anthropic: {anthropic}, template given: {}, tools: {tools}): reused {} of {}, the previous prompt had {}",
+                template.is_some(),
                 t.reused,
                 t.prompt,
                 previous.prompt
@@ -136,16 +181,22 @@ fn session(anthropic: bool, qwen_like: bool) {
 
 #[test]
 fn openai_turns_reuse_the_conversation_across_side_requests() {
-    session(false, false);
+    session(false, None, false);
 }
 
 #[test]
 fn anthropic_turns_reuse_the_conversation_across_side_requests() {
-    session(true, false);
+    session(true, None, false);
 }
 
 #[test]
 fn turns_reuse_the_conversation_when_the_template_drops_earlier_reasoning() {
-    session(false, true);
-    session(true, true);
+    session(false, Some(QWEN_LIKE), false);
+    session(true, Some(QWEN_LIKE), false);
+}
+
+#[test]
+fn tool_turns_reuse_the_conversation_with_qwen35s_own_template() {
+    session(false, Some(QWEN35), true);
+    session(true, Some(QWEN35), true);
 }
