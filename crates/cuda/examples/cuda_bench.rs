@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use slipstream_core::QuantType;
-use slipstream_cuda::{DBuf, Gpu, Position, WDesc};
+use slipstream_cuda::{CudaTuning, DBuf, Gpu, Position, WDesc};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -110,7 +110,9 @@ fn main() {
         eprintln!("no CUDA: {e}");
         std::process::exit(2);
     }
-    let mut g = Gpu::new(0).expect("opening the GPU");
+    // The `SLIPSTREAM_CUDA_*` variables apply here as in the CLI.
+    let tuning = CudaTuning::from_vars(|name| std::env::var(name).ok());
+    let mut g = Gpu::new(0, &tuning).expect("opening the GPU");
     // The "fused" rows measure the one-launch kernel (off in the model by default).
     g.fused = true;
     println!("device: {} ({} SMs)", g.name, g.sms);
@@ -235,7 +237,7 @@ fn main() {
     let tc_ok = g.experts_on_tensor_cores([&gt, &gt, &dt], k);
     let (ms_tc, ms_tc40, ms_tc_graph40) = time_layers(&g, reps, sets, |s| experts(&g, s));
     g.fused = true;
-    g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
+    g.tensor_cores = tuning.gpu_tensor_cores;
     let g = g;
     println!(
         "experts on tensor cores: {tc_ok}; dense rows on tensor cores: {}",

@@ -12,8 +12,8 @@
 //! address table and the host queues a whole token without waiting
 //! (device routing; the ids are read back once per pass for the counters).
 //!
-//! With device routing a pass holds up to [`DEFAULT_PASS_TOKENS`] tokens
-//! (`SLIPSTREAM_CUDA_PASS_TOKENS`, at most [`PASS_TOKENS`]): a prompt runs
+//! With device routing a pass holds up to [`CudaTuning::pass_tokens`]
+//! tokens (at most [`PASS_TOKENS`]): a prompt runs
 //! in passes of that many, the dense 4-bit weights read once per 16 tokens
 //! and each routed expert's gate/up once per pass instead of once per
 //! token, the attention queries in one launch pair over the KV cache the
@@ -35,17 +35,11 @@ use slipstream_store::PolicyKind;
 
 use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 
+use crate::options::PASS_TOKENS;
 use crate::{
-    CudaError, DBuf, DWeight, Gpu, Mapped, Position, Result, RouteBases, SampleScratch, WDesc,
+    CudaError, CudaTuning, DBuf, DWeight, GdnForm, Gpu, Mapped, Position, Result, RouteBases,
+    SampleScratch, TensorCoreUse, WDesc,
 };
-
-/// The most tokens of a pass with device routing (prefill); the scratch
-/// buffers are sized for it.
-pub const PASS_TOKENS: usize = 256;
-
-/// The tokens of a prefill pass by default (`SLIPSTREAM_CUDA_PASS_TOKENS`
-/// picks 1..=[`PASS_TOKENS`]).
-pub const DEFAULT_PASS_TOKENS: usize = 256;
 
 /// Largest attention scratch grown for a pass's queries (bytes).
 const QUERY_SCRATCH_MAX: usize = 64 << 20;
@@ -62,62 +56,8 @@ pub struct CudaOptions {
     pub ram_slots: Option<usize>,
     /// Eviction policy of the VRAM and RAM slots.
     pub policy: PolicyKind,
-}
-
-/// Which passes run the tensor-core 4-bit kernels where they apply
-/// (`SLIPSTREAM_CUDA_TC`: `0`, `prompt`, `1`). A token's arithmetic follows
-/// only from whether it is a prompt token or a generated one, never from
-/// the cache size or the pass length, so every slot count still gives the
-/// same bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TensorCoreUse {
-    /// Every pass on the CUDA-core (a4v) kernels (`0`).
-    Never,
-    /// Prompt passes on the tensor cores (their multi-token forms take a
-    /// pass's tokens two per mma), generated tokens on the a4v kernels,
-    /// which are faster one token at a time (`prompt`, the default).
-    Prompt,
-    /// Every pass on the tensor cores (`1`).
-    Always,
-}
-
-impl TensorCoreUse {
-    /// From a `SLIPSTREAM_CUDA_TC` value: `0`, `1`, anything else (or none)
-    /// the default.
-    pub fn parse(v: Option<&str>) -> TensorCoreUse {
-        match v.map(str::trim) {
-            Some("0") => TensorCoreUse::Never,
-            Some("1") => TensorCoreUse::Always,
-            _ => TensorCoreUse::Prompt,
-        }
-    }
-
-    /// From `SLIPSTREAM_CUDA_TC`.
-    pub fn from_env() -> TensorCoreUse {
-        TensorCoreUse::parse(std::env::var("SLIPSTREAM_CUDA_TC").ok().as_deref())
-    }
-}
-
-/// Which Gated DeltaNet recurrence kernel runs for heads up to 128 x 128
-/// (`SLIPSTREAM_CUDA_GDN`), for every pass alike (so a token's bits do not
-/// depend on the pass length or the cache).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GdnForm {
-    /// `gdn_step_w` (the default).
-    Warp,
-    /// `gdn_step_r` (`rows`, for measuring).
-    Rows,
-}
-
-impl GdnForm {
-    /// From a `SLIPSTREAM_CUDA_GDN` value: `rows`, anything else (or none)
-    /// the default.
-    pub fn parse(v: Option<&str>) -> GdnForm {
-        match v.map(str::trim) {
-            Some("rows") => GdnForm::Rows,
-            _ => GdnForm::Warp,
-        }
-    }
+    /// Kernel and pass tuning (the CLI's `SLIPSTREAM_CUDA_*` variables).
+    pub tuning: CudaTuning,
 }
 
 /// Counters of the CUDA backend, per run.
@@ -301,7 +241,7 @@ pub struct CudaModel {
     /// Mapped host words the router kernel publishes the routing decision
     /// into (ids, weights, then a sequence number): the host polls them
     /// instead of a copy + event. `None` (fallback, or
-    /// `SLIPSTREAM_CUDA_ROUTE_MAPPED=0`): copy + event.
+    /// [`CudaTuning::route_mapped`] off): copy + event.
     route_pub: Option<Mapped>,
     route_seq: u32,
     /// Every expert of every layer sits in VRAM for good (after
@@ -316,7 +256,7 @@ pub struct CudaModel {
     /// The last pass routed on the device and its ids are not counted yet.
     routes_pending: bool,
     /// With device routing, run each pass's body as one CUDA graph
-    /// (`SLIPSTREAM_CUDA_GRAPH=0` turns it off).
+    /// ([`CudaTuning::graphs`]).
     graphs: bool,
     graph: Option<PassGraph>,
     mode: PassMode,
@@ -345,6 +285,8 @@ pub struct CudaModel {
     routes_n: usize,
     /// Which passes run on the tensor cores.
     tc_use: TensorCoreUse,
+    /// [`CudaTuning::device_routing`]: a full cache may route on the device.
+    device_routing_allowed: bool,
     /// The next passes are the prompt's ([`CudaModel::set_prompt_pass`]).
     prompt_pass: bool,
     pub stats: CudaStats,
@@ -367,9 +309,9 @@ impl CudaModel {
         parts: [(QuantType, [usize; 2]); 3],
         opts: &CudaOptions,
     ) -> Result<CudaModel> {
-        let mut gpu = Gpu::new(opts.device)?;
-        gpu.gdn_rows =
-            GdnForm::parse(std::env::var("SLIPSTREAM_CUDA_GDN").ok().as_deref()) == GdnForm::Rows;
+        let tuning = &opts.tuning;
+        let mut gpu = Gpu::new(opts.device, tuning)?;
+        gpu.gdn_rows = tuning.gdn_form == GdnForm::Rows;
         let c = &m.config;
         let (h, e, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
         let up_w = |l: &Linear| gpu.upload_weight(&l.w.view());
@@ -557,7 +499,7 @@ impl CudaModel {
             bases_host,
             route_host,
             logits_host,
-            route_pub: if std::env::var("SLIPSTREAM_CUDA_ROUTE_MAPPED").is_ok_and(|v| v == "0") {
+            route_pub: if !tuning.route_mapped {
                 None
             } else {
                 // Where mapping fails, the copy + event path stays.
@@ -565,7 +507,7 @@ impl CudaModel {
             },
             route_seq: 0,
             device_routing: false,
-            graphs: !std::env::var("SLIPSTREAM_CUDA_GRAPH").is_ok_and(|v| v == "0"),
+            graphs: tuning.graphs,
             graph: None,
             mode: PassMode::Plain,
             pending_residual: None,
@@ -583,13 +525,10 @@ impl CudaModel {
             renorm: c.norm_topk_prob,
             pos: 0,
             pass_n: 1,
-            pass_tokens: std::env::var("SLIPSTREAM_CUDA_PASS_TOKENS")
-                .ok()
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or(DEFAULT_PASS_TOKENS)
-                .clamp(1, PASS_TOKENS),
+            pass_tokens: tuning.pass_tokens.clamp(1, PASS_TOKENS),
             routes_n: 0,
-            tc_use: TensorCoreUse::from_env(),
+            tc_use: tuning.tensor_core_passes,
+            device_routing_allowed: tuning.device_routing,
             prompt_pass: false,
             stats: CudaStats::default(),
             layers,
@@ -1282,7 +1221,7 @@ impl CudaModel {
     }
 
     /// Whether each pass's layers run as one replayed CUDA graph (device
-    /// routing, unless `SLIPSTREAM_CUDA_GRAPH=0`).
+    /// routing, unless [`CudaTuning::graphs`] is off).
     pub fn pass_graphs(&self) -> bool {
         self.device_routing && self.graphs
     }
@@ -1476,11 +1415,11 @@ impl CudaModel {
     }
 
     /// Turns device routing on when every layer holds every expert in VRAM
-    /// (`SLIPSTREAM_CUDA_DEVICE_ROUTING=0` keeps the host round trip):
+    /// ([`CudaTuning::device_routing`] off keeps the host round trip):
     /// uploads each layer's expert -> record address table. A full cache
     /// never evicts, so the tables stay valid.
     fn enable_device_routing(&mut self) -> Result<()> {
-        if std::env::var("SLIPSTREAM_CUDA_DEVICE_ROUTING").is_ok_and(|v| v == "0") {
+        if !self.device_routing_allowed {
             return Ok(());
         }
         let e = self.num_experts;
@@ -1898,29 +1837,5 @@ impl Backend for CudaModel {
         }
         .map_err(|e| err(e.into()))?;
         Ok(DAct::T)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::TensorCoreUse;
-
-    #[test]
-    fn gdn_form_parses_its_values_and_defaults_to_warp() {
-        use super::GdnForm;
-        assert_eq!(GdnForm::parse(Some("rows")), GdnForm::Rows);
-        assert_eq!(GdnForm::parse(Some(" rows ")), GdnForm::Rows);
-        assert_eq!(GdnForm::parse(Some("warp")), GdnForm::Warp);
-        assert_eq!(GdnForm::parse(None), GdnForm::Warp);
-    }
-
-    #[test]
-    fn tensor_core_use_parses_its_values_and_defaults_to_prompt() {
-        assert_eq!(TensorCoreUse::parse(Some("0")), TensorCoreUse::Never);
-        assert_eq!(TensorCoreUse::parse(Some("1")), TensorCoreUse::Always);
-        assert_eq!(TensorCoreUse::parse(Some(" 1 ")), TensorCoreUse::Always);
-        for v in [None, Some("prompt"), Some(""), Some("yes")] {
-            assert_eq!(TensorCoreUse::parse(v), TensorCoreUse::Prompt, "{v:?}");
-        }
     }
 }

@@ -8,7 +8,7 @@ use slipstream_cuda::{compile_kernels, CudaError};
 /// Kernel names `Gpu::build` loads: `lf("name")`, and `lf3("base")` for
 /// the `_c1`, `_c2`, `_c4` forms.
 fn loaded_names() -> Vec<String> {
-    let src = include_str!("../src/lib.rs");
+    let src = include_str!("../src/device.rs");
     let mut names = Vec::new();
     for (pat, forms) in [("lf(\"", &[""][..]), ("lf3(\"", &["_c1", "_c2", "_c4"][..])] {
         for part in src.split(pat).skip(1) {

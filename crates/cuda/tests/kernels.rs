@@ -4,14 +4,18 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{Gpu, Position, RouteBases, WDesc};
+use slipstream_cuda::{CudaTuning, Gpu, Position, RouteBases, WDesc};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
 
 fn gpu() -> Option<Gpu> {
     match slipstream_cuda::probe() {
-        Ok(_) => Some(Gpu::new(0).expect("CUDA is present but the device could not be opened")),
+        Ok(_) => Some(
+            // The `SLIPSTREAM_CUDA_*` variables apply here as in the CLI.
+            Gpu::new(0, &CudaTuning::from_vars(|name| std::env::var(name).ok()))
+                .expect("CUDA is present but the device could not be opened"),
+        ),
         Err(e) => {
             eprintln!("skipped: {e}");
             None
