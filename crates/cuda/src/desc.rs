@@ -6,7 +6,7 @@ use slipstream_core::{QuantType, ScaleType};
 
 use crate::{CudaError, Result};
 
-/// Weight kinds the kernels know (`QT_*` in decode.cu).
+/// Weight kinds the kernels know (`QT_*` in common.cuh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
 pub enum QKind {
@@ -22,7 +22,7 @@ pub enum QKind {
     Q6K = 9,
 }
 
-/// A weight matrix as the kernels see it (`struct W` in decode.cu).
+/// A weight matrix as the kernels see it (`struct W` in common.cuh).
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
 pub struct WDesc {
@@ -37,7 +37,7 @@ pub struct WDesc {
     pub pad: i32,
 }
 
-// SAFETY: plain repr(C) data matching `struct W` in decode.cu.
+// SAFETY: plain repr(C) data matching `struct W` in common.cuh.
 unsafe impl cudarc::driver::DeviceRepr for WDesc {}
 
 impl WDesc {

@@ -190,7 +190,7 @@ pub(crate) struct Funcs {
 }
 
 /// Default register cap of the routed experts' wide kernels: blocks of 256
-/// threads per SM (`MOE_MINB` in decode.cu; the standalone gate/up kernels
+/// threads per SM (`MOE_MINB` in moe_a4v.cu; the standalone gate/up kernels
 /// get one more with the split layout). With 3, 396 blocks of a launch are
 /// resident at once on the H200's 132 SMs.
 pub const MOE_MIN_BLOCKS: u32 = 3;
@@ -224,7 +224,7 @@ pub struct Gpu {
     pub(crate) split: bool,
     /// Kernels on `stream` launch with programmatic stream serialization
     /// (sm_90+): each may start while the previous one finishes, issuing
-    /// its weight loads before it waits (`PDL_WAIT` in decode.cu). On by
+    /// its weight loads before it waits (`PDL_WAIT` in common.cuh). On by
     /// default where supported; [`CudaTuning::pdl`] off turns it off. The
     /// results are the same bits either way.
     pub pdl: bool,
@@ -260,7 +260,7 @@ pub struct Gpu {
     pub gdn_rows: bool,
 }
 
-/// Compiles decode.cu with NVRTC for virtual architecture `arch` (e.g.
+/// Compiles [`KERNELS`] with NVRTC for virtual architecture `arch` (e.g.
 /// "compute_90") with the build-time constants [`Gpu::new`] passes: the
 /// experts kernels' register cap (`min_blocks` blocks per SM), the split
 /// layout, the tensor-core tokens per m-tile (1 or 2). Needs only NVRTC,

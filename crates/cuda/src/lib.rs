@@ -1,12 +1,19 @@
-//! CUDA backend: decode kernels compiled at run time by NVRTC
-//! (`kernels/decode.cu`), device buffers, and [`CudaModel`], the CUDA
-//! implementation of the model's [`slipstream_models::Backend`] with dense
-//! weights resident in VRAM and a per-layer VRAM expert cache.
+//! CUDA backend: kernels compiled at run time by NVRTC, device buffers,
+//! and [`CudaModel`], the CUDA implementation of the model's
+//! [`slipstream_models::Backend`] with dense weights resident in VRAM and
+//! a per-layer VRAM expert cache.
+//!
+//! Layout: `device` (context, streams, allocation, copies, launches),
+//! `desc` (the descriptors kernels take), `options` ([`CudaTuning`]: every
+//! tuning switch, built by the caller), `ops/` (the `impl Gpu` launch
+//! wrappers by op family), `model/` ([`CudaModel`]), `kernels/` (the CUDA
+//! source by family, concatenated in a fixed order into one NVRTC unit,
+//! [`KERNELS`]).
 //!
 //! Nothing here links against CUDA: the driver and NVRTC are loaded
 //! dynamically (cudarc `dynamic-loading`), so the crate builds and its tests
 //! skip cleanly on machines without a GPU. Call [`available`] before
-//! [`Gpu::new`].
+//! [`Gpu::new`]. Nothing here reads the environment.
 //!
 //! Device addresses are passed to kernels as `u64`; every buffer is a
 //! [`DBuf`] whose size the wrappers check before a launch.
@@ -35,8 +42,24 @@ pub use ops::matvec::A4V_TOKENS_PER_BLOCK;
 pub use ops::sample::SampleScratch;
 pub use options::{CudaTuning, GdnForm, TensorCoreUse};
 
-/// The kernel source, compiled by NVRTC when a [`Gpu`] is created.
-pub const KERNELS: &str = include_str!("kernels/decode.cu");
+/// The kernel source, compiled by NVRTC when a [`Gpu`] is created: the
+/// files of `kernels/` in this order (each uses only what an earlier one
+/// defines; `common.cuh` holds the types, macros and shared helpers).
+pub const KERNELS: &str = concat!(
+    include_str!("kernels/common.cuh"),
+    include_str!("kernels/a4.cu"),
+    include_str!("kernels/a4v.cu"),
+    include_str!("kernels/moe_a4v.cu"),
+    include_str!("kernels/tensor_core.cu"),
+    include_str!("kernels/prompt_tc.cu"),
+    include_str!("kernels/generic.cu"),
+    include_str!("kernels/norm_rope.cu"),
+    include_str!("kernels/attention.cu"),
+    include_str!("kernels/gdn.cu"),
+    include_str!("kernels/router.cu"),
+    include_str!("kernels/sample.cu"),
+    include_str!("kernels/embed_probe.cu"),
+);
 
 /// Errors of the CUDA backend.
 #[derive(Debug, thiserror::Error)]

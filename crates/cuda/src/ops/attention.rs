@@ -3,9 +3,9 @@
 
 use crate::{CudaError, DBuf, Gpu, Position, Result};
 
-/// Keys per attention split (`ATT_CHUNK` in decode.cu).
+/// Keys per attention split (`ATT_CHUNK` in attention.cu).
 pub const ATT_CHUNK: usize = 128;
-/// Keys per split of the prompt attention (`PA_SPLIT` in decode.cu).
+/// Keys per split of the prompt attention (`PA_SPLIT` in attention.cu).
 pub const PA_SPLIT: usize = 1024;
 /// Rows (query, head) per block of the prompt attention (`PA_ROWS`).
 pub(crate) const PA_ROWS: usize = 16;

@@ -10,7 +10,7 @@ pub const A4V_TOKENS_PER_BLOCK: usize = 16;
 /// Largest grid y of a launch.
 pub(crate) const GRID_Y_MAX: usize = 65535;
 /// Tokens the prefill form stages and computes at once
-/// (`A4V_TILE_TOKENS` in decode.cu).
+/// (`A4V_TILE_TOKENS` in a4v.cu).
 pub(crate) const A4V_TILE_TOKENS: usize = 2;
 
 /// Shared memory the one-token tensor-core kernels may take where the GPU
@@ -20,7 +20,7 @@ pub(crate) const TC_SMEM_OPTIN: usize = 8 * (8192 / 4 / 64) * (48 * 8 + 4) + TC_
 /// Bytes of `moe_gate_up_tc`'s / `matvec_tc`'s column-quarter sums
 /// (`[2 tiles][4 quarters][32 lanes][4]` f32).
 pub(crate) const TC_QUARTER_SUMS: usize = 2 * 4 * 32 * 4 * 4;
-/// Tokens of a tensor-core prefill block (`TC_TOKENS` in decode.cu).
+/// Tokens of a tensor-core prefill block (`TC_TOKENS` in prompt_tc.cu).
 pub(crate) const TC_TOKENS: usize = 8;
 /// Bytes of `moe_down_tc`'s per-rank row sums (`[8 ranks][16 rows]` f32).
 pub(crate) const TC_RANK_SUMS: usize = 8 * 16 * 4;
@@ -34,7 +34,7 @@ pub(crate) fn a4v_tiles_smem(cols: usize) -> usize {
 }
 
 /// The block ranges of a launch over up to four matrices (`MULTI_ARGS` in
-/// decode.cu): matrix i's blocks of `block_rows` rows start at `bounds[i]`
+/// a4v.cu): matrix i's blocks of `block_rows` rows start at `bounds[i]`
 /// (absent matrices get empty ranges at the end), `total` blocks in all;
 /// the matrices and outputs padded to four with the last one.
 pub(crate) fn multi_layout<'a>(

@@ -5,7 +5,7 @@ use crate::desc::QKind;
 use crate::ops::matvec::{a4v_tiles_smem, tc_smem, tc_smem_quarters, GRID_Y_MAX, TC_RANK_SUMS};
 use crate::{CudaError, DBuf, Gpu, Mapped, Result, RouteBases, WDesc};
 
-/// Experts the down kernels stage at once (`DOWN_KB` in decode.cu).
+/// Experts the down kernels stage at once (`DOWN_KB` in moe_a4v.cu).
 pub(crate) const DOWN_KB: usize = 8;
 /// Row blocks one prefill down block runs (`DOWN_GROUPS`).
 pub(crate) const DOWN_GROUPS: usize = 8;

@@ -4,18 +4,18 @@ use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 
 use crate::{CudaError, DBuf, Gpu, Result};
 
-/// Blocks of the argmax's first launch (passed to decode.cu as `ARGMAX_BLOCKS`).
+/// Blocks of the argmax's first launch (passed to the kernels as `ARGMAX_BLOCKS`).
 pub(crate) const ARGMAX_BLOCKS: usize = 256;
 /// Blocks of the seeded draw's wide launches; `samp_draw` runs one thread
 /// per block (`SampleScratch::parts`).
 pub(crate) const SAMPLE_BLOCKS: usize = 256;
-/// Bytes of the draw's state (passed to decode.cu as `SAMP_STATE_BYTES`).
+/// Bytes of the draw's state (passed to the kernels as `SAMP_STATE_BYTES`).
 pub(crate) const SAMPLE_STATE_BYTES: usize = 4096;
 
 /// Device memory of the seeded draw ([`Gpu::sample`]) over up to
 /// `capacity` logits.
 pub struct SampleScratch {
-    /// The draw's state (`SampState` in decode.cu).
+    /// The draw's state (`SampState` in sample.cu).
     state: DBuf,
     /// `[capacity]` u64 fixed-point weights.
     weights: DBuf,
