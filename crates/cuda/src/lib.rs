@@ -37,8 +37,11 @@ pub use device::{
     available, bytemuck_f32, compile_kernels, probe, DBuf, DWeight, Gpu, Mapped, MOE_MIN_BLOCKS,
 };
 pub use model::{CudaModel, CudaOptions, CudaStats};
-pub use ops::attention::{ATT_CHUNK, ATT_MAXG, PA_SPLIT};
+pub use ops::attention::{AttnIo, ATT_CHUNK, ATT_MAXG, PA_SPLIT};
+pub use ops::gdn::{GdnConv, GdnStep};
 pub use ops::matvec::A4V_TOKENS_PER_BLOCK;
+pub use ops::moe::ExpertsIo;
+pub use ops::norm_rope::QkPrep;
 pub use ops::sample::SampleScratch;
 pub use options::{CudaTuning, GdnForm, TensorCoreUse};
 

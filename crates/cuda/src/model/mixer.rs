@@ -93,24 +93,23 @@ impl CudaModel {
             &[q_all, k_all, v_all],
             n,
         )?;
-        g.qk_prep(
+        let prep = QkPrep {
             q_all,
             k_all,
             v_all,
-            a.q_norm.ptr,
-            a.k_norm.ptr,
-            a.inv_freq.ptr,
-            a.half,
-            a.dims,
-            a.gated,
-            a.eps,
-            at,
-            n,
-            self.scratch.q.ptr,
-            self.scratch.gate.ptr,
-            a.kc.ptr,
-            a.vc.ptr,
-        )?;
+            qn: a.q_norm.ptr,
+            kn: a.k_norm.ptr,
+            inv_freq: a.inv_freq.ptr,
+            half: a.half,
+            dims: a.dims,
+            gated: a.gated,
+            eps: a.eps,
+            q_out: self.scratch.q.ptr,
+            gate_out: self.scratch.gate.ptr,
+            kcache: a.kc.ptr,
+            vcache: a.vc.ptr,
+        };
+        g.qk_prep(&prep, at, n)?;
         // Each query over the keys up to its own position (causal): the
         // pass's keys are all in the cache already. As many queries per
         // launch pair as the scratch holds. The prompt's tokens run on the
@@ -134,35 +133,23 @@ impl CudaModel {
             } else {
                 0
             };
+            let io = AttnIo {
+                q: self.scratch.q.ptr + off,
+                kc: a.kc.ptr,
+                vc: a.vc.ptr,
+                dims: a.dims,
+                gate,
+                out: self.scratch.attn.ptr + off,
+            };
             if on_tc {
-                g.attention_prompt(
-                    self.scratch.q.ptr + off,
-                    a.kc.ptr,
-                    a.vc.ptr,
-                    self.pos + t0,
-                    m,
-                    a.dims,
-                    gate,
-                    &self.scratch.att_scratch,
-                    self.scratch.attn.ptr + off,
-                )?;
+                g.attention_prompt(&io, self.pos + t0, m, &self.scratch.att_scratch)?;
                 continue;
             }
             let at_t = match at {
                 Position::Host(p) => Position::Host(p + t0),
                 device => device,
             };
-            g.attention_causal(
-                self.scratch.q.ptr + off,
-                a.kc.ptr,
-                a.vc.ptr,
-                at_t,
-                m,
-                a.dims,
-                gate,
-                &self.scratch.att_scratch,
-                self.scratch.attn.ptr + off,
-            )?;
+            g.attention_causal(&io, at_t, m, &self.scratch.att_scratch)?;
         }
         g.matvec(&a.o.desc, self.scratch.attn.ptr, self.scratch.mixed.ptr, n)?;
         self.defer_residual(x);
@@ -187,29 +174,27 @@ impl CudaModel {
             ],
             n,
         )?;
-        g.gdn_conv(
-            self.scratch.qkv.ptr,
-            n,
-            d.conv.ptr,
-            d.c,
-            d.kernel,
-            d.conv_state.ptr,
-            self.scratch.conv.ptr,
-        )?;
-        g.gdn_step(
-            self.scratch.conv.ptr,
-            self.scratch.z.ptr,
-            self.scratch.b.ptr,
-            self.scratch.a.ptr,
-            d.a_log.ptr,
-            d.dt_bias.ptr,
-            d.norm.ptr,
-            d.rec_state.ptr,
-            n,
-            d.dims,
-            d.eps,
-            self.scratch.core.ptr,
-        )?;
+        let conv = GdnConv {
+            weights: d.conv.ptr,
+            channels: d.c,
+            kernel: d.kernel,
+            state: d.conv_state.ptr,
+        };
+        g.gdn_conv(self.scratch.qkv.ptr, n, &conv, self.scratch.conv.ptr)?;
+        let step = GdnStep {
+            conv_out: self.scratch.conv.ptr,
+            z: self.scratch.z.ptr,
+            b: self.scratch.b.ptr,
+            a: self.scratch.a.ptr,
+            a_log: d.a_log.ptr,
+            dt_bias: d.dt_bias.ptr,
+            norm: d.norm.ptr,
+            state: d.rec_state.ptr,
+            dims: d.dims,
+            eps: d.eps,
+            core: self.scratch.core.ptr,
+        };
+        g.gdn_step(&step, n)?;
         g.matvec(
             &d.out.desc,
             self.scratch.core.ptr,

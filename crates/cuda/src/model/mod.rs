@@ -46,8 +46,8 @@ use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 // The submodules take these with `use super::*`.
 use crate::options::PASS_TOKENS;
 use crate::{
-    CudaError, CudaTuning, DBuf, DWeight, GdnForm, Gpu, Mapped, Position, Result, RouteBases,
-    SampleScratch, TensorCoreUse, WDesc,
+    AttnIo, CudaError, CudaTuning, DBuf, DWeight, ExpertsIo, GdnConv, GdnForm, GdnStep, Gpu,
+    Mapped, Position, QkPrep, Result, RouteBases, SampleScratch, TensorCoreUse, WDesc,
 };
 
 use graph::{PassGraph, PassMode};

@@ -192,10 +192,8 @@ impl CudaModel {
         let g = &self.gpu;
         let sb = sh.bases.ptr;
         g.moe_gate_up(
-            &sh.gate.desc,
-            &sh.up.desc,
-            sb,
-            sb + 8 * PASS_TOKENS as u64,
+            [&sh.gate.desc, &sh.up.desc],
+            [sb, sb + 8 * PASS_TOKENS as u64],
             self.scratch.xrow_id.ptr,
             xn_p,
             self.scratch.sh_h.ptr,
@@ -230,22 +228,35 @@ impl CudaModel {
         wts: u64,
         n: usize,
     ) -> Result<()> {
-        let k = self.top_k;
         let bp = self.scratch.bases.ptr;
-        let shared = self.shared_out(l);
-        let table = 8 * (k * n) as u64;
+        let table = 8 * (self.top_k * n) as u64;
         self.gpu.moe_experts(
             [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
             [bp, bp + table, bp + 2 * table],
-            self.scratch.xrow.ptr,
-            xn_p,
-            self.scratch.h.ptr,
-            wts,
-            k,
-            shared,
-            x_p,
-            n,
+            &self.experts_io(l, xn_p, x_p, wts, n),
         )
+    }
+
+    /// The routed experts' activations of layer `l` over `n` tokens: input
+    /// at `xn_p`, weights at `wts`, output added into `x_p`.
+    pub(super) fn experts_io(
+        &self,
+        l: usize,
+        xn_p: u64,
+        x_p: u64,
+        wts: u64,
+        n: usize,
+    ) -> ExpertsIo {
+        ExpertsIo {
+            xrow: self.scratch.xrow.ptr,
+            xn: xn_p,
+            h: self.scratch.h.ptr,
+            wts,
+            k: self.top_k,
+            shared: self.shared_out(l),
+            x: x_p,
+            tokens: n,
+        }
     }
 
     /// The MoE of layer `l` with device routing: router, bases table,
@@ -302,14 +313,7 @@ impl CudaModel {
                 ids,
                 e,
                 (&self.scratch.grp_off, &self.scratch.grp_list),
-                self.scratch.xrow.ptr,
-                xn_p,
-                self.scratch.h.ptr,
-                wts,
-                k,
-                self.shared_out(l),
-                x_p,
-                n,
+                &self.experts_io(l, xn_p, x_p, wts, n),
             )?;
         if !grouped {
             self.routed_experts(l, xn_p, x_p, wts, n)?;

@@ -12,6 +12,23 @@ pub(crate) const PA_ROWS: usize = 16;
 /// Keys per step of the prompt attention (`PA_KEYS`).
 pub(crate) const PA_KEYS: usize = 32;
 
+/// The buffers of an attention launch over `n` queries of `nh` heads of
+/// `hd` over `nkv` KV heads (`n` is the launch's argument).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnIo {
+    /// `[n, nh, hd]` f32: the queries (normed, rotated).
+    pub q: u64,
+    /// `[keys, nkv * hd]` f32: the key and value caches.
+    pub kc: u64,
+    pub vc: u64,
+    /// (nh, nkv, hd).
+    pub dims: (usize, usize, usize),
+    /// `[n, nh, hd]` f32: the output gate (0: none).
+    pub gate: u64,
+    /// `[n, nh, hd]` f32: the output.
+    pub out: u64,
+}
+
 /// Most query heads per KV head (`ATT_MAXG`).
 pub const ATT_MAXG: usize = 16;
 
@@ -44,19 +61,8 @@ impl Gpu {
     /// floats for `at + 1` keys (for the capacity with
     /// [`Position::Device`]); `gate` 0 for none. Both forms of `at` give
     /// the same bits.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention(
-        &self,
-        q: u64,
-        kc: u64,
-        vc: u64,
-        at: Position,
-        dims: (usize, usize, usize),
-        gate: u64,
-        scratch: &DBuf,
-        out: u64,
-    ) -> Result<()> {
-        self.attention_causal(q, kc, vc, at, 1, dims, gate, scratch, out)
+    pub fn attention(&self, io: &AttnIo, at: Position, scratch: &DBuf) -> Result<()> {
+        self.attention_causal(io, at, 1, scratch)
     }
 
     /// [`Gpu::attention`] of `n` queries in one launch pair: query t (`q`,
@@ -65,19 +71,21 @@ impl Gpu {
     /// already). `scratch` holds `n` times [`Gpu::attn_scratch_f32`] for
     /// the last query's keys. Each query gets the bits of its own
     /// one-query launch. [`Position::Device`] takes one query only.
-    #[allow(clippy::too_many_arguments)]
     pub fn attention_causal(
         &self,
-        q: u64,
-        kc: u64,
-        vc: u64,
+        io: &AttnIo,
         at: Position,
         n: usize,
-        dims: (usize, usize, usize),
-        gate: u64,
         scratch: &DBuf,
-        out: u64,
     ) -> Result<()> {
+        let AttnIo {
+            q,
+            kc,
+            vc,
+            dims,
+            gate,
+            out,
+        } = *io;
         let (nh, nkv, hd) = dims;
         if nh / nkv > ATT_MAXG || hd > 256 || !nh.is_multiple_of(nkv) || n == 0 {
             return Err(CudaError::Invalid(format!(
@@ -149,19 +157,21 @@ impl Gpu {
     /// depend only on its own query, keys and values: a pass of any length
     /// gives the same as one query per launch. `scratch` holds `n` times
     /// [`Gpu::prompt_attn_scratch_f32`] for the last query's keys.
-    #[allow(clippy::too_many_arguments)]
     pub fn attention_prompt(
         &self,
-        q: u64,
-        kc: u64,
-        vc: u64,
+        io: &AttnIo,
         pos0: usize,
         n: usize,
-        dims: (usize, usize, usize),
-        gate: u64,
         scratch: &DBuf,
-        out: u64,
     ) -> Result<()> {
+        let AttnIo {
+            q,
+            kc,
+            vc,
+            dims,
+            gate,
+            out,
+        } = *io;
         let (nh, nkv, hd) = dims;
         if n == 0
             || nkv == 0

@@ -5,6 +5,29 @@ use crate::desc::QKind;
 use crate::ops::matvec::{a4v_tiles_smem, tc_smem, tc_smem_quarters, GRID_Y_MAX, TC_RANK_SUMS};
 use crate::{CudaError, DBuf, Gpu, Mapped, Result, RouteBases, WDesc};
 
+/// The activations of a routed-experts launch over `tokens` tokens with
+/// `k` experts each (pair p = t k + r is token t's rank-r expert).
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertsIo {
+    /// `[tokens * k]` i32: each pair's token row of `xn`.
+    pub xrow: u64,
+    /// `[tokens, H]` f32: the experts' (normed) input.
+    pub xn: u64,
+    /// `[tokens * k, I]` f32: the pairs' gate/up outputs.
+    pub h: u64,
+    /// `[tokens, k]` f32: the routing weights.
+    pub wts: u64,
+    /// Experts per token.
+    pub k: usize,
+    /// The shared expert's output `[tokens, H]` and gate logit `[tokens]`
+    /// (`(0, 0)`: no shared expert).
+    pub shared: (u64, u64),
+    /// `[tokens, H]` f32: the residual the experts' weighted sum (and the
+    /// gated shared expert) is added into.
+    pub x: u64,
+    pub tokens: usize,
+}
+
 /// Experts the down kernels stage at once (`DOWN_KB` in moe_a4v.cu).
 pub(crate) const DOWN_KB: usize = 8;
 /// Row blocks one prefill down block runs (`DOWN_GROUPS`).
@@ -26,13 +49,10 @@ impl Gpu {
     /// Routed experts' gate/up for `pairs` pairs; `gbase`/`ubase` hold
     /// `pairs` u64 part addresses, `xrow` `pairs` i32 token rows of `x`;
     /// `h` receives `[pairs, I]`.
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up(
         &self,
-        gt: &WDesc,
-        ut: &WDesc,
-        gbase: u64,
-        ubase: u64,
+        [gt, ut]: [&WDesc; 2],
+        [gbase, ubase]: [u64; 2],
         xrow: u64,
         x: u64,
         h: u64,
@@ -76,19 +96,16 @@ impl Gpu {
 
     /// `x[t] += sum_k wts[t,k] down_{t,k} h[t*K+k] + sigmoid(sg[t]) shared[t]`
     /// for `tokens` tokens (`shared == 0`: no shared expert).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_down(
-        &self,
-        dt: &WDesc,
-        dbase: u64,
-        h: u64,
-        wts: u64,
-        k: usize,
-        shared: u64,
-        sg: u64,
-        x: u64,
-        tokens: usize,
-    ) -> Result<()> {
+    pub fn moe_down(&self, dt: &WDesc, dbase: u64, io: &ExpertsIo) -> Result<()> {
+        let ExpertsIo {
+            h,
+            wts,
+            k,
+            shared: (shared, sg),
+            x,
+            tokens,
+            ..
+        } = *io;
         let k = k as i32;
         if dt.a4v_chunks() == Some(1) {
             // One chunk per lane, experts staged 8 at a time (`DOWN_KB`),
@@ -149,20 +166,17 @@ impl Gpu {
     /// shapes (and [`Gpu::fused`] is set) this is one launch of the fused
     /// kernel, whose numbers are bit-identical to the two launches; `h`
     /// holds `[tokens * k, I]` either way.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_experts(
-        &self,
-        parts: [&WDesc; 3],
-        bases: [u64; 3],
-        xrow: u64,
-        xn: u64,
-        h: u64,
-        wts: u64,
-        k: usize,
-        shared: (u64, u64),
-        x: u64,
-        tokens: usize,
-    ) -> Result<()> {
+    pub fn moe_experts(&self, parts: [&WDesc; 3], bases: [u64; 3], io: &ExpertsIo) -> Result<()> {
+        let ExpertsIo {
+            xrow,
+            xn,
+            h,
+            wts,
+            k,
+            shared,
+            x,
+            tokens,
+        } = *io;
         let [gt, ut, dt] = parts;
         let pairs = tokens * k;
         if let (true, Some(c), Some(1)) = (
@@ -201,10 +215,10 @@ impl Gpu {
                 smem_gu,
                 &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xn, &h),
             )?;
-            return self.moe_down_tc(dt, bases[2], h, wts, k, shared, x, tokens);
+            return self.moe_down_tc(dt, bases[2], io);
         }
-        self.moe_gate_up(gt, ut, bases[0], bases[1], xrow, xn, h, pairs)?;
-        self.moe_down(dt, bases[2], h, wts, k, shared.0, shared.1, x, tokens)
+        self.moe_gate_up([gt, ut], [bases[0], bases[1]], xrow, xn, h, pairs)?;
+        self.moe_down(dt, bases[2], io)
     }
 
     /// [`Gpu::moe_experts`] for a pass of `tokens` tokens whose routing is
@@ -217,7 +231,6 @@ impl Gpu {
     /// and token gets the operations of [`Gpu::moe_experts`] (same bits).
     /// Returns false (nothing launched) where the shapes or settings call
     /// for another kernel: then [`Gpu::moe_experts`] runs the pass.
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_experts_grouped(
         &self,
         parts: [&WDesc; 3],
@@ -225,15 +238,18 @@ impl Gpu {
         ids: u64,
         e: usize,
         grp: (&DBuf, &DBuf),
-        xrow: u64,
-        xn: u64,
-        h: u64,
-        wts: u64,
-        k: usize,
-        shared: (u64, u64),
-        x: u64,
-        tokens: usize,
+        io: &ExpertsIo,
     ) -> Result<bool> {
+        let ExpertsIo {
+            xrow,
+            xn,
+            h,
+            wts,
+            k,
+            shared,
+            x,
+            tokens,
+        } = *io;
         let [gt, ut, dt] = parts;
         let pairs = tokens * k;
         let fused = self.fused && same_layout(gt, ut) && dt.a4v_chunks() == Some(1);
@@ -326,23 +342,21 @@ impl Gpu {
                 &h
             ),
         )?;
-        self.moe_down(dt, dbase, h, wts, k, shared.0, shared.1, x, tokens)?;
+        self.moe_down(dt, dbase, io)?;
         Ok(true)
     }
 
     /// `moe_down_tc` over `tokens` tokens (bases at `dbase`, `[tokens, k]`).
-    #[allow(clippy::too_many_arguments)]
-    fn moe_down_tc(
-        &self,
-        dt: &WDesc,
-        dbase: u64,
-        h: u64,
-        wts: u64,
-        k: usize,
-        shared: (u64, u64),
-        x: u64,
-        tokens: usize,
-    ) -> Result<()> {
+    fn moe_down_tc(&self, dt: &WDesc, dbase: u64, io: &ExpertsIo) -> Result<()> {
+        let ExpertsIo {
+            h,
+            wts,
+            k,
+            shared,
+            x,
+            tokens,
+            ..
+        } = *io;
         let smem_d = tc_smem_ranks(dt.cols()) as u32;
         let grid = (dt.rows().div_ceil(16) as u32, tokens as u32, 1);
         let ki = k as i32;

@@ -3,6 +3,34 @@
 
 use crate::{CudaError, Gpu, Position, Result, WDesc};
 
+/// An attention layer's q/k preparation over a pass of `n` tokens of `nh`
+/// query and `nkv` KV heads of `hd` (`dims`): q/k norm, RoPE, the output
+/// gate split off the q projection, and k/v appended to the caches.
+#[derive(Debug, Clone, Copy)]
+pub struct QkPrep {
+    /// `[n, nh * hd]` (`[n, nh * 2 hd]` gated), `[n, nkv * hd]`,
+    /// `[n, nkv * hd]` f32: the projections.
+    pub q_all: u64,
+    pub k_all: u64,
+    pub v_all: u64,
+    /// `[hd]` f32 each: the q and k norms' weights.
+    pub qn: u64,
+    pub kn: u64,
+    /// `[half]` f32: RoPE's inverse frequencies.
+    pub inv_freq: u64,
+    pub half: usize,
+    pub dims: (usize, usize, usize),
+    /// The q projection holds an output gate per head.
+    pub gated: bool,
+    pub eps: f32,
+    /// `[n, nh, hd]` f32: the prepared queries and (gated) their gates.
+    pub q_out: u64,
+    pub gate_out: u64,
+    /// `[rows, nkv * hd]` f32: the KV caches the pass's rows are written to.
+    pub kcache: u64,
+    pub vcache: u64,
+}
+
 impl Gpu {
     /// RMS norm of `rows` rows of `dim` values.
     pub fn rms_norm(
@@ -59,26 +87,23 @@ impl Gpu {
     }
 
     /// q/k norm + RoPE + gate split + KV append for `n` tokens at `pos0`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn qk_prep(
-        &self,
-        q_all: u64,
-        k_all: u64,
-        v_all: u64,
-        qn: u64,
-        kn: u64,
-        inv_freq: u64,
-        half: usize,
-        dims: (usize, usize, usize),
-        gated: bool,
-        eps: f32,
-        pos0: Position,
-        n: usize,
-        q_out: u64,
-        gate_out: u64,
-        kcache: u64,
-        vcache: u64,
-    ) -> Result<()> {
+    pub fn qk_prep(&self, p: &QkPrep, pos0: Position, n: usize) -> Result<()> {
+        let QkPrep {
+            q_all,
+            k_all,
+            v_all,
+            qn,
+            kn,
+            inv_freq,
+            half,
+            dims,
+            gated,
+            eps,
+            q_out,
+            gate_out,
+            kcache,
+            vcache,
+        } = *p;
         let (nh, nkv, hd) = dims;
         let q_stride = if gated { 2 * hd } else { hd } as i32;
         let (pos0, dpos) = match pos0 {
