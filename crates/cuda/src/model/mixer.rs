@@ -205,7 +205,7 @@ impl CudaModel {
         Ok(())
     }
 
-    /// The mixer's output in `s_mixed` is added into the residual `x` by
+    /// The mixer's output in `scratch.mixed` is added into the residual `x` by
     /// the norm that follows (one launch for add + norm, same bits);
     /// [`CudaModel::flush_residual`] adds it on its own when anything else
     /// comes first.

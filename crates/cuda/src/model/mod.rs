@@ -144,7 +144,7 @@ pub struct CudaModel {
     graphs: bool,
     graph: Option<PassGraph>,
     mode: PassMode,
-    /// A mixer output (in `s_mixed`) not yet added into this residual.
+    /// A mixer output (in `scratch.mixed`) not yet added into this residual.
     pending_residual: Option<DAct>,
     /// The residual stream at the end of the last complete pass (what
     /// [`CudaModel::next_token`] takes the last row of).

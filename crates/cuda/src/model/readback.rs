@@ -28,13 +28,13 @@ impl CudaModel {
         }
     }
 
-    /// The first row of `s_vocab` (`[vocab]`).
+    /// The first row of `scratch.vocab` (`[vocab]`).
     pub(super) fn read_logits_row(&mut self) -> Result<Vec<f32>> {
         self.land_in_host(self.scratch.vocab.ptr, self.vocab)?;
         Ok(self.logits_host.as_slice()?[..self.vocab].to_vec())
     }
 
-    /// The device's choice of token (`s_argmax`).
+    /// The device's choice of token (`scratch.argmax`).
     pub(super) fn read_choice(&mut self) -> Result<i32> {
         self.land_in_host(self.scratch.argmax.ptr, 1)?;
         Ok(self.logits_host.as_slice()?[0].to_bits() as i32)
@@ -75,7 +75,7 @@ impl CudaModel {
         self.choose_in_vocab(draw)
     }
 
-    /// The argmax of `s_vocab`'s first row, or the seeded draw from it
+    /// The argmax of `scratch.vocab`'s first row, or the seeded draw from it
     /// (the argmax when no logit is finite), read back as a token id.
     pub(super) fn choose_in_vocab(
         &mut self,

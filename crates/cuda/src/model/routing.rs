@@ -153,7 +153,7 @@ impl CudaModel {
             }
             let g = &self.gpu;
             g.ctx.bind_to_thread()?;
-            // SAFETY: 3k u64 into `s_bases` (3k + 3 u64).
+            // SAFETY: 3k u64 into `scratch.bases` (3k + 3 u64).
             unsafe {
                 result::memcpy_htod_async(self.scratch.bases.ptr, &b[..], g.stream.cu_stream())?
             };
@@ -165,8 +165,8 @@ impl CudaModel {
         Ok(Ok(()))
     }
 
-    /// Layer `l`'s router logits into `s_logits` and (with a shared
-    /// expert) its gate into `s_sg`: one launch where both run on the
+    /// Layer `l`'s router logits into `scratch.logits` and (with a shared
+    /// expert) its gate into `scratch.sg`: one launch where both run on the
     /// generic kernel (each the bits of its own launch).
     pub(super) fn router(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
         let layer = &self.layers[l];
@@ -184,7 +184,7 @@ impl CudaModel {
     }
 
     /// Launches layer `l`'s shared expert (if any) on the `n` rows at
-    /// `xn_p` into `s_sh_out` (its gate comes with the router).
+    /// `xn_p` into `scratch.sh_out` (its gate comes with the router).
     pub(super) fn shared_expert(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
         let Some(sh) = &self.layers[l].shared else {
             return Ok(());
@@ -217,7 +217,7 @@ impl CudaModel {
     }
 
     /// Launches the routed experts of layer `l` for `n` tokens over the
-    /// bases table in `s_bases` (`[gate; n k]`, `[up; n k]`, `[down; n k]`)
+    /// bases table in `scratch.bases` (`[gate; n k]`, `[up; n k]`, `[down; n k]`)
     /// with the routing weights at `wts` (`[n, k]`), adding their (and the
     /// shared expert's) output into the residual at `x_p`.
     pub(super) fn routed_experts(
@@ -326,7 +326,7 @@ impl CudaModel {
     }
 
     /// Counts the last device-routed pass's experts (every one a VRAM hit)
-    /// from the ids its router kernels left in `s_route_all` (one read,
+    /// from the ids its router kernels left in `scratch.route_all` (one read,
     /// which waits for the pass).
     pub(super) fn collect_device_routes(&mut self) -> Result<()> {
         if !self.routes_pending {

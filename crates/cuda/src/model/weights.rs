@@ -3,6 +3,8 @@
 
 use super::*;
 
+/// An attention layer: projections, q/k norms, RoPE frequencies, dims
+/// (nh, nkv, hd), and its K and V caches (`[cap, nkv * hd]` f32, grown).
 pub(super) struct DAttn {
     pub(super) q: DWeight,
     pub(super) k: DWeight,
@@ -21,6 +23,8 @@ pub(super) struct DAttn {
     pub(super) cap: usize,
 }
 
+/// A Gated DeltaNet layer: projections, convolution and recurrence
+/// parameters, dims (nk, dk, nv, dv), and its conv and recurrent states.
 pub(super) struct DGdn {
     pub(super) qkv: DWeight,
     pub(super) z: DWeight,
@@ -39,11 +43,13 @@ pub(super) struct DGdn {
     pub(super) eps: f32,
 }
 
+/// A layer's token mixer.
 pub(super) enum DMixer {
     Attn(Box<DAttn>),
     Gdn(Box<DGdn>),
 }
 
+/// A layer's shared expert and its sigmoid gate.
 pub(super) struct DShared {
     /// `[gate; PASS_TOKENS]` then `[up; PASS_TOKENS]` device addresses: the
     /// bases table of a launch with one pair per token of a pass.
@@ -54,6 +60,8 @@ pub(super) struct DShared {
     pub(super) sgate: DWeight,
 }
 
+/// One decoder layer: norms, mixer, router, shared expert, and its
+/// routed experts' VRAM slots (with their cache bookkeeping).
 pub(super) struct DLayer {
     pub(super) input_norm: DBuf,
     pub(super) post_norm: DBuf,
