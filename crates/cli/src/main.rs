@@ -481,6 +481,9 @@ fn run(args: RunArgs) -> Result<()> {
             vram_slots,
             ram_slots: args.ram_cache_slots,
             policy: args.store.expert_cache_policy,
+            // The CUDA backend's tuning switches, for measuring (the
+            // library reads no environment).
+            tuning: slipstream_cuda::CudaTuning::from_vars(|name| std::env::var(name).ok()),
         };
         let choice = if args.backend == "cuda" {
             slipstream_engine::BackendChoice::Cuda(opts)

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use slipstream_core::QuantType;
-use slipstream_cuda::{DBuf, Gpu, Position, WDesc};
+use slipstream_cuda::{AttnIo, CudaTuning, DBuf, ExpertsIo, GdnStep, Gpu, Position, WDesc};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -110,7 +110,9 @@ fn main() {
         eprintln!("no CUDA: {e}");
         std::process::exit(2);
     }
-    let mut g = Gpu::new(0).expect("opening the GPU");
+    // The `SLIPSTREAM_CUDA_*` variables apply here as in the CLI.
+    let tuning = CudaTuning::from_vars(|name| std::env::var(name).ok());
+    let mut g = Gpu::new(0, &tuning).expect("opening the GPU");
     // The "fused" rows measure the one-launch kernel (off in the model by default).
     g.fused = true;
     println!("device: {} ({} SMs)", g.name, g.sms);
@@ -186,56 +188,74 @@ fn main() {
     let wts = g.upload_f32(&vec![0.125f32; k]).unwrap();
     let res = g.alloc(4 * h).unwrap();
     let tab = |s: usize, p: usize| tdev.ptr + ((s * 3 + p) * k * 8) as u64;
+    // One token's routed experts (no shared expert).
+    let io = ExpertsIo {
+        xrow: xrow.ptr,
+        xn: x.ptr,
+        h: hbuf.ptr,
+        wts: wts.ptr,
+        k,
+        shared: (0, 0),
+        x: res.ptr,
+        tokens: 1,
+    };
     let ms_gu = time_ms(&g, reps * 4, |i| {
         let s = i % sets;
-        g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
-            .unwrap()
+        g.moe_gate_up(
+            [&gt, &gt],
+            [tab(s, 0), tab(s, 1)],
+            xrow.ptr,
+            x.ptr,
+            hbuf.ptr,
+            k,
+        )
+        .unwrap()
     });
     let ms_dn = time_ms(&g, reps * 4, |i| {
         let s = i % sets;
-        g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
-            .unwrap()
+        g.moe_down(&dt, tab(s, 2), &io).unwrap()
     });
     let ms_layer = time_ms(&g, reps * 4, |i| {
         let s = i % sets;
-        g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
-            .unwrap();
-        g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
-            .unwrap();
+        g.moe_gate_up(
+            [&gt, &gt],
+            [tab(s, 0), tab(s, 1)],
+            xrow.ptr,
+            x.ptr,
+            hbuf.ptr,
+            k,
+        )
+        .unwrap();
+        g.moe_down(&dt, tab(s, 2), &io).unwrap();
     });
     // Many layers back to back in one timed region (launch gaps amortised).
     let ms_40 = time_ms(&g, 3, |_| {
         for s in 0..40 {
-            g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
-                .unwrap();
-            g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
-                .unwrap();
+            g.moe_gate_up(
+                [&gt, &gt],
+                [tab(s, 0), tab(s, 1)],
+                xrow.ptr,
+                x.ptr,
+                hbuf.ptr,
+                k,
+            )
+            .unwrap();
+            g.moe_down(&dt, tab(s, 2), &io).unwrap();
         }
     }) / 40.0;
     // A layer's routed experts through `moe_experts`: first on the
     // tensor-core kernels (opt-in: `SLIPSTREAM_CUDA_TC=1`; fused kernel
     // off), then as one launch of the fused kernel.
     let experts = |g: &Gpu, s: usize| {
-        g.moe_experts(
-            [&gt, &gt, &dt],
-            [tab(s, 0), tab(s, 1), tab(s, 2)],
-            xrow.ptr,
-            x.ptr,
-            hbuf.ptr,
-            wts.ptr,
-            k,
-            (0, 0),
-            res.ptr,
-            1,
-        )
-        .unwrap()
+        g.moe_experts([&gt, &gt, &dt], [tab(s, 0), tab(s, 1), tab(s, 2)], &io)
+            .unwrap()
     };
     g.fused = false;
     g.tensor_cores = true;
     let tc_ok = g.experts_on_tensor_cores([&gt, &gt, &dt], k);
     let (ms_tc, ms_tc40, ms_tc_graph40) = time_layers(&g, reps, sets, |s| experts(&g, s));
     g.fused = true;
-    g.tensor_cores = std::env::var("SLIPSTREAM_CUDA_TC").is_ok_and(|v| v == "1");
+    g.tensor_cores = tuning.gpu_tensor_cores;
     let g = g;
     println!(
         "experts on tensor cores: {tc_ok}; dense rows on tensor cores: {}",
@@ -262,10 +282,16 @@ fn main() {
         let t = std::time::Instant::now();
         for i in 0..layers {
             let s = i % sets;
-            g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
-                .unwrap();
-            g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
-                .unwrap();
+            g.moe_gate_up(
+                [&gt, &gt],
+                [tab(s, 0), tab(s, 1)],
+                xrow.ptr,
+                x.ptr,
+                hbuf.ptr,
+                k,
+            )
+            .unwrap();
+            g.moe_down(&dt, tab(s, 2), &io).unwrap();
         }
         let host_us = t.elapsed().as_secs_f64() * 1e6 / layers as f64;
         let b = g.mark().unwrap();
@@ -279,10 +305,16 @@ fn main() {
                 )
                 .unwrap();
             for s in 0..nl {
-                g.moe_gate_up(&gt, &gt, tab(s, 0), tab(s, 1), xrow.ptr, x.ptr, hbuf.ptr, k)
-                    .unwrap();
-                g.moe_down(&dt, tab(s, 2), hbuf.ptr, wts.ptr, k, 0, 0, res.ptr, 1)
-                    .unwrap();
+                g.moe_gate_up(
+                    [&gt, &gt],
+                    [tab(s, 0), tab(s, 1)],
+                    xrow.ptr,
+                    x.ptr,
+                    hbuf.ptr,
+                    k,
+                )
+                .unwrap();
+                g.moe_down(&dt, tab(s, 2), &io).unwrap();
             }
             let graph = g
                 .stream
@@ -384,10 +416,8 @@ fn main() {
         let w2 = g.upload_f32(&vec![0.01f32; kk]).unwrap();
         let ms = time_ms(&g, reps, |_| {
             g.moe_gate_up(
-                &gt,
-                &gt,
-                td2.ptr,
-                td2.ptr + 8 * kk as u64,
+                [&gt, &gt],
+                [td2.ptr, td2.ptr + 8 * kk as u64],
                 xr2.ptr,
                 x.ptr,
                 h2.ptr,
@@ -397,13 +427,16 @@ fn main() {
             g.moe_down(
                 &dt,
                 td2.ptr + 16 * kk as u64,
-                h2.ptr,
-                w2.ptr,
-                kk,
-                0,
-                0,
-                res.ptr,
-                1,
+                &ExpertsIo {
+                    xrow: 0,
+                    xn: 0,
+                    h: h2.ptr,
+                    wts: w2.ptr,
+                    k: kk,
+                    shared: (0, 0),
+                    x: res.ptr,
+                    tokens: 1,
+                },
             )
             .unwrap();
         });
@@ -411,14 +444,16 @@ fn main() {
             g.moe_experts(
                 [&gt, &gt, &dt],
                 [td2.ptr, td2.ptr + 8 * kk as u64, td2.ptr + 16 * kk as u64],
-                xr2.ptr,
-                x.ptr,
-                h2.ptr,
-                w2.ptr,
-                kk,
-                (0, 0),
-                res.ptr,
-                1,
+                &ExpertsIo {
+                    xrow: xr2.ptr,
+                    xn: x.ptr,
+                    h: h2.ptr,
+                    wts: w2.ptr,
+                    k: kk,
+                    shared: (0, 0),
+                    x: res.ptr,
+                    tokens: 1,
+                },
             )
             .unwrap()
         });
@@ -491,14 +526,16 @@ fn main() {
             let out = g.alloc(4 * nh * hd).unwrap();
             let ms = time_ms(&g, reps, |_| {
                 g.attention(
-                    qb.ptr,
-                    kc.ptr,
-                    vc.ptr,
+                    &AttnIo {
+                        q: qb.ptr,
+                        kc: kc.ptr,
+                        vc: vc.ptr,
+                        dims: (nh, nkv, hd),
+                        gate: qb.ptr,
+                        out: out.ptr,
+                    },
                     Position::Host(keys - 1),
-                    (nh, nkv, hd),
-                    qb.ptr,
                     &sc,
-                    out.ptr,
                 )
                 .unwrap()
             });
@@ -522,18 +559,20 @@ fn main() {
             let core = g.alloc(4 * nv * dv).unwrap();
             let ms = time_ms(&g, reps * 4, |i| {
                 g.gdn_step(
-                    co.ptr,
-                    z.ptr,
-                    ab.ptr,
-                    ab.ptr,
-                    ab.ptr,
-                    ab.ptr,
-                    nw.ptr,
-                    states[i % 16].ptr,
+                    &GdnStep {
+                        conv_out: co.ptr,
+                        z: z.ptr,
+                        b: ab.ptr,
+                        a: ab.ptr,
+                        a_log: ab.ptr,
+                        dt_bias: ab.ptr,
+                        norm: nw.ptr,
+                        state: states[i % 16].ptr,
+                        dims: (nk, dk, nv, dv),
+                        eps: 1e-6,
+                        core: core.ptr,
+                    },
                     1,
-                    (nk, dk, nv, dv),
-                    1e-6,
-                    core.ptr,
                 )
                 .unwrap()
             });

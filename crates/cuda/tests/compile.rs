@@ -8,7 +8,7 @@ use slipstream_cuda::{compile_kernels, CudaError};
 /// Kernel names `Gpu::build` loads: `lf("name")`, and `lf3("base")` for
 /// the `_c1`, `_c2`, `_c4` forms.
 fn loaded_names() -> Vec<String> {
-    let src = include_str!("../src/lib.rs");
+    let src = include_str!("../src/device.rs");
     let mut names = Vec::new();
     for (pat, forms) in [("lf(\"", &[""][..]), ("lf3(\"", &["_c1", "_c2", "_c4"][..])] {
         for part in src.split(pat).skip(1) {
@@ -43,4 +43,28 @@ fn kernels_compile_with_nvrtc_for_each_target() {
             );
         }
     }
+}
+
+/// Every file of `src/kernels` is part of the NVRTC unit, exactly once
+/// (a new file must be added to `KERNELS`).
+#[test]
+fn every_kernel_file_is_in_the_unit() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+    let mut total = 0;
+    for entry in std::fs::read_dir(&dir).expect("reading src/kernels") {
+        let path = entry.expect("a directory entry").path();
+        let text = std::fs::read_to_string(&path).expect("reading a kernel file");
+        assert_eq!(
+            slipstream_cuda::KERNELS.matches(&text).count(),
+            1,
+            "{} is not in KERNELS once",
+            path.display()
+        );
+        total += text.len();
+    }
+    assert_eq!(
+        total,
+        slipstream_cuda::KERNELS.len(),
+        "KERNELS holds more than src/kernels"
+    );
 }

@@ -4,14 +4,20 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{Gpu, Position, RouteBases, WDesc};
+use slipstream_cuda::{
+    AttnIo, CudaTuning, ExpertsIo, GdnConv, GdnStep, Gpu, Position, RouteBases, WDesc,
+};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
 
 fn gpu() -> Option<Gpu> {
     match slipstream_cuda::probe() {
-        Ok(_) => Some(Gpu::new(0).expect("CUDA is present but the device could not be opened")),
+        Ok(_) => Some(
+            // The `SLIPSTREAM_CUDA_*` variables apply here as in the CLI.
+            Gpu::new(0, &CudaTuning::from_vars(|name| std::env::var(name).ok()))
+                .expect("CUDA is present but the device could not be opened"),
+        ),
         Err(e) => {
             eprintln!("skipped: {e}");
             None
@@ -403,10 +409,8 @@ fn routed_experts_in_one_launch_match_scalar() {
         let dsg = g.upload_f32(&sg).unwrap();
         let xrow = g.alloc(4 * k).unwrap();
         g.moe_gate_up(
-            &gt,
-            &gt,
-            dt.ptr,
-            dt.ptr + 8 * k as u64,
+            [&gt, &gt],
+            [dt.ptr, dt.ptr + 8 * k as u64],
             xrow.ptr,
             dx.ptr,
             dh.ptr,
@@ -417,13 +421,16 @@ fn routed_experts_in_one_launch_match_scalar() {
         g.moe_down(
             &dtl,
             dt.ptr + 16 * k as u64,
-            dh.ptr,
-            dw.ptr,
-            k,
-            s,
-            sgp,
-            dres.ptr,
-            1,
+            &ExpertsIo {
+                xrow: 0,
+                xn: 0,
+                h: dh.ptr,
+                wts: dw.ptr,
+                k,
+                shared: (s, sgp),
+                x: dres.ptr,
+                tokens: 1,
+            },
         )
         .unwrap();
         let got = g.read_f32(&dres, 0, h).unwrap();
@@ -436,14 +443,16 @@ fn routed_experts_in_one_launch_match_scalar() {
             g.moe_experts(
                 [&gt, &gt, &dtl],
                 [dt.ptr, dt.ptr + 8 * k as u64, dt.ptr + 16 * k as u64],
-                xrow.ptr,
-                dx.ptr,
-                dh2.ptr,
-                dw.ptr,
-                k,
-                (s, sgp),
-                dres2.ptr,
-                1,
+                &ExpertsIo {
+                    xrow: xrow.ptr,
+                    xn: dx.ptr,
+                    h: dh2.ptr,
+                    wts: dw.ptr,
+                    k,
+                    shared: (s, sgp),
+                    x: dres2.ptr,
+                    tokens: 1,
+                },
             )
             .unwrap();
             g.read_f32(&dres2, 0, h).unwrap()
@@ -602,14 +611,16 @@ fn grouped_case(g: &Gpu) {
         g.moe_experts(
             [&gt, &gt, &dtl],
             [tp, tp + t8, tp + 2 * t8],
-            dxrow.ptr,
-            dx.ptr,
-            dh.ptr,
-            dw.ptr,
-            k,
-            sh,
-            dres.ptr,
-            tokens,
+            &ExpertsIo {
+                xrow: dxrow.ptr,
+                xn: dx.ptr,
+                h: dh.ptr,
+                wts: dw.ptr,
+                k,
+                shared: sh,
+                x: dres.ptr,
+                tokens,
+            },
         )
         .unwrap();
         let want = g.read_f32(&dres, 0, tokens * h).unwrap();
@@ -629,14 +640,16 @@ fn grouped_case(g: &Gpu) {
                 dids.ptr,
                 e,
                 (&goff, &glist),
-                dxrow.ptr,
-                dx.ptr,
-                dh2.ptr,
-                dw.ptr,
-                k,
-                sh,
-                dres2.ptr,
-                tokens,
+                &ExpertsIo {
+                    xrow: dxrow.ptr,
+                    xn: dx.ptr,
+                    h: dh2.ptr,
+                    wts: dw.ptr,
+                    k,
+                    shared: sh,
+                    x: dres2.ptr,
+                    tokens,
+                },
             )
             .unwrap();
         assert!(
@@ -808,14 +821,16 @@ fn decode_attention_matches_cpu() {
         let gp = if gated { dg.ptr } else { 0 };
         let run = |at: Position| {
             g.attention(
-                dq.ptr,
-                dk.ptr,
-                dv.ptr,
+                &AttnIo {
+                    q: dq.ptr,
+                    kc: dk.ptr,
+                    vc: dv.ptr,
+                    dims: (nh, nkv, hd),
+                    gate: gp,
+                    out: out.ptr,
+                },
                 at,
-                (nh, nkv, hd),
-                gp,
                 &scratch,
-                out.ptr,
             )
             .unwrap();
             g.read_f32(&out, 0, nh * hd).unwrap()
@@ -846,29 +861,33 @@ fn decode_attention_matches_cpu() {
             .unwrap();
         let p0 = keys - n;
         g.attention_causal(
-            dqs.ptr,
-            dk.ptr,
-            dv.ptr,
+            &AttnIo {
+                q: dqs.ptr,
+                kc: dk.ptr,
+                vc: dv.ptr,
+                dims: (nh, nkv, hd),
+                gate: if gated { dgs.ptr } else { 0 },
+                out: outs.ptr,
+            },
             Position::Host(p0),
             n,
-            (nh, nkv, hd),
-            if gated { dgs.ptr } else { 0 },
             &big,
-            outs.ptr,
         )
         .unwrap();
         let batch = g.read_f32(&outs, 0, n * nh * hd).unwrap();
         let row = (nh * hd) as u64 * 4;
         for t in 0..n {
             g.attention(
-                dqs.ptr + t as u64 * row,
-                dk.ptr,
-                dv.ptr,
+                &AttnIo {
+                    q: dqs.ptr + t as u64 * row,
+                    kc: dk.ptr,
+                    vc: dv.ptr,
+                    dims: (nh, nkv, hd),
+                    gate: if gated { dgs.ptr + t as u64 * row } else { 0 },
+                    out: out.ptr,
+                },
                 Position::Host(p0 + t),
-                (nh, nkv, hd),
-                if gated { dgs.ptr + t as u64 * row } else { 0 },
                 &scratch,
-                out.ptr,
             )
             .unwrap();
             let one = g.read_f32(&out, 0, nh * hd).unwrap();
@@ -939,15 +958,17 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
         let run = |t0: usize, m: usize| {
             let off = (t0 * row * 4) as u64;
             g.attention_prompt(
-                dq.ptr + off,
-                dk.ptr,
-                dv.ptr,
+                &AttnIo {
+                    q: dq.ptr + off,
+                    kc: dk.ptr,
+                    vc: dv.ptr,
+                    dims: (nh, nkv, hd),
+                    gate: if gated { dg.ptr + off } else { 0 },
+                    out: out.ptr + off,
+                },
                 p0 + t0,
                 m,
-                (nh, nkv, hd),
-                if gated { dg.ptr + off } else { 0 },
                 &scratch,
-                out.ptr + off,
             )
             .unwrap();
         };
@@ -1076,21 +1097,33 @@ fn gated_delta_rule_cases(g: &Gpu) {
         let (dal, ddt, dnw, ds) = (up(&a_log), up(&dt_bias), up(&nw), up(&s0));
         let dco = up(&vec![f32::NAN; n * c]);
         let core = up(&vec![f32::NAN; n * nv * dv]);
-        g.gdn_conv(dx.ptr, n, dcw.ptr, c, kern, dst.ptr, dco.ptr)
-            .unwrap();
-        g.gdn_step(
-            dco.ptr,
-            dz.ptr,
-            db.ptr,
-            da.ptr,
-            dal.ptr,
-            ddt.ptr,
-            dnw.ptr,
-            ds.ptr,
+        g.gdn_conv(
+            dx.ptr,
             n,
-            (nk, dk, nv, dv),
-            eps,
-            core.ptr,
+            &GdnConv {
+                weights: dcw.ptr,
+                channels: c,
+                kernel: kern,
+                state: dst.ptr,
+            },
+            dco.ptr,
+        )
+        .unwrap();
+        g.gdn_step(
+            &GdnStep {
+                conv_out: dco.ptr,
+                z: dz.ptr,
+                b: db.ptr,
+                a: da.ptr,
+                a_log: dal.ptr,
+                dt_bias: ddt.ptr,
+                norm: dnw.ptr,
+                state: ds.ptr,
+                dims: (nk, dk, nv, dv),
+                eps,
+                core: core.ptr,
+            },
+            n,
         )
         .unwrap();
         let e1 = rel_err(&g.read_f32(&dco, 0, n * c).unwrap(), &conv_out);
@@ -1113,18 +1146,20 @@ fn gated_delta_rule_cases(g: &Gpu) {
         let core1 = up(&vec![f32::NAN; n * nv * dv]);
         for t in 0..n {
             g.gdn_step(
-                dco.f32_at(t * c),
-                dz.f32_at(t * nv * dv),
-                db.f32_at(t * nv),
-                da.f32_at(t * nv),
-                dal.ptr,
-                ddt.ptr,
-                dnw.ptr,
-                ds1.ptr,
+                &GdnStep {
+                    conv_out: dco.f32_at(t * c),
+                    z: dz.f32_at(t * nv * dv),
+                    b: db.f32_at(t * nv),
+                    a: da.f32_at(t * nv),
+                    a_log: dal.ptr,
+                    dt_bias: ddt.ptr,
+                    norm: dnw.ptr,
+                    state: ds1.ptr,
+                    dims: (nk, dk, nv, dv),
+                    eps,
+                    core: core1.f32_at(t * nv * dv),
+                },
                 1,
-                (nk, dk, nv, dv),
-                eps,
-                core1.f32_at(t * nv * dv),
             )
             .unwrap();
         }
@@ -1381,21 +1416,40 @@ fn down_pass_matches_one_token_launches() {
         let (shp, sgp) = if shared { (sh.ptr, sgt.ptr) } else { (0, 0) };
         let x0 = rvec(&mut rng, tokens * h, 1.0);
         let xm = g.upload_f32(&x0).unwrap();
-        g.moe_down(&dt, dbase.ptr, hv.ptr, wts.ptr, k, shp, sgp, xm.ptr, tokens)
-            .unwrap();
+        g.moe_down(
+            &dt,
+            dbase.ptr,
+            &ExpertsIo {
+                xrow: 0,
+                xn: 0,
+                h: hv.ptr,
+                wts: wts.ptr,
+                k,
+                shared: (shp, sgp),
+                x: xm.ptr,
+                tokens,
+            },
+        )
+        .unwrap();
         let many = g.read_f32(&xm, 0, tokens * h).unwrap();
         let x1 = g.upload_f32(&x0).unwrap();
         for t in 0..tokens {
             g.moe_down(
                 &dt,
                 dbase.ptr + (8 * t * k) as u64,
-                hv.f32_at(t * k * inter),
-                wts.f32_at(t * k),
-                k,
-                if shared { sh.f32_at(t * h) } else { 0 },
-                if shared { sgt.f32_at(t) } else { 0 },
-                x1.f32_at(t * h),
-                1,
+                &ExpertsIo {
+                    xrow: 0,
+                    xn: 0,
+                    h: hv.f32_at(t * k * inter),
+                    wts: wts.f32_at(t * k),
+                    k,
+                    shared: (
+                        if shared { sh.f32_at(t * h) } else { 0 },
+                        if shared { sgt.f32_at(t) } else { 0 },
+                    ),
+                    x: x1.f32_at(t * h),
+                    tokens: 1,
+                },
             )
             .unwrap();
         }
