@@ -4,6 +4,7 @@
 pub mod demo;
 pub mod hwbench_cmd;
 pub mod replay_cmd;
+pub mod sampling_args;
 pub mod serve_cmd;
 pub mod synth_cmd;
 

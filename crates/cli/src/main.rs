@@ -10,8 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
 use slipstream_engine::npy;
 use slipstream_engine::{
-    Engine, EngineConfig, GenerateRequest, RestoreOutcome, SamplingParams, StoreChoice,
-    StreamDecoder, WarmReport,
+    Engine, EngineConfig, GenerateRequest, RestoreOutcome, StoreChoice, StreamDecoder, WarmReport,
 };
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
@@ -95,15 +94,8 @@ struct RunArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_new: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
+    #[command(flatten)]
+    sampling: slipstream_cli::sampling_args::SamplingArgs,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Token ids that also end generation, comma separated.
@@ -276,7 +268,6 @@ fn main() {
         }
         None => run(RunArgs {
             max_new: 128,
-            top_p: 1.0,
             prefill_chunk: 4096,
             ..Default::default()
         }),
@@ -357,14 +348,11 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
 }
 
 fn run(args: RunArgs) -> Result<()> {
-    let sampling = SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        seed: args.seed,
-    };
-    sampling.check().map_err(|e| anyhow::anyhow!(e))?;
+    // The flags are checked before the model opens; the checkpoint's
+    // defaults join them once it has.
+    args.sampling
+        .resolve_for_run(&Default::default(), args.seed)
+        .map_err(|e| anyhow::anyhow!(e))?;
     // Template settings are checked before the model opens.
     let template_override = match &args.chat_template {
         Some(p) => Some(slipstream_engine::ChatTemplate::new(
@@ -537,6 +525,12 @@ fn run(args: RunArgs) -> Result<()> {
         bail!("the prompt is empty after tokenization");
     }
 
+    let sampling = args
+        .sampling
+        .resolve_for_run(&engine.generation_defaults(), args.seed)
+        .map_err(|e| {
+            anyhow::anyhow!("sampling settings (flags over the model's generation_config): {e}")
+        })?;
     let req = GenerateRequest {
         prompt: prompt.clone(),
         max_new_tokens: args.max_new,

@@ -105,6 +105,10 @@ pub struct ServeArgs {
     /// stderr, at info on the target `slipstream::prompt`.
     #[arg(long)]
     pub log_prompts: bool,
+    /// Default sampling settings, over the model's generation_config.json
+    /// and under each request's own.
+    #[command(flatten)]
+    pub sampling: crate::sampling_args::SamplingArgs,
     /// TEST FACILITY, not for use: replies come verbatim from this JSON
     /// script instead of the model: a list of strings (given in turn) and
     /// rules `{"when": TEXT | [TEXT...], "reply": TEXT, "times": N}` that
@@ -174,6 +178,9 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         Some(s) => crate::parse_template_kwargs(s)?,
         None => Default::default(),
     };
+    args.sampling
+        .resolve_for_run(&Default::default(), 0)
+        .map_err(|e| anyhow::anyhow!("sampling flags: {e}"))?;
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -189,6 +196,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         allowed_origins: args.allow_origin.clone(),
         log_requests: args.log_requests.clone(),
         log_prompts: args.log_prompts,
+        sampling: args.sampling.overrides(),
     };
     let backend = match &args.test_script {
         Some(p) => {

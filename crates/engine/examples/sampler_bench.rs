@@ -57,6 +57,7 @@ fn main() {
                 top_p,
                 min_p,
                 seed: 9,
+                ..Default::default()
             };
             let mut sampler = Sampler::new(params.clone());
             let fast = median_ms(15, || {

@@ -29,7 +29,8 @@ use slipstream_store::{
 
 pub use guard::{default_memory_limit, GrowthPrediction};
 pub use prompt_cache::PromptCache;
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Penalties, PenaltyTracker, Sampler, SamplingParams};
+pub use slipstream_format::GenerationDefaults;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotExpect};
 pub use state_cache::{Checkpoint, Restored, StateCache, StateCacheStats};
 pub use text::{ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
@@ -51,6 +52,23 @@ pub enum EngineError {
     /// The memory guard refused a prefill chunk (nothing was allocated).
     #[error("{0}")]
     Memory(String),
+    /// The [`StepHook`] stopped the generation.
+    #[error("{0}")]
+    Hook(String),
+}
+
+/// Sees every step of a generation on the host: masks the logits a token
+/// is chosen from (constrained decoding) and learns the token chosen. With
+/// a hook installed ([`Engine::set_step_hook`]) every token is chosen on
+/// the host, also on the CUDA backend.
+pub trait StepHook: Send {
+    /// The logits `[vocab]` of the next token, after the request's
+    /// [`Penalties`] and before temperature and truncation; set entries to
+    /// `-inf` to forbid tokens. An error ends the generation with it.
+    fn mask(&mut self, logits: &mut [f32]) -> Result<(), String>;
+    /// The token chosen from the masked logits, or written by the caller
+    /// (a forced reasoning close).
+    fn accept(&mut self, token: u32) -> Result<(), String>;
 }
 
 /// A prefill chunk boundary, handed to the [`PrefillHook`].
@@ -142,6 +160,8 @@ pub struct Engine {
     /// Checkpoints being taken for a [`StateCache`] during
     /// [`Engine::generate_cached`].
     checkpoints: Option<CheckpointCollector>,
+    /// Called at every generated step ([`StepHook`]).
+    step_hook: Option<Box<dyn StepHook>>,
 }
 
 /// Checkpoints of the conversation being generated.
@@ -315,6 +335,7 @@ impl Engine {
             phases: None,
             cuda: None,
             checkpoints: None,
+            step_hook: None,
         })
     }
 
@@ -471,6 +492,12 @@ impl Engine {
 
     pub fn memory_limit(&self) -> Option<u64> {
         self.memory_limit
+    }
+
+    /// Installs (or removes) the hook called at every generated step of
+    /// the following generations; returns the one it replaces.
+    pub fn set_step_hook(&mut self, hook: Option<Box<dyn StepHook>>) -> Option<Box<dyn StepHook>> {
+        std::mem::replace(&mut self.step_hook, hook)
     }
 
     /// Installs (or removes) the hook called after every prefill chunk.
@@ -686,6 +713,12 @@ impl Engine {
         &self.file.manifest.eos_token_ids
     }
 
+    /// The sampling settings the checkpoint recommends (all absent when
+    /// its manifest records none).
+    pub fn generation_defaults(&self) -> slipstream_format::GenerationDefaults {
+        self.file.manifest.generation.clone().unwrap_or_default()
+    }
+
     pub fn new_state(&self) -> ModelState {
         self.model.new_state()
     }
@@ -891,7 +924,9 @@ impl Engine {
         req: &GenerateRequest,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
-        let result = self.generate_inner(state, req, on_token);
+        let mut hook = self.step_hook.take();
+        let result = self.generate_inner(state, req, &mut hook, on_token);
+        self.step_hook = hook;
         if result.is_err() {
             *state = self.new_state();
         }
@@ -902,6 +937,7 @@ impl Engine {
         &mut self,
         state: &mut ModelState,
         req: &GenerateRequest,
+        hook: &mut Option<Box<dyn StepHook>>,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
         if req.prompt.is_empty() {
@@ -934,6 +970,15 @@ impl Engine {
         sampler.set_fixed_point(self.cuda.as_ref().is_some_and(|c| c.draws_on_device()));
         let mut stops: Vec<u32> = req.stop_tokens.clone();
         stops.extend_from_slice(self.eos_tokens());
+        let mut penalties = req
+            .sampling
+            .penalties
+            .is_active()
+            .then(|| PenaltyTracker::new(req.sampling.penalties, &req.prompt));
+        // Logits edited for a draw (penalties, the hook's mask): `last`
+        // stays the model's, kept in the state for a later restore.
+        let edits_logits = penalties.is_some() || hook.is_some();
+        let mut edited: Vec<f32> = Vec::new();
 
         let t0 = Instant::now();
         let want = if req.keep_logits {
@@ -975,13 +1020,32 @@ impl Engine {
         // and computes `sample::draw` bit for bit).
         let on_device = self.cuda.is_some()
             && !req.keep_logits
+            && !edits_logits
             && (sampler.is_greedy() || sampler.is_fixed_point());
         let mut device_next: Option<u32> = None;
         while tokens.len() < req.max_new_tokens {
             let next = match device_next.take() {
                 Some(t) => t,
+                None if edits_logits => {
+                    edited.clear();
+                    edited.extend_from_slice(&last);
+                    if let Some(p) = &penalties {
+                        p.apply(&mut edited);
+                    }
+                    if let Some(h) = hook.as_deref_mut() {
+                        h.mask(&mut edited).map_err(EngineError::Hook)?;
+                    }
+                    let t = self.choose_from_row(&mut sampler, &edited)?;
+                    if let Some(h) = hook.as_deref_mut() {
+                        h.accept(t).map_err(EngineError::Hook)?;
+                    }
+                    t
+                }
                 None => self.choose_from_row(&mut sampler, &last)?,
             };
+            if let Some(p) = penalties.as_mut() {
+                p.record(next);
+            }
             tokens.push(next);
             if tokens.len() == 1 {
                 first_token_s = t0.elapsed().as_secs_f64();

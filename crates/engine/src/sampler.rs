@@ -1,6 +1,8 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p, seeded.
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, seeded;
+//! presence, frequency and repetition penalties.
 
 use std::cmp::Ordering;
+use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 use slipstream_kernels::sample::{self as fixed, DrawParams};
@@ -16,6 +18,9 @@ pub struct SamplingParams {
     /// Drop tokens below `min_p * p(most likely)`; 0 disables.
     pub min_p: f32,
     pub seed: u64,
+    /// Applied to the logits before every draw, greedy ones included.
+    #[serde(default)]
+    pub penalties: Penalties,
 }
 
 impl Default for SamplingParams {
@@ -26,6 +31,118 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             seed: 0,
+            penalties: Penalties::default(),
+        }
+    }
+}
+
+/// Logit penalties on tokens already seen.
+///
+/// `presence` and `frequency` follow OpenAI: over the tokens generated so
+/// far, `logit -= presence` once per distinct token and `logit -=
+/// frequency * count`. `repetition` follows Hugging Face's
+/// `RepetitionPenaltyLogitsProcessor` over the prompt and the generated
+/// tokens: a positive logit is divided by it, a negative one multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Penalties {
+    /// 0 is off; OpenAI allows [-2, 2].
+    pub presence: f32,
+    /// 0 is off; OpenAI allows [-2, 2].
+    pub frequency: f32,
+    /// 1 is off; must be > 0 (above 1 discourages repeats).
+    pub repetition: f32,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Penalties {
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+        }
+    }
+}
+
+impl Penalties {
+    /// Whether any penalty changes logits.
+    pub fn is_active(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0 || self.repetition != 1.0
+    }
+
+    /// Why these penalties cannot be applied, if so.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("presence penalty", self.presence),
+            ("frequency penalty", self.frequency),
+        ] {
+            if !v.is_finite() {
+                return Err(format!("{name} must be a finite number, got {v}"));
+            }
+        }
+        if !(self.repetition.is_finite() && self.repetition > 0.0) {
+            return Err(format!(
+                "repetition penalty must be a finite number > 0, got {}",
+                self.repetition
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The tokens one generation has seen, to apply [`Penalties`] with.
+#[derive(Debug, Clone)]
+pub struct PenaltyTracker {
+    penalties: Penalties,
+    /// Distinct prompt tokens (the repetition penalty's share).
+    prompt: HashSet<u32>,
+    /// Generated token -> times generated.
+    generated: HashMap<u32, u32>,
+}
+
+impl PenaltyTracker {
+    pub fn new(penalties: Penalties, prompt: &[u32]) -> Self {
+        let prompt = if penalties.repetition != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
+        PenaltyTracker {
+            penalties,
+            prompt,
+            generated: HashMap::new(),
+        }
+    }
+
+    /// Counts a generated token.
+    pub fn record(&mut self, token: u32) {
+        *self.generated.entry(token).or_insert(0) += 1;
+    }
+
+    /// Penalises `logits` (`[vocab]`); ids outside it are skipped.
+    pub fn apply(&self, logits: &mut [f32]) {
+        let p = &self.penalties;
+        if p.repetition != 1.0 {
+            let seen = self
+                .prompt
+                .iter()
+                .chain(self.generated.keys().filter(|t| !self.prompt.contains(t)));
+            for &t in seen {
+                if let Some(v) = logits.get_mut(t as usize) {
+                    *v = if *v > 0.0 {
+                        *v / p.repetition
+                    } else {
+                        *v * p.repetition
+                    };
+                }
+            }
+        }
+        if p.presence != 0.0 || p.frequency != 0.0 {
+            for (&t, &n) in &self.generated {
+                if let Some(v) = logits.get_mut(t as usize) {
+                    *v -= p.presence + p.frequency * n as f32;
+                }
+            }
         }
     }
 }
@@ -33,7 +150,7 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Why these settings cannot be sampled with, if so: the temperature
     /// must be a finite number (0 or below: greedy), top-p within [0, 1],
-    /// min-p a finite number >= 0.
+    /// min-p a finite number >= 0, the penalties as [`Penalties::check`] says.
     pub fn check(&self) -> Result<(), String> {
         if !self.temperature.is_finite() {
             return Err(format!(
@@ -50,7 +167,7 @@ impl SamplingParams {
                 self.min_p
             ));
         }
-        Ok(())
+        self.penalties.check()
     }
 }
 
@@ -445,6 +562,82 @@ mod tests {
     }
 
     #[test]
+    fn penalties_match_a_hand_reference() {
+        // prompt [0, 1], generated [2, 2, 3]; vocab 5.
+        let logits = [2.0f32, -1.0, 3.0, 0.5, 1.0];
+        let run = |p: Penalties| {
+            let mut t = PenaltyTracker::new(p, &[0, 1]);
+            for tok in [2, 2, 3] {
+                t.record(tok);
+            }
+            let mut l = logits;
+            t.apply(&mut l);
+            l
+        };
+        // Presence 0.5, frequency 0.25: token 2 (twice) -0.5-0.5, token 3 -0.5-0.25.
+        let l = run(Penalties {
+            presence: 0.5,
+            frequency: 0.25,
+            repetition: 1.0,
+        });
+        assert_eq!(l, [2.0, -1.0, 2.0, -0.25, 1.0]);
+        // Repetition 2 over prompt and generated: positive halved, negative doubled, once each.
+        let l = run(Penalties {
+            repetition: 2.0,
+            ..Penalties::default()
+        });
+        assert_eq!(l, [1.0, -2.0, 1.5, 0.25, 1.0]);
+        // Both: repetition first, then the OpenAI penalties.
+        let l = run(Penalties {
+            presence: 1.0,
+            frequency: 0.0,
+            repetition: 2.0,
+        });
+        assert_eq!(l, [1.0, -2.0, 0.5, -0.75, 1.0]);
+        // Off: unchanged.
+        assert_eq!(run(Penalties::default()), logits);
+        assert!(!Penalties::default().is_active());
+        // An id outside the logits is skipped, not a panic.
+        let mut t = PenaltyTracker::new(
+            Penalties {
+                repetition: 1.5,
+                presence: 1.0,
+                ..Penalties::default()
+            },
+            &[99],
+        );
+        t.record(77);
+        let mut l = logits;
+        t.apply(&mut l);
+        assert_eq!(l, logits);
+    }
+
+    #[test]
+    fn penalty_check_refuses_what_cannot_apply() {
+        assert!(Penalties::default().check().is_ok());
+        for bad in [
+            Penalties {
+                repetition: 0.0,
+                ..Default::default()
+            },
+            Penalties {
+                repetition: f32::NAN,
+                ..Default::default()
+            },
+            Penalties {
+                presence: f32::INFINITY,
+                ..Default::default()
+            },
+            Penalties {
+                frequency: f32::NAN,
+                ..Default::default()
+            },
+        ] {
+            assert!(bad.check().is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
     fn greedy_picks_argmax_and_lowest_tie() {
         let mut s = Sampler::new(SamplingParams::default());
         assert_eq!(s.sample(&[0.1, 2.0, 2.0, -1.0]), 1);
@@ -483,6 +676,7 @@ mod tests {
                 top_p: p,
                 min_p: m,
                 seed: 1,
+                ..Default::default()
             });
             for _ in 0..200 {
                 assert!(allowed.contains(&s.sample(&logits)), "k={k} p={p} m={m}");
@@ -517,6 +711,7 @@ mod tests {
                 top_p,
                 min_p,
                 seed,
+                ..Default::default()
             })
     }
 

@@ -40,6 +40,11 @@ impl TextCodec {
     pub fn vocab_size(&self) -> usize {
         self.tokenizer.get_vocab_size(true)
     }
+
+    /// The HF tokenizer itself (for token tries of constrained decoding).
+    pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
+        &self.tokenizer
+    }
 }
 
 /// Turns a growing list of generated ids into text pieces, holding back

@@ -22,7 +22,8 @@ mod writer;
 
 pub use files::{open_regular, read_regular, MAX_MANIFEST_BYTES, MAX_SIDE_FILE_BYTES};
 pub use manifest::{
-    DenseEntry, ExpertPart, ExpertPoolIndex, Manifest, SourceInfo, FORMAT_NAME, FORMAT_VERSION,
+    DenseEntry, ExpertPart, ExpertPoolIndex, GenerationDefaults, Manifest, SourceInfo, FORMAT_NAME,
+    FORMAT_VERSION,
 };
 pub use reader::SlipModel;
 pub use slipstream_outpath::Overwrite;

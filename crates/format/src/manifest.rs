@@ -70,6 +70,37 @@ pub struct SourceInfo {
     pub quant: String,
 }
 
+/// Sampling settings the checkpoint recommends (its
+/// `generation_config.json`, or a GGUF's `general.sampling.*`); each is
+/// absent when the checkpoint does not set it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GenerationDefaults {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f32>,
+    /// 0 disables.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_k: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_p: Option<f32>,
+    /// Hugging Face's (1 is off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repetition_penalty: Option<f32>,
+    /// OpenAI's (0 is off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_penalty: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frequency_penalty: Option<f32>,
+}
+
+impl GenerationDefaults {
+    /// Whether no setting is given.
+    pub fn is_empty(&self) -> bool {
+        *self == GenerationDefaults::default()
+    }
+}
+
 /// The whole manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Manifest {
@@ -88,6 +119,10 @@ pub struct Manifest {
     /// Special tokens named by the tokenizer config (`bos_token`, `eos_token`, ...).
     #[serde(default)]
     pub special_tokens: std::collections::BTreeMap<String, String>,
+    /// Recommended sampling settings; absent in manifests written before
+    /// they were recorded, and when the checkpoint gives none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<GenerationDefaults>,
     pub source: SourceInfo,
     /// Identity of the weights: xxh3 over the config and every tensor and
     /// record checksum ([`Manifest::content_hash`], checked at open).

@@ -235,6 +235,7 @@ impl SlipWriter {
             chat_template: info.chat_template,
             eos_token_ids: info.eos_token_ids,
             special_tokens: info.special_tokens,
+            generation: info.generation.filter(|g| !g.is_empty()),
             source: info.source,
             model_hash: String::new(),
             manifest_checksum: String::new(),
@@ -277,5 +278,7 @@ pub struct ManifestInfo {
     pub chat_template: Option<String>,
     pub eos_token_ids: Vec<u32>,
     pub special_tokens: std::collections::BTreeMap<String, String>,
+    /// Recommended sampling settings (`None` or empty: none recorded).
+    pub generation: Option<crate::manifest::GenerationDefaults>,
     pub source: SourceInfo,
 }

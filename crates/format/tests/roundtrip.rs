@@ -81,6 +81,7 @@ fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
         chat_template: None,
         eos_token_ids: vec![1],
         special_tokens: Default::default(),
+        generation: None,
         source: SourceInfo::default(),
     })
     .unwrap();

@@ -7,6 +7,7 @@ use std::path::Path;
 use serde_json::Value;
 use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
 use slipstream_core::{Architecture, ModelConfig};
+use slipstream_format::GenerationDefaults;
 
 use crate::{RepackError, Result};
 
@@ -370,6 +371,51 @@ pub(crate) struct TokenizerInfo {
     pub chat_template: Option<String>,
     pub special_tokens: BTreeMap<String, String>,
     pub eos_token_ids: Vec<u32>,
+    pub generation: Option<GenerationDefaults>,
+}
+
+/// The sampling settings of a `generation_config.json` (those vLLM reads:
+/// `do_sample` and the length fields are not sampling defaults). A value
+/// of the wrong type or out of range is refused by name.
+pub(crate) fn generation_defaults(gen: &Value, path: &str) -> Result<GenerationDefaults> {
+    let bad = |key: &str, why: &str| RepackError::Config {
+        path: path.to_string(),
+        message: format!("{key}: {why}, got {}", gen[key]),
+    };
+    let float = |key: &str, ok: fn(f64) -> bool, why: &str| -> Result<Option<f32>> {
+        match gen.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => match v.as_f64().filter(|x| x.is_finite() && ok(*x)) {
+                Some(x) => Ok(Some(x as f32)),
+                None => Err(bad(key, why)),
+            },
+        }
+    };
+    let top_k = match gen.get("top_k") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_u64()
+                .and_then(|k| usize::try_from(k).ok())
+                .ok_or_else(|| bad("top_k", "must be an integer >= 0"))?,
+        ),
+    };
+    Ok(GenerationDefaults {
+        temperature: float("temperature", |x| x >= 0.0, "must be a number >= 0")?,
+        top_p: float("top_p", |x| x > 0.0 && x <= 1.0, "must be in (0, 1]")?,
+        top_k,
+        min_p: float("min_p", |x| (0.0..=1.0).contains(&x), "must be in [0, 1]")?,
+        repetition_penalty: float("repetition_penalty", |x| x > 0.0, "must be > 0")?,
+        presence_penalty: float(
+            "presence_penalty",
+            |x| (-2.0..=2.0).contains(&x),
+            "must be in [-2, 2]",
+        )?,
+        frequency_penalty: float(
+            "frequency_penalty",
+            |x| (-2.0..=2.0).contains(&x),
+            "must be in [-2, 2]",
+        )?,
+    })
 }
 
 fn push_ids(v: Option<&Value>, out: &mut Vec<u32>) {
@@ -404,8 +450,10 @@ fn token_string(v: &Value) -> Option<String> {
 pub(crate) fn read_tokenizer_info(dir: &Path, raw: &RawConfig) -> Result<TokenizerInfo> {
     let mut info = TokenizerInfo::default();
     let mut eos = Vec::new();
-    if let Some(gen) = read_json_opt(&dir.join("generation_config.json"))? {
+    let gen_path = dir.join("generation_config.json");
+    if let Some(gen) = read_json_opt(&gen_path)? {
         push_ids(gen.get("eos_token_id"), &mut eos);
+        info.generation = Some(generation_defaults(&gen, &gen_path.display().to_string())?);
     }
     push_ids(raw.root.get("eos_token_id"), &mut eos);
     push_ids(raw.text.get("eos_token_id"), &mut eos);

@@ -710,6 +710,8 @@ pub(crate) struct GgufTokenizer {
     pub chat_template: Option<String>,
     pub eos_token_ids: Vec<u32>,
     pub special_tokens: BTreeMap<String, String>,
+    /// Sampling settings from `general.sampling.*` (llama.cpp's keys).
+    pub generation: Option<slipstream_format::GenerationDefaults>,
     /// Why there is no tokenizer.json, when there is none.
     pub note: Option<String>,
 }
@@ -726,6 +728,29 @@ fn strings(v: Option<&Value>) -> Option<Vec<String>> {
         .collect()
 }
 
+/// The sampling settings a GGUF records (`general.sampling.*`, as
+/// llama.cpp writes them); values out of range are left out.
+fn sampling_defaults(f: &GgufFile) -> slipstream_format::GenerationDefaults {
+    let float = |key: &str, ok: fn(f64) -> bool| {
+        f.get(key)
+            .and_then(|v| v.as_f64())
+            .filter(|x| x.is_finite() && ok(*x))
+            .map(|x| x as f32)
+    };
+    slipstream_format::GenerationDefaults {
+        temperature: float("general.sampling.temp", |x| x >= 0.0),
+        top_p: float("general.sampling.top_p", |x| x > 0.0 && x <= 1.0),
+        top_k: f
+            .get("general.sampling.top_k")
+            .and_then(|v| v.as_u64())
+            .and_then(|k| usize::try_from(k).ok()),
+        min_p: float("general.sampling.min_p", |x| (0.0..=1.0).contains(&x)),
+        repetition_penalty: float("general.sampling.penalty_repeat", |x| x > 0.0),
+        presence_penalty: None,
+        frequency_penalty: None,
+    }
+}
+
 pub(crate) fn tokenizer(f: &GgufFile) -> GgufTokenizer {
     let mut t = GgufTokenizer {
         tokenizer_json: None,
@@ -735,6 +760,7 @@ pub(crate) fn tokenizer(f: &GgufFile) -> GgufTokenizer {
             .map(str::to_string),
         eos_token_ids: Vec::new(),
         special_tokens: BTreeMap::new(),
+        generation: Some(sampling_defaults(f)),
         note: None,
     };
     let tokens = strings(f.get("tokenizer.ggml.tokens"));
@@ -959,6 +985,7 @@ pub(crate) fn repack_gguf(
         chat_template: tok.chat_template,
         eos_token_ids: tok.eos_token_ids,
         special_tokens: tok.special_tokens,
+        generation: tok.generation,
         source: SourceInfo {
             kind: SourceKind::Gguf.name().into(),
             path: path.clone(),

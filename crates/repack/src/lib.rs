@@ -1199,6 +1199,7 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         chat_template: tok.chat_template,
         eos_token_ids: tok.eos_token_ids,
         special_tokens: tok.special_tokens,
+        generation: tok.generation,
         source: SourceInfo {
             kind: kind.name().into(),
             path: opts.input.display().to_string(),

@@ -13,13 +13,17 @@ use serde_json::{json, Value};
 use slipstream_engine::FinishReason;
 use tokio::sync::mpsc;
 
+use crate::anthropic_request::output_format;
 use crate::anthropic_request::REASONING_SIGNATURE;
 pub use crate::anthropic_request::{conversation, Mapped, Message, MessagesRequest, Thinking};
+use crate::constrain::tool_constraint;
 use crate::error::{parse_body, ApiError, Flavor};
+use crate::fields::{anthropic_tool_choice, refuse_unknown, tool_form, ANTHROPIC_IGNORED};
 use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
-use crate::openai::{new_id, sampling};
+use crate::openai::new_id;
 use crate::parse::{OutputEvent, ToolCall};
 use crate::prompt::Rendered;
+use crate::sampling::{resolve, RequestSampling};
 use crate::App;
 
 const F: Flavor = Flavor::Anthropic;
@@ -92,6 +96,7 @@ async fn messages_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(F, body)?;
+    refuse_unknown(F, &req.unknown, ANTHROPIC_IGNORED)?;
     let Some(max_tokens) = req.max_tokens else {
         return Err(bad("max_tokens: field required"));
     };
@@ -103,16 +108,38 @@ async fn messages_inner(
     let mut tools = mapped.conv.tools.clone();
     tools.extend(mapped.deferred_tools.iter().cloned());
     let omit = mapped.thinking.omit;
+    let (choice, single) = anthropic_tool_choice(req.tool_choice.as_ref())
+        .map_err(|e| bad(format!("tool_choice: {e}")))?;
+    // A forced call goes to the tools in the prompt (deferred ones are
+    // not the model's to call until a search brings them in).
+    let constraint = match tool_constraint(&choice, &mapped.conv.tools, single, tool_form(&app))
+        .map_err(|e| bad(format!("tool_choice {e}")))?
+    {
+        Some(c) => Some(c),
+        None => output_format(&req)?,
+    };
     let params = GenParams {
         prompt_text: r.text,
         max_tokens: Some(max_tokens),
-        sampling: sampling(F, req.temperature, req.top_p, req.top_k, None, None)?,
+        sampling: resolve(
+            F,
+            &RequestSampling {
+                temperature: req.temperature,
+                top_p: req.top_p,
+                top_k: req.top_k,
+                ..Default::default()
+            },
+            &app.config.sampling,
+            &app.info.generation,
+        )?,
         stop,
         parse: true,
         parse_tools: !tools.is_empty(),
         in_reasoning: r.in_reasoning,
         reasoning_budget: mapped.thinking.budget.filter(|_| r.in_reasoning),
         tools,
+        constraint,
+        logprobs: None,
     };
     let gen = submit(&app, F, params)?;
     let model = app.config.model_id.clone();

@@ -77,6 +77,43 @@ pub struct MessagesRequest {
     pub thinking: Option<Value>,
     pub output_config: Option<Value>,
     pub context_management: Option<Value>,
+    /// Fields not named here: refused unless in
+    /// [`crate::fields::ANTHROPIC_IGNORED`].
+    #[serde(flatten)]
+    pub unknown: Map<String, Value>,
+}
+
+/// `output_config.format` (`{"type": "json_schema", "schema": ...}`) as a
+/// constraint; `None` when absent.
+pub fn output_format(
+    req: &MessagesRequest,
+) -> Result<Option<crate::constrain::Constraint>, ApiError> {
+    let Some(f) = req
+        .output_config
+        .as_ref()
+        .and_then(|c| c.get("format"))
+        .filter(|f| !f.is_null())
+    else {
+        return Ok(None);
+    };
+    match f.get("type").and_then(Value::as_str) {
+        Some("json_schema") => {}
+        _ => return Err(bad("output_config.format.type: must be `json_schema`")),
+    }
+    if let Some(k) = f
+        .as_object()
+        .into_iter()
+        .flat_map(|o| o.keys())
+        .find(|k| !matches!(k.as_str(), "type" | "schema"))
+    {
+        return Err(bad(format!("output_config.format.{k}: unknown field")));
+    }
+    match f.get("schema") {
+        Some(s) if s.is_object() => Ok(Some(crate::constrain::Constraint::Json(s.clone()))),
+        _ => Err(bad(
+            "output_config.format.schema: a JSON schema object is required",
+        )),
+    }
 }
 
 /// What `thinking` and `output_config` ask for.
@@ -158,16 +195,12 @@ pub fn thinking(req: &MessagesRequest) -> Result<Thinking, ApiError> {
                         )))
                     }
                 },
-                ("format", Value::Null) => {}
-                ("format", _) => {
-                    return Err(bad(
-                        "output_config.format: structured outputs are not supported by this server (it has no constrained decoding); ask for the format in the prompt instead",
-                    ))
-                }
+                // Checked and enforced by `output_format`.
+                ("format", _) => {}
                 (other, _) => {
                     return Err(bad(format!(
-                        "output_config.{other}: not supported by this server (effort only)"
-                    )))
+                    "output_config.{other}: not supported by this server (effort and format only)"
+                )))
                 }
             }
         }
@@ -764,11 +797,6 @@ mod tests {
             ),
             (
                 "output_config",
-                json!({"format": {"type": "json_schema", "schema": {}}}),
-                "output_config.format",
-            ),
-            (
-                "output_config",
                 json!({"verbosity": 1}),
                 "output_config.verbosity",
             ),
@@ -776,6 +804,26 @@ mod tests {
         ] {
             let e = t(with(k, v)).unwrap_err();
             assert!(e.contains(says), "{k}: {e}");
+        }
+        // A format is read by `output_format` (and enforced), a bad one refused.
+        let fmt = |f: Value| {
+            output_format(&request(json!({"model": "m", "max_tokens": 1,
+                "messages": [{"role": "user", "content": "x"}], "output_config": {"format": f}})))
+        };
+        assert!(
+            fmt(json!({"type": "json_schema", "schema": {"type": "object"}}))
+                .unwrap()
+                .is_some()
+        );
+        for bad in [
+            json!({"type": "json_schema"}),
+            json!({"type": "xml", "schema": {}}),
+            json!({"type": "json_schema", "schema": {}, "extra": 1}),
+        ] {
+            assert!(fmt(bad)
+                .unwrap_err()
+                .message
+                .contains("output_config.format"));
         }
     }
 

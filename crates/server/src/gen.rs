@@ -11,6 +11,7 @@ use slipstream_engine::{FinishReason, GenerationStats, SamplingParams, StreamDec
 use tokio::sync::mpsc;
 
 use crate::access::{GenFigures, RequestRecord};
+use crate::constrain::{Constraint, Constraints, StepWatch, TokenLogprob};
 use crate::error::{ApiError, Flavor};
 use crate::parse::{OutputEvent, OutputParser, StopFilter};
 use crate::worker::{Job, ReasoningBudget, WorkerEvent};
@@ -32,6 +33,10 @@ pub struct GenParams {
     pub reasoning_budget: Option<usize>,
     /// Tool definitions the parser types XML parameters by.
     pub tools: Vec<Value>,
+    /// What the reply must be (structured output, forced tool calls).
+    pub constraint: Option<Constraint>,
+    /// Return each token's log probability with this many top tokens.
+    pub logprobs: Option<usize>,
 }
 
 /// How a generation ended.
@@ -111,6 +116,11 @@ pub struct Gen {
     received: usize,
     /// The figures went to the record and the metrics.
     reported: bool,
+    /// The log probabilities of the next token, when asked for.
+    next_logprob: Option<TokenLogprob>,
+    /// Log probabilities of the output tokens not yet taken
+    /// ([`Gen::take_logprobs`]).
+    logprobs: Vec<TokenLogprob>,
 }
 
 /// Tokenizes, checks the context limit and queues the job.
@@ -165,6 +175,7 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
         tracing::info!(target: "slipstream::prompt", "#{id}: {} prompt tokens\n{}", prompt.len(), p.prompt_text);
     }
     let (tx, rx) = mpsc::unbounded_channel();
+    let hook = step_watch(app, flavor, &p, tx.clone())?;
     let cancel = Arc::new(AtomicBool::new(false));
     let n = prompt.len();
     app.worker
@@ -173,6 +184,7 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
             max_new_tokens: max_new,
             sampling: p.sampling,
             reasoning_budget,
+            hook,
             cancel: cancel.clone(),
             events: tx,
         })
@@ -198,7 +210,61 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
         started: None,
         received: 0,
         reported: false,
+        next_logprob: None,
+        logprobs: Vec::new(),
     })
+}
+
+/// The tokenizer as constrained decoding sees it (built on first use).
+pub fn constraints(app: &App, flavor: Flavor) -> Result<Arc<Constraints>, ApiError> {
+    app.constraints
+        .get_or_init(|| {
+            let eos = app.info.eos.first().copied().unwrap_or(0);
+            Constraints::new(app.codec.tokenizer(), app.info.vocab_size, eos).map(Arc::new)
+        })
+        .clone()
+        .map_err(|e| ApiError::internal(flavor, format!("constrained decoding: {e}")))
+}
+
+/// The engine hook a request needs: its constraint's matcher (a grammar
+/// llguidance refuses is the client's error) and its log probabilities.
+fn step_watch(
+    app: &App,
+    flavor: Flavor,
+    p: &GenParams,
+    events: mpsc::UnboundedSender<WorkerEvent>,
+) -> Result<Option<Box<dyn slipstream_engine::StepHook>>, ApiError> {
+    if p.constraint.is_none() && p.logprobs.is_none() {
+        return Ok(None);
+    }
+    // Log probabilities name tokens by the table's bytes.
+    constraints(app, flavor)?;
+    let matcher = match &p.constraint {
+        Some(c) => {
+            let table = constraints(app, flavor)?;
+            let grammar = c.grammar(&table);
+            let what = match c {
+                Constraint::Json(_) => "the output format",
+                Constraint::Tools { .. } => "the tools' schemas",
+            };
+            Some(table.matcher(&grammar).map_err(|e| {
+                ApiError::bad_request(flavor, format!("{what} cannot be enforced: {e}"))
+            })?)
+        }
+        None => None,
+    };
+    let think_end = if p.in_reasoning {
+        Some(
+            app.codec
+                .encode("</think>")
+                .map_err(|e| ApiError::internal(flavor, e.to_string()))?,
+        )
+    } else {
+        None
+    };
+    Ok(Some(Box::new(StepWatch::new(
+        matcher, think_end, p.logprobs, events,
+    ))))
 }
 
 /// What a user can do about a prompt of `n` tokens that does not fit a
@@ -254,8 +320,10 @@ impl Gen {
                     }
                     return Some(Step::Started);
                 }
+                WorkerEvent::Logprob(l) => self.next_logprob = Some(l),
                 WorkerEvent::Token(id) => {
                     self.received += 1;
+                    let logprob = self.next_logprob.take();
                     if let Some(r) = &self.record {
                         let (n, prompt) = (self.received, self.prompt_tokens);
                         r.update(|f| {
@@ -266,6 +334,7 @@ impl Gen {
                     if self.stop_string.is_some() || self.app.info.eos.contains(&id) {
                         continue;
                     }
+                    self.logprobs.extend(logprob);
                     let piece = match self.decoder.push(&self.app.codec, id) {
                         Ok(p) => p,
                         Err(e) => {
@@ -333,6 +402,25 @@ impl Gen {
                     return Some(Step::Output(ev));
                 }
             }
+        }
+    }
+
+    /// The log probabilities of the output tokens received since the last
+    /// call (empty unless the request asked for them), in order.
+    pub fn take_logprobs(&mut self) -> Vec<TokenLogprob> {
+        std::mem::take(&mut self.logprobs)
+    }
+
+    /// The bytes of token `id`, as log probabilities report it.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match self.app.constraints.get() {
+            Some(Ok(c)) => c.token_bytes(id),
+            _ => self
+                .app
+                .codec
+                .decode(&[id])
+                .unwrap_or_default()
+                .into_bytes(),
         }
     }
 

@@ -12,7 +12,9 @@
 pub mod access;
 pub mod anthropic;
 pub mod anthropic_request;
+pub mod constrain;
 pub mod error;
+pub mod fields;
 pub mod gen;
 pub mod metrics;
 pub mod openai;
@@ -21,6 +23,7 @@ pub mod parse;
 pub mod prompt;
 pub mod request_log;
 pub mod responses;
+pub mod sampling;
 pub mod script;
 pub mod worker;
 
@@ -77,6 +80,9 @@ pub struct ServerConfig {
     pub log_requests: Option<PathBuf>,
     /// Log each rendered prompt at `info` on the target `slipstream::prompt`.
     pub log_prompts: bool,
+    /// Sampling settings from flags (`serve --temperature` ...): over the
+    /// checkpoint's, under a request's own (see [`sampling`]).
+    pub sampling: slipstream_engine::GenerationDefaults,
 }
 
 impl Default for ServerConfig {
@@ -96,6 +102,7 @@ impl Default for ServerConfig {
             allowed_origins: Vec::new(),
             log_requests: None,
             log_prompts: false,
+            sampling: Default::default(),
         }
     }
 }
@@ -162,6 +169,8 @@ pub struct App {
     /// Where API requests are recorded (`--log-requests`).
     pub request_log: Option<Arc<request_log::RequestLog>>,
     pub metrics: metrics::Metrics,
+    /// The tokenizer as constrained decoding sees it, built on first use.
+    pub constraints: std::sync::OnceLock<Result<Arc<constrain::Constraints>, String>>,
 }
 
 impl App {
@@ -258,7 +267,10 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, I
         eos: engine.eos_tokens().to_vec(),
         max_position: engine.model_config().max_position_embeddings,
         template: engine.template.take().map(Arc::new),
+        template_source: engine.file.manifest.chat_template.clone(),
         store: engine.store_description(),
+        vocab_size: engine.model_config().vocab_size,
+        generation: engine.generation_defaults(),
     };
     let cache = match prompt_cache {
         Some((dir, max_bytes)) => {
@@ -397,6 +409,7 @@ fn launch(
         started: std::time::Instant::now(),
         request_log,
         metrics: metrics::Metrics::default(),
+        constraints: Default::default(),
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -10,13 +10,18 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use slipstream_engine::{FinishReason, SamplingParams};
+use slipstream_engine::FinishReason;
 use tokio::sync::mpsc;
 
+use crate::constrain::{openai_format, openai_logprobs, tool_constraint, Constraint};
 use crate::error::{parse_body, ApiError, Flavor};
+use crate::fields::{
+    openai_tool_choice, refuse_unknown, tool_form, top_logprobs, unsupported, OPENAI_IGNORED,
+};
 use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
 use crate::parse::{OutputEvent, ToolCall};
 use crate::prompt::{content_text, merge_system_messages, template_kwargs, Conversation};
+use crate::sampling::{resolve, RequestSampling};
 use crate::App;
 
 const F: Flavor = Flavor::OpenAi;
@@ -88,6 +93,24 @@ pub struct ChatRequest {
     /// `none` or `minimal`: thinking off; `low`, `medium`, `high`,
     /// `xhigh`: on (this server has no finer control of its length).
     pub reasoning_effort: Option<String>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Hugging Face's (vLLM's extension).
+    pub repetition_penalty: Option<f32>,
+    /// Return each output token's log probability.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: this many most likely tokens per position (0-20).
+    pub top_logprobs: Option<usize>,
+    /// `text`, `json_object` or `json_schema`: enforced by constrained
+    /// decoding (see `constrain.rs`).
+    pub response_format: Option<Value>,
+    /// `false`: a forced tool call is exactly one call.
+    pub parallel_tool_calls: Option<bool>,
+    /// Refused unless empty: token biases are not applied.
+    pub logit_bias: Option<Map<String, Value>>,
+    /// Fields not named here: refused unless in `OPENAI_IGNORED`.
+    #[serde(flatten)]
+    pub unknown: Map<String, Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -114,6 +137,27 @@ pub struct CompletionRequest {
     pub stop: Option<StopSpec>,
     pub seed: Option<i64>,
     pub n: Option<u32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// Refused unless empty: token biases are not applied.
+    pub logit_bias: Option<Map<String, Value>>,
+    /// Fields not named here (`best_of`, `echo`, `suffix`, `logprobs`):
+    /// refused unless in `OPENAI_IGNORED`.
+    #[serde(flatten)]
+    pub unknown: Map<String, Value>,
+}
+
+/// Refuses a non-empty `logit_bias` by name.
+fn check_logit_bias(bias: Option<&Map<String, Value>>) -> Result<(), ApiError> {
+    match bias {
+        Some(b) if !b.is_empty() => Err(unsupported(
+            F,
+            "logit_bias",
+            "token biases are not applied; send an empty object or leave it out",
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Seconds since the epoch.
@@ -138,48 +182,6 @@ pub fn new_id(prefix: &str) -> String {
             .unwrap_or(0),
     );
     format!("{prefix}{:016x}", h.finish())
-}
-
-/// Sampling settings from request fields; OpenAI's default temperature is 1.
-pub fn sampling(
-    flavor: Flavor,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    top_k: Option<usize>,
-    min_p: Option<f32>,
-    seed: Option<i64>,
-) -> Result<SamplingParams, ApiError> {
-    let temperature = temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(
-            ApiError::bad_request(flavor, "temperature must be between 0 and 2")
-                .param("temperature"),
-        );
-    }
-    let top_p = top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::bad_request(flavor, "top_p must be in (0, 1]").param("top_p"));
-    }
-    let min_p = min_p.unwrap_or(0.0);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::bad_request(flavor, "min_p must be in [0, 1]").param("min_p"));
-    }
-    let seed = match seed {
-        Some(s) => s as u64,
-        None => {
-            use std::hash::{BuildHasher, Hasher};
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u64(now());
-            h.finish()
-        }
-    };
-    Ok(SamplingParams {
-        temperature,
-        top_k: top_k.unwrap_or(0),
-        top_p,
-        min_p,
-        seed,
-    })
 }
 
 fn check_stops(flavor: Flavor, stops: &[String]) -> Result<(), ApiError> {
@@ -339,6 +341,29 @@ pub fn conversation(req: &ChatRequest) -> Result<Conversation, ApiError> {
     })
 }
 
+/// What a chat request forces: a tool call (`tool_choice` required or
+/// named) over a `response_format`.
+fn chat_constraint(
+    app: &App,
+    req: &ChatRequest,
+    tools: &[Value],
+) -> Result<Option<Constraint>, ApiError> {
+    let choice = openai_tool_choice(req.tool_choice.as_ref(), false)
+        .map_err(|e| ApiError::bad_request(F, format!("tool_choice: {e}")).param("tool_choice"))?;
+    let single = req.parallel_tool_calls == Some(false);
+    if let Some(c) = tool_constraint(&choice, tools, single, tool_form(app))
+        .map_err(|e| ApiError::bad_request(F, format!("tool_choice {e}")).param("tool_choice"))?
+    {
+        return Ok(Some(c));
+    }
+    match &req.response_format {
+        None => Ok(None),
+        Some(f) => openai_format(f, false).map_err(|e| {
+            ApiError::bad_request(F, format!("response_format: {e}")).param("response_format")
+        }),
+    }
+}
+
 pub async fn chat_completions(
     State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
@@ -354,24 +379,41 @@ async fn chat_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(F, body)?;
+    refuse_unknown(F, &req.unknown, OPENAI_IGNORED)?;
     app.check_model(&req.model, F)?;
     if req.n.unwrap_or(1) != 1 {
         return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
     }
+    check_logit_bias(req.logit_bias.as_ref())?;
     let conv = conversation(&req)?;
     let rendered = app.render(&conv, F)?;
+    let constraint = chat_constraint(&app, &req, &conv.tools)?;
     let stop = req.stop.map(StopSpec::into_vec).unwrap_or_default();
     check_stops(F, &stop)?;
+    let top = top_logprobs(F, req.top_logprobs)?;
+    let logprobs = req.logprobs.unwrap_or(false).then_some(top);
+    if logprobs.is_none() && top > 0 {
+        return Err(
+            ApiError::bad_request(F, "top_logprobs needs logprobs: true").param("top_logprobs"),
+        );
+    }
     let params = GenParams {
         prompt_text: rendered.text,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        sampling: sampling(
+        sampling: resolve(
             F,
-            req.temperature,
-            req.top_p,
-            req.top_k,
-            req.min_p,
-            req.seed,
+            &RequestSampling {
+                temperature: req.temperature,
+                top_p: req.top_p,
+                top_k: req.top_k,
+                min_p: req.min_p,
+                presence_penalty: req.presence_penalty,
+                frequency_penalty: req.frequency_penalty,
+                repetition_penalty: req.repetition_penalty,
+                seed: req.seed,
+            },
+            &app.config.sampling,
+            &app.info.generation,
         )?,
         stop,
         parse: true,
@@ -379,13 +421,23 @@ async fn chat_inner(
         in_reasoning: rendered.in_reasoning,
         reasoning_budget: None,
         tools: conv.tools.clone(),
+        constraint,
+        logprobs,
     };
     let gen = submit(&app, F, params)?;
     let model = app.config.model_id.clone();
+    let with_logprobs = logprobs.is_some();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         let (tx, rx) = mpsc::channel::<String>(64);
-        tokio::spawn(stream_chat(app, gen, tx, model, include_usage));
+        tokio::spawn(stream_chat(
+            app,
+            gen,
+            tx,
+            model,
+            include_usage,
+            with_logprobs,
+        ));
         return Ok(sse_response(sse_body(rx)));
     }
     let mut gen = gen;
@@ -430,6 +482,12 @@ async fn chat_inner(
         }
         message["tool_calls"] = Value::Array(calls.clone());
     }
+    let logprobs = if with_logprobs {
+        let entries = gen.take_logprobs();
+        json!({"content": openai_logprobs(&entries, &|id| gen.token_bytes(id)), "refusal": null})
+    } else {
+        Value::Null
+    };
     Ok(Json(json!({
         "id": new_id("chatcmpl-"),
         "object": "chat.completion",
@@ -438,7 +496,7 @@ async fn chat_inner(
         "choices": [{
             "index": 0,
             "message": message,
-            "logprobs": null,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(&outcome, calls.len()),
         }],
         "usage": usage(&outcome),
@@ -457,15 +515,17 @@ async fn stream_chat(
     tx: mpsc::Sender<String>,
     model: String,
     include_usage: bool,
+    with_logprobs: bool,
 ) {
     let id = new_id("chatcmpl-");
     let created = now();
-    let chunk = |delta: Value, finish: Value| {
+    let chunk_with = |delta: Value, finish: Value, logprobs: Value| {
         data(&json!({
             "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         }))
     };
+    let chunk = |delta: Value, finish: Value| chunk_with(delta, finish, Value::Null);
     if tx
         .send(chunk(
             json!({"role": "assistant", "content": ""}),
@@ -485,28 +545,38 @@ async fn stream_chat(
         let msgs: Vec<String> = match step {
             None => return,
             Some(Step::Started) => continue,
-            Some(Step::Output(evs)) => evs
-                .into_iter()
-                .filter_map(|ev| match ev {
-                    OutputEvent::Content(t) => Some(chunk(json!({"content": t}), Value::Null)),
-                    OutputEvent::Reasoning(t) => Some(chunk(
-                        json!({"reasoning_content": t, "reasoning": t}),
-                        Value::Null,
-                    )),
-                    OutputEvent::ToolCallStart { name } => {
-                        calls += 1;
-                        let call = json!({"index": calls - 1, "id": new_id("call_"),
-                            "type": "function", "function": {"name": name, "arguments": ""}});
-                        Some(chunk(json!({"tool_calls": [call]}), Value::Null))
-                    }
-                    OutputEvent::ToolCallArgs(piece) => {
-                        let call = json!({"index": calls.saturating_sub(1),
-                            "function": {"arguments": piece}});
-                        Some(chunk(json!({"tool_calls": [call]}), Value::Null))
-                    }
-                    OutputEvent::ToolCallEnd(_) => None,
-                })
-                .collect(),
+            Some(Step::Output(evs)) => {
+                // The tokens since the last chunk ride on its first piece.
+                let entries = gen.take_logprobs();
+                let mut logprobs = (with_logprobs && !entries.is_empty()).then(|| {
+                    json!({"content": openai_logprobs(&entries, &|i| gen.token_bytes(i)), "refusal": null})
+                });
+                let deltas: Vec<Value> = evs
+                    .into_iter()
+                    .filter_map(|ev| match ev {
+                        OutputEvent::Content(t) => Some(json!({"content": t})),
+                        OutputEvent::Reasoning(t) => {
+                            Some(json!({"reasoning_content": t, "reasoning": t}))
+                        }
+                        OutputEvent::ToolCallStart { name } => {
+                            calls += 1;
+                            let call = json!({"index": calls - 1, "id": new_id("call_"),
+                                "type": "function", "function": {"name": name, "arguments": ""}});
+                            Some(json!({"tool_calls": [call]}))
+                        }
+                        OutputEvent::ToolCallArgs(piece) => {
+                            let call = json!({"index": calls.saturating_sub(1),
+                                "function": {"arguments": piece}});
+                            Some(json!({"tool_calls": [call]}))
+                        }
+                        OutputEvent::ToolCallEnd(_) => None,
+                    })
+                    .collect();
+                deltas
+                    .into_iter()
+                    .map(|d| chunk_with(d, Value::Null, logprobs.take().unwrap_or(Value::Null)))
+                    .collect()
+            }
             Some(Step::Done(o)) => {
                 let mut v = vec![chunk(json!({}), finish_reason(&o, calls).into())];
                 if include_usage {
@@ -552,7 +622,9 @@ async fn completions_inner(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(F, body)?;
+    refuse_unknown(F, &req.unknown, OPENAI_IGNORED)?;
     app.check_model(&req.model, F)?;
+    check_logit_bias(req.logit_bias.as_ref())?;
     if req.n.unwrap_or(1) != 1 {
         return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
     }
@@ -571,13 +643,20 @@ async fn completions_inner(
     let params = GenParams {
         prompt_text: prompt,
         max_tokens: Some(req.max_tokens.unwrap_or(16)),
-        sampling: sampling(
+        sampling: resolve(
             F,
-            req.temperature,
-            req.top_p,
-            req.top_k,
-            req.min_p,
-            req.seed,
+            &RequestSampling {
+                temperature: req.temperature,
+                top_p: req.top_p,
+                top_k: req.top_k,
+                min_p: req.min_p,
+                presence_penalty: req.presence_penalty,
+                frequency_penalty: req.frequency_penalty,
+                repetition_penalty: req.repetition_penalty,
+                seed: req.seed,
+            },
+            &app.config.sampling,
+            &app.info.generation,
         )?,
         stop,
         parse: false,
@@ -585,6 +664,8 @@ async fn completions_inner(
         in_reasoning: false,
         reasoning_budget: None,
         tools: Vec::new(),
+        constraint: None,
+        logprobs: None,
     };
     let mut gen = submit(&app, F, params)?;
     let model = app.config.model_id.clone();

@@ -3,7 +3,9 @@
 //! it. Stateless: every request carries its whole conversation, nothing is
 //! stored (`previous_response_id` is refused, `GET /v1/responses/{id}` is a
 //! 404 that says so). Every field either has its effect, is refused by name,
-//! or is in [`IGNORED`] with the reason ignoring it is harmless.
+//! or is in [`IGNORED`] with the reason ignoring it is harmless. Structured
+//! output (`text.format`) and forced tool calls (`tool_choice` required or
+//! named) are enforced by constrained decoding (`constrain.rs`).
 
 mod events;
 mod input;
@@ -19,10 +21,13 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
+use crate::constrain::{openai_format, tool_constraint, Constraint, ToolChoice};
 use crate::error::{parse_body, ApiError, Flavor};
+use crate::fields::{openai_tool_choice, tool_form};
 use crate::gen::{pump, sse_body, sse_response, submit, GenParams, Step};
-use crate::openai::{new_id, now, sampling};
+use crate::openai::{new_id, now};
 use crate::prompt::Conversation;
+use crate::sampling::{resolve, RequestSampling};
 use crate::App;
 use events::{sse, ResponseWriter};
 
@@ -206,12 +211,12 @@ fn thinking(reasoning: Option<&Map<String, Value>>) -> Result<Option<bool>, ApiE
     }
 }
 
-/// Checks `text`: plain text output only (structured output needs
-/// constrained decoding). `verbosity` is accepted and has nothing to do: a
-/// length hint this model has no control for.
-fn check_text(text: Option<&Map<String, Value>>) -> Result<(), ApiError> {
+/// Reads `text`: its `format` (`text`, `json_object`, `json_schema`) as a
+/// constraint. `verbosity` is accepted and has nothing to do: a length
+/// hint this model has no control for.
+fn text_format(text: Option<&Map<String, Value>>) -> Result<Option<Constraint>, ApiError> {
     let Some(t) = text else {
-        return Ok(());
+        return Ok(None);
     };
     if let Some(k) = t
         .keys()
@@ -222,28 +227,19 @@ fn check_text(text: Option<&Map<String, Value>>) -> Result<(), ApiError> {
             "only `format` and `verbosity` are",
         ));
     }
-    match t.get("format").filter(|f| !f.is_null()).map(|f| f.get("type").and_then(Value::as_str)) {
-        None | Some(Some("text")) => Ok(()),
-        Some(kind) => Err(refuse(
-            "text.format",
-            &format!("{} output needs constrained decoding, which this server does not have yet; use {{\"type\": \"text\"}}", kind.unwrap_or("this")),
-        )),
+    match t.get("format") {
+        None => Ok(None),
+        Some(f) => openai_format(f, true).map_err(|e| {
+            ApiError::bad_request(F, format!("text.format: {e}")).param("text.format")
+        }),
     }
 }
 
-/// Whether tools are offered: `auto` (the default) or `none`. `required`
-/// and a named tool need constrained decoding to be kept, so they are
-/// refused rather than ignored.
-fn offer_tools(choice: Option<&Value>) -> Result<bool, ApiError> {
-    match choice {
-        None | Some(Value::Null) => Ok(true),
-        Some(Value::String(s)) if s == "auto" => Ok(true),
-        Some(Value::String(s)) if s == "none" => Ok(false),
-        Some(c) => Err(refuse(
-            "tool_choice",
-            &format!("{c} needs constrained decoding, which this server does not have yet; use \"auto\" or \"none\""),
-        )),
-    }
+/// `tool_choice`: `auto` (the default), `none`, `required` or a function
+/// by name (the last two enforced by constrained decoding).
+fn tool_choice(choice: Option<&Value>) -> Result<ToolChoice, ApiError> {
+    openai_tool_choice(choice, true)
+        .map_err(|e| ApiError::bad_request(F, format!("tool_choice: {e}")).param("tool_choice"))
 }
 
 /// The Response before any output: the request's settings echoed.
@@ -304,7 +300,8 @@ async fn create_inner(
     let req = parse(body)?;
     app.check_model(&req.model, F)?;
     check_supported(&req)?;
-    check_text(req.text.as_ref())?;
+    let format = text_format(req.text.as_ref())?;
+    let choice = tool_choice(req.tool_choice.as_ref())?;
     let enable_thinking = thinking(req.reasoning.as_ref())?;
     if req.max_output_tokens == Some(0) {
         return Err(
@@ -317,7 +314,7 @@ async fn create_inner(
         .as_ref()
         .ok_or_else(|| ApiError::bad_request(F, "`input` is required").param("input"))?;
     let messages = input::messages(req.instructions.as_deref(), input)?;
-    let (tools, routes) = if offer_tools(req.tool_choice.as_ref())? {
+    let (tools, routes) = if choice != ToolChoice::None {
         input::tools(req.tools.as_deref().unwrap_or_default())?
     } else {
         (Vec::new(), Default::default())
@@ -329,7 +326,23 @@ async fn create_inner(
         extra: Map::new(),
     };
     let rendered = app.render(&conv, F)?;
-    let sampling = sampling(F, req.temperature, req.top_p, None, None, None)?;
+    let sampling = resolve(
+        F,
+        &RequestSampling {
+            temperature: req.temperature,
+            top_p: req.top_p,
+            ..Default::default()
+        },
+        &app.config.sampling,
+        &app.info.generation,
+    )?;
+    let single = req.parallel_tool_calls == Some(false) || req.max_tool_calls == Some(1);
+    let constraint = match tool_constraint(&choice, &conv.tools, single, tool_form(&app))
+        .map_err(|e| ApiError::bad_request(F, format!("tool_choice {e}")).param("tool_choice"))?
+    {
+        Some(c) => Some(c),
+        None => format,
+    };
     let params = GenParams {
         prompt_text: rendered.text,
         max_tokens: req.max_output_tokens,
@@ -340,6 +353,8 @@ async fn create_inner(
         in_reasoning: rendered.in_reasoning,
         reasoning_budget: None,
         tools: conv.tools,
+        constraint,
+        logprobs: None,
     };
     let mut gen = submit(&app, F, params)?;
     let max_calls = match req.parallel_tool_calls {
@@ -401,9 +416,9 @@ mod tests {
     fn req(v: Value) -> Result<ResponsesRequest, ApiError> {
         let r = parse(Ok(Bytes::from(v.to_string())))?;
         check_supported(&r)?;
-        check_text(r.text.as_ref())?;
+        text_format(r.text.as_ref())?;
         thinking(r.reasoning.as_ref())?;
-        offer_tools(r.tool_choice.as_ref())?;
+        tool_choice(r.tool_choice.as_ref())?;
         Ok(r)
     }
 
@@ -453,18 +468,34 @@ mod tests {
             "previous_response_id"
         );
         assert_eq!(
-            refused(json!({"input": "x", "tool_choice": "required"})),
+            refused(json!({"input": "x", "tool_choice": "sometimes"})),
             "tool_choice"
         );
         assert_eq!(
-            refused(json!({"input": "x", "tool_choice": {"type": "function", "name": "f"}})),
+            refused(json!({"input": "x", "tool_choice": {"type": "function"}})),
             "tool_choice"
         );
         assert_eq!(
             refused(
-                json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "s", "schema": {}}}})
+                json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "s"}}})
             ),
             "text.format"
+        );
+        assert_eq!(
+            refused(json!({"input": "x", "text": {"format": {"type": "yaml"}}})),
+            "text.format"
+        );
+        // Structured output and forced calls are enforced, not refused.
+        let r = req(json!({"input": "x", "tool_choice": "required",
+            "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}}))
+        .unwrap();
+        assert_eq!(
+            tool_choice(r.tool_choice.as_ref()).unwrap(),
+            ToolChoice::Required
+        );
+        assert_eq!(
+            text_format(r.text.as_ref()).unwrap(),
+            Some(Constraint::Json(json!({"type": "object"})))
         );
         assert_eq!(
             refused(json!({"input": "x", "truncation": "auto"})),
@@ -491,6 +522,9 @@ mod tests {
             "reasoning": {"effort": "minimal", "summary": "auto"}, "store": false, "tool_choice": "none"}))
         .unwrap();
         assert_eq!(thinking(ok.reasoning.as_ref()).unwrap(), Some(false));
-        assert!(!offer_tools(ok.tool_choice.as_ref()).unwrap());
+        assert_eq!(
+            tool_choice(ok.tool_choice.as_ref()).unwrap(),
+            ToolChoice::None
+        );
     }
 }

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use slipstream_engine::{
-    Engine, FinishReason, GenerateRequest, GenerationStats, PromptCache, Restored, SamplingParams,
-    StateCache, TextCodec,
+    Engine, FinishReason, GenerateRequest, GenerationDefaults, GenerationStats, PromptCache,
+    Restored, SamplingParams, StateCache, StepHook, TextCodec,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -22,6 +22,10 @@ pub struct Job {
     /// request limits its length (the [`Backend::Script`] test facility
     /// replies verbatim and ignores it).
     pub reasoning_budget: Option<ReasoningBudget>,
+    /// Installed in the engine for this job (a constraint, log
+    /// probabilities: see [`crate::constrain::StepWatch`]); the
+    /// [`Backend::Script`] test facility replies verbatim without it.
+    pub hook: Option<Box<dyn StepHook>>,
     pub cancel: Arc<AtomicBool>,
     pub events: UnboundedSender<WorkerEvent>,
 }
@@ -47,6 +51,8 @@ pub struct ReasoningBudget {
 pub enum WorkerEvent {
     /// The job left the queue; prefill begins.
     Started,
+    /// The log probabilities of the token that follows (sent before it).
+    Logprob(crate::constrain::TokenLogprob),
     Token(u32),
     Done(Result<Finished, String>),
 }
@@ -177,11 +183,18 @@ pub struct Info {
     pub eos: Vec<u32>,
     pub max_position: usize,
     pub template: Option<Arc<slipstream_engine::ChatTemplate>>,
+    /// The model's own chat template source (tool-call form, see
+    /// [`crate::constrain::ToolForm`]).
+    pub template_source: Option<String>,
     pub store: String,
+    /// Logits per step.
+    pub vocab_size: usize,
+    /// Sampling settings the checkpoint recommends.
+    pub generation: GenerationDefaults,
 }
 
 fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
-    while let Ok(job) = rx.recv() {
+    while let Ok(mut job) = rx.recv() {
         st.pending.fetch_sub(1, Ordering::SeqCst);
         if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
             let _ = job.events.send(WorkerEvent::Done(Err("cancelled".into())));
@@ -206,9 +219,11 @@ fn run(mut backend: Backend, rx: mpsc::Receiver<Job>, st: Arc<QueueState>) {
                 }
                 // A panic in the model must not take the server down (the
                 // conversation's state is lost with it; the cache keeps the rest).
+                engine.set_step_hook(job.hook.take());
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     generate(engine, states, restored, &job, &mut on_token)
                 }));
+                engine.set_step_hook(None);
                 match r {
                     Ok(Ok(f)) => Ok(f),
                     Ok(Err(e)) => Err(e.to_string()),
@@ -328,6 +343,14 @@ fn generate(
     }
     let room = job.max_new_tokens.saturating_sub(generated.len());
     let close = &budget.close[..budget.close.len().min(room)];
+    // The hook learns the written close as if it were generated.
+    let mut hook = engine.set_step_hook(None);
+    if let Some(h) = hook.as_mut() {
+        for &id in close {
+            h.accept(id).map_err(slipstream_engine::EngineError::Hook)?;
+        }
+    }
+    engine.set_step_hook(hook);
     for &id in close {
         if !on_token(id) {
             let stats = followed_by(first.stats, None, close.len());

@@ -812,6 +812,7 @@ pub fn synthesize_q(
         chat_template: None,
         eos_token_ids: Vec::new(),
         special_tokens: Default::default(),
+        generation: None,
         source,
     })?;
     let seconds = t0.elapsed().as_secs_f64();
