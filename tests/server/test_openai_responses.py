@@ -109,7 +109,37 @@ def test_refusals_are_sdk_errors(server):
         c.responses.create(model="demo", input="hi", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:
-        c.responses.create(model="demo", input="hi", tools=TOOLS, tool_choice="required")
-    assert e.value.body["param"] == "tool_choice"
+        c.responses.create(model="demo", input="hi", extra_body={"best_of": 2})
+    assert e.value.body["param"] == "best_of"
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve("resp_123")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"word": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+    "required": ["word", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_text_format_and_forced_calls_are_honoured(server):
+    c = client(server)
+    r = c.responses.create(
+        model="demo",
+        input="And it came to pass",
+        temperature=0,
+        max_output_tokens=60,
+        text={"format": {"type": "json_schema", "name": "t", "schema": SCHEMA, "strict": True}},
+    )
+    v = json.loads(r.output_text)
+    assert set(v) == {"word", "ok"} and isinstance(v["ok"], bool)
+    short = [dict(TOOLS[0], parameters={"type": "object", "properties": {
+        "cmd": {"type": "string", "maxLength": 10}}, "required": ["cmd"]})]
+    r = c.responses.create(
+        model="demo", input="hi", tools=short, tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_output_tokens=60,
+    )
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "exec_command"
+    assert isinstance(json.loads(calls[0].arguments)["cmd"], str)

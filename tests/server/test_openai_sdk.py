@@ -135,3 +135,33 @@ def test_tool_calls_round_trip_on_the_wire():
         assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": 3}
     finally:
         s.stop()
+
+
+def test_response_format_penalties_and_logprobs_are_honoured(server):
+    c = client(server)
+    schema = {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["word", "n"],
+        "additionalProperties": False,
+    }
+    msgs = [{"role": "user", "content": "And it came to pass"}]
+    r = c.chat.completions.create(
+        model="demo", messages=msgs, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}},
+    )
+    v = json.loads(r.choices[0].message.content)
+    assert set(v) == {"word", "n"} and 0 <= v["n"] <= 9
+    plain = c.chat.completions.create(model="demo", messages=msgs, max_tokens=30, temperature=0)
+    penalised = c.chat.completions.create(
+        model="demo", messages=msgs, max_tokens=30, temperature=0, presence_penalty=2.0
+    )
+    assert plain.choices[0].message.content != penalised.choices[0].message.content
+    r = c.chat.completions.create(
+        model="demo", messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    entries = r.choices[0].logprobs.content
+    assert entries and all(e.top_logprobs[0].token == e.token for e in entries)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="demo", messages=msgs, max_tokens=4, logit_bias={"5": 10})
+    assert e.value.body["param"] == "logit_bias"

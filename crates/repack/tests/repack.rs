@@ -257,6 +257,18 @@ fn qwen35_fused_f32_is_bit_exact() {
     assert_eq!(c.shared_expert_intermediate_size, 64);
     assert_eq!(m.manifest.eos_token_ids, vec![2, 7]);
     assert_eq!(
+        m.manifest.generation,
+        Some(slipstream_format::GenerationDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            min_p: Some(0.0),
+            repetition_penalty: Some(1.0),
+            presence_penalty: None,
+            frequency_penalty: None,
+        })
+    );
+    assert_eq!(
         m.manifest
             .special_tokens
             .get("eos_token")
@@ -998,6 +1010,29 @@ fn error_no_checkpoint_files() {
     write_json(&input.join("config.json"), &Tiny::qwen3().qwen3_config());
     let e = err_of(&input, &d.path().join("out"));
     assert!(e.contains("safetensors"), "{e}");
+}
+
+#[test]
+fn error_bad_generation_config_value_names_it() {
+    let d = tmp();
+    let input = d.path().join("in");
+    let t = Tiny::qwen3();
+    save(
+        &input,
+        &floats_to_raw(&hf_tensors(&t, false, "model.", false, true), Dtype::F32),
+        1,
+    );
+    write_json(&input.join("config.json"), &t.qwen3_config());
+    write_tokenizer_files(&input);
+    write_json(
+        &input.join("generation_config.json"),
+        &serde_json::json!({"top_p": 1.5}),
+    );
+    let e = err_of(&input, &d.path().join("out"));
+    assert!(
+        e.contains("generation_config.json") && e.contains("top_p"),
+        "{e}"
+    );
 }
 
 // ------------------------------------------------------------ fixtures

@@ -290,13 +290,18 @@ fn compact(schema: &Value) -> Value {
 }
 
 impl Constraint {
-    /// The Lark grammar of this constraint over `c`'s vocabulary.
-    pub fn grammar(&self, c: &Constraints) -> String {
+    /// The Lark grammar of this constraint over `c`'s vocabulary; with
+    /// `after_thinking`, up to 2 whitespace characters may come first.
+    pub fn grammar(&self, c: &Constraints, after_thinking: bool) -> String {
+        let lead = if after_thinking {
+            "/[ \\t\\r\\n]{0,2}/ "
+        } else {
+            ""
+        };
         match self {
-            Constraint::Json(schema) => format!(
-                "start: /[ \\t\\r\\n]{{0,2}}/ value\nvalue: %json {}\n",
-                compact(schema)
-            ),
+            Constraint::Json(schema) => {
+                format!("start: {lead}value\nvalue: %json {}\n", compact(schema))
+            }
             Constraint::Tools {
                 tools,
                 single,
@@ -313,7 +318,7 @@ impl Constraint {
                 } else {
                     "call (\"\\n\" call)*".to_string()
                 };
-                g.push_str(&format!("start: /[ \\t\\r\\n]{{0,2}}/ {calls}\n"));
+                g.push_str(&format!("start: {lead}{calls}\n"));
                 let alts: Vec<String> = (0..tools.len()).map(|i| format!("call_{i}")).collect();
                 g.push_str(&format!("call: {}\n", alts.join(" | ")));
                 for (i, (name, schema)) in tools.iter().enumerate() {
@@ -597,9 +602,12 @@ mod tests {
         let c = bytes_only();
         let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}},
             "required": ["n"], "additionalProperties": false});
-        let g = Constraint::Json(schema).grammar(&c);
+        let g = Constraint::Json(schema.clone()).grammar(&c, false);
         assert!(accepts(&c, &g, "{\"n\": 5}"), "{g}");
-        assert!(accepts(&c, &g, "\n\n{\"n\": -12}"));
+        assert!(accepts(&c, &g, "{\"n\": -12}"));
+        assert!(!accepts(&c, &g, "\n{\"n\": -12}"));
+        let after = Constraint::Json(schema).grammar(&c, true);
+        assert!(accepts(&c, &after, "\n\n{\"n\": -12}"));
         assert!(!accepts(&c, &g, "{\"n\": \"5\"}"));
         assert!(!accepts(&c, &g, "{\"m\": 5}"));
         assert!(!accepts(&c, &g, "{}"));
@@ -622,7 +630,7 @@ mod tests {
             single: false,
             form: ToolForm::Xml,
         }
-        .grammar(&c);
+        .grammar(&c, false);
         let call = "<tool_call>\n<function=read>\n<parameter=path>\na b\nc\n</parameter>\n<parameter=limit>\n7\n</parameter>\n</function>\n</tool_call>";
         assert!(accepts(&c, &g, call), "{g}");
         let noop = "<tool_call>\n<function=noop>\n</function>\n</tool_call>";
@@ -652,7 +660,7 @@ mod tests {
             single: true,
             form: ToolForm::Xml,
         }
-        .grammar(&c);
+        .grammar(&c, false);
         let pick = |mode: &str, tag: &str| {
             format!("<tool_call>\n<function=pick>\n<parameter=mode>\n{mode}\n</parameter>\n<parameter=tag>\n{tag}\n</parameter>\n</function>\n</tool_call>")
         };
@@ -664,7 +672,7 @@ mod tests {
             single: true,
             form: ToolForm::Xml,
         }
-        .grammar(&c);
+        .grammar(&c, false);
         assert!(!accepts(&c, &single, &format!("{call}\n{noop}")));
         assert!(accepts(&c, &single, noop));
     }
@@ -680,7 +688,7 @@ mod tests {
             single: true,
             form: ToolForm::Json,
         }
-        .grammar(&c);
+        .grammar(&c, false);
         assert!(
             accepts(
                 &c,

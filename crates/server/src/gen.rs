@@ -242,7 +242,7 @@ fn step_watch(
     let matcher = match &p.constraint {
         Some(c) => {
             let table = constraints(app, flavor)?;
-            let grammar = c.grammar(&table);
+            let grammar = c.grammar(&table, p.in_reasoning);
             let what = match c {
                 Constraint::Json(_) => "the output format",
                 Constraint::Tools { .. } => "the tools' schemas",

@@ -239,10 +239,7 @@ fn refused_fields_name_themselves() {
                 "previous_response_id",
             ),
             (json!({"tool_choice": "required"}), "tool_choice"),
-            (
-                json!({"text": {"format": {"type": "json_object"}}}),
-                "text.format",
-            ),
+            (json!({"text": {"format": {"type": "yaml"}}}), "text.format"),
             (json!({"presence_penalty": 1}), "presence_penalty"),
             (json!({"max_output_tokens": 0}), "max_output_tokens"),
             (json!({"input": [{"type": "input_image"}]}), "input[0].type"),

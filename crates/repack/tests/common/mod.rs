@@ -367,7 +367,9 @@ pub fn write_tokenizer_files(dir: &Path) {
     );
     write_json(
         &dir.join("generation_config.json"),
-        &json!({"eos_token_id": [2, 7]}),
+        // Qwen3.6's recommended sampling, as its checkpoint writes it.
+        &json!({"eos_token_id": [2, 7], "do_sample": true, "temperature": 0.6,
+            "top_p": 0.95, "top_k": 20, "min_p": 0.0, "repetition_penalty": 1.0}),
     );
 }
 
