@@ -1,7 +1,7 @@
 //! `slipstream`: run and convert mixture-of-experts models.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -347,6 +347,42 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
     Ok(())
 }
 
+/// The error for a prompt of `tokens` (a number, or "more than N") tokens
+/// on a model of `positions` positions.
+fn too_long(tokens: &str, positions: usize) -> String {
+    format!(
+        "the prompt is {tokens} tokens; this model has {positions} positions (max_position_embeddings), so a prompt must be at most {} tokens to leave room for a reply",
+        positions.saturating_sub(1)
+    )
+}
+
+/// Reads a prompt file of at most `max_bytes` bytes (the most text a
+/// prompt that fits `positions` may take), without reading more of a larger
+/// one or of an endless one (a device, a FIFO).
+fn read_prompt_file(path: &Path, max_bytes: usize, positions: usize) -> Result<String> {
+    use std::io::Read;
+    let context = || format!("reading prompt file {}", path.display());
+    let file = std::fs::File::open(path).with_context(context)?;
+    let too_big = || {
+        anyhow::anyhow!(
+            "prompt file {} is larger than {} MiB, more text than a prompt for this model's {positions} positions can hold",
+            path.display(),
+            max_bytes >> 20
+        )
+    };
+    if file.metadata().with_context(context)?.len() > max_bytes as u64 {
+        return Err(too_big());
+    }
+    let mut bytes = Vec::new();
+    file.take(max_bytes as u64 + 1)
+        .read_to_end(&mut bytes)
+        .with_context(context)?;
+    if bytes.len() > max_bytes {
+        return Err(too_big());
+    }
+    String::from_utf8(bytes).with_context(|| format!("prompt file {} is not UTF-8", path.display()))
+}
+
 fn run(args: RunArgs) -> Result<()> {
     // The flags are checked before the model opens; the checkpoint's
     // defaults join them once it has.
@@ -481,12 +517,16 @@ fn run(args: RunArgs) -> Result<()> {
         eprintln!("[backend] {}", engine.set_backend(&choice)?);
     }
 
+    // A prompt leaves room for at least one generated token.
+    let positions = engine.model_config().max_position_embeddings;
+    let most_prompt = positions.saturating_sub(1);
     let prompt_text = match (&args.prompt, &args.prompt_file, &args.prompt_tokens) {
         (Some(p), _, _) => Some(p.clone()),
-        (None, Some(f), _) => Some(
-            std::fs::read_to_string(f)
-                .with_context(|| format!("reading prompt file {}", f.display()))?,
-        ),
+        (None, Some(f), _) => Some(read_prompt_file(
+            f,
+            slipstream_engine::text_bytes_bound(most_prompt),
+            positions,
+        )?),
         (None, None, Some(_)) => None,
         (None, None, None) => Some(demo::DEFAULT_PROMPT.to_string()),
     };
@@ -517,13 +557,32 @@ fn run(args: RunArgs) -> Result<()> {
             } else {
                 text
             };
-            codec.encode(&text)?
+            match codec.encode_within(&text, most_prompt)? {
+                slipstream_engine::Bounded::Fits(ids) => ids,
+                slipstream_engine::Bounded::TooLong { .. } => {
+                    bail!(too_long(&format!("more than {most_prompt}"), positions))
+                }
+            }
         }
         (None, None) => bail!("no prompt"),
     };
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
+    if prompt.len() > most_prompt {
+        bail!(too_long(&prompt.len().to_string(), positions));
+    }
+    let room = positions - prompt.len();
+    let max_new = if args.max_new > room {
+        eprintln!(
+            "note: --max-new {} cut to {room}: the model has {positions} positions and the prompt takes {}",
+            args.max_new,
+            prompt.len()
+        );
+        room
+    } else {
+        args.max_new
+    };
 
     let sampling = args
         .sampling
@@ -533,7 +592,7 @@ fn run(args: RunArgs) -> Result<()> {
         })?;
     let req = GenerateRequest {
         prompt: prompt.clone(),
-        max_new_tokens: args.max_new,
+        max_new_tokens: max_new,
         sampling,
         stop_tokens: args.stop_token.clone(),
         keep_logits: args.dump_logits.is_some(),

@@ -30,9 +30,10 @@ pub struct ServeArgs {
     /// (Anthropic).
     #[arg(long, default_value_t = 8)]
     pub queue: usize,
-    /// Largest request body, e.g. 32M.
-    #[arg(long, default_value = "32M", value_parser = parse_size_arg)]
-    pub max_body: u64,
+    /// Largest request body, e.g. 8M (default: 24 bytes per token of the
+    /// context, at least 1M; more text than that cannot fit the context).
+    #[arg(long, value_parser = parse_size_arg)]
+    pub max_body: Option<u64>,
     /// Model id listed by /v1/models (default: the model directory's name).
     #[arg(long)]
     pub model_name: Option<String>,
@@ -109,6 +110,17 @@ pub struct ServeArgs {
     /// and under each request's own.
     #[command(flatten)]
     pub sampling: crate::sampling_args::SamplingArgs,
+    /// Seconds a client has to send a request's headers (also how long an
+    /// idle connection stays open between requests).
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub header_timeout: f64,
+    /// Seconds a client has to send a request's whole body, from the end of
+    /// its headers.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    pub body_timeout: f64,
+    /// Most connections open at once; more are answered 503 and closed.
+    #[arg(long, default_value_t = 128)]
+    pub max_connections: usize,
     /// TEST FACILITY, not for use: replies come verbatim from this JSON
     /// script instead of the model: a list of strings (given in turn) and
     /// rules `{"when": TEXT | [TEXT...], "reply": TEXT, "times": N}` that
@@ -129,6 +141,23 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
     if args.queue == 0 {
         bail!("--queue must be at least 1");
     }
+    let seconds = |flag: &str, s: f64| {
+        if s.is_finite() && s > 0.0 && s <= 86400.0 {
+            Ok(Duration::from_secs_f64(s))
+        } else {
+            Err(anyhow::anyhow!(
+                "{flag} must be more than 0 and at most 86400 seconds, not {s}"
+            ))
+        }
+    };
+    let conn_limits = slipstream_server::conn::ConnLimits {
+        header_timeout: seconds("--header-timeout", args.header_timeout)?,
+        body_timeout: seconds("--body-timeout", args.body_timeout)?,
+        max_connections: match args.max_connections {
+            0 => bail!("--max-connections must be at least 1"),
+            n => n,
+        },
+    };
     let store = if args.resident {
         StoreChoice::Resident
     } else {
@@ -184,10 +213,12 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
-        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        api_key: args.api_key.as_deref().map(|k| k.trim().to_string()),
         queue: args.queue,
         max_context: args.max_context,
-        max_body_bytes: usize::try_from(args.max_body).unwrap_or(usize::MAX),
+        max_body_bytes: args
+            .max_body
+            .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
         model_id,
         any_model: args.any_model,
         ping_interval: Duration::from_secs(2),
@@ -197,6 +228,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         log_requests: args.log_requests.clone(),
         log_prompts: args.log_prompts,
         sampling: args.sampling.overrides(),
+        conn_limits,
     };
     let backend = match &args.test_script {
         Some(p) => {

@@ -426,3 +426,73 @@ fn chat_template_flags_and_max_context_checks() {
         "{err}"
     );
 }
+
+#[test]
+fn run_refuses_a_prompt_past_the_models_positions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_moe", "q4", tmp.path());
+    let ids = |n: usize| vec!["1"; n].join(",");
+    // 4096 positions: 4096 prompt tokens leave no room for a reply.
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", &ids(4096)])
+            .output()
+            .unwrap(),
+    );
+    assert!(
+        err.contains("4096 tokens") && err.contains("4096 positions"),
+        "{err}"
+    );
+    // A text prompt past the limit: refused while it is being counted.
+    let long = tmp.path().join("long.txt");
+    std::fs::write(&long, "many words of text ".repeat(10_000)).unwrap();
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .arg("--prompt-file")
+            .arg(&long)
+            .output()
+            .unwrap(),
+    );
+    assert!(
+        err.contains("more than 4095 tokens") && err.contains("4096 positions"),
+        "{err}"
+    );
+    // A file larger than any prompt could be is not read at all.
+    let huge = tmp.path().join("huge.txt");
+    std::fs::write(&huge, "x".repeat(3 << 20)).unwrap();
+    let err = failed(
+        bin()
+            .args(["run", "--model"])
+            .arg(&model)
+            .arg("--prompt-file")
+            .arg(&huge)
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("larger than 1 MiB"), "{err}");
+    // Near the end: the reply is cut to the positions left, with a note.
+    let (_, stderr) = ok(bin()
+        .args(["run", "--model"])
+        .arg(&model)
+        .args(["--prompt-tokens", &ids(4090), "--max-new", "100"])
+        .output()
+        .unwrap());
+    assert!(stderr.contains("--max-new 100 cut to 6"), "{stderr}");
+}
+
+#[test]
+fn a_blank_api_key_is_refused() {
+    for key in ["", "   "] {
+        let err = failed(
+            bin()
+                .args(["serve", "--port", "0", "--api-key", key])
+                .output()
+                .unwrap(),
+        );
+        assert!(err.contains("empty or only whitespace"), "{err:?}");
+    }
+}

@@ -33,7 +33,7 @@ pub use sampler::{Penalties, PenaltyTracker, Sampler, SamplingParams};
 pub use slipstream_format::GenerationDefaults;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotExpect};
 pub use state_cache::{Checkpoint, Restored, StateCache, StateCacheStats};
-pub use text::{ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
+pub use text::{text_bytes_bound, Bounded, ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

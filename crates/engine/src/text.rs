@@ -27,6 +27,71 @@ impl TextCodec {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Text to ids, if it is at most `max_tokens` tokens; the memory this
+    /// takes follows `max_tokens`, not the length of `text`.
+    ///
+    /// The text is encoded in pieces of at most [`PIECE_BYTES`]. Pieces
+    /// end, where the text allows, between a letter and a space before
+    /// another letter: a boundary of every pre-tokenizer here, so the
+    /// pieces' ids are the whole text's. Where a piece must end elsewhere
+    /// (a long run without such a space) its count may differ from the
+    /// whole text's by a few tokens, so such a text is encoded once more
+    /// whole when it came out near the limit. Past the limit, pieces are
+    /// only counted (their ids dropped), so the error can say how long the
+    /// text is, up to [`COUNT_PAST_LIMIT`] tokens or 8 times the limit.
+    pub fn encode_within(&self, text: &str, max_tokens: usize) -> Result<Bounded, EngineError> {
+        // Cut pieces may count a few tokens more or less than the whole;
+        // this much over the limit is over it for certain.
+        let slack = |cuts: usize| {
+            if cuts == 0 {
+                0
+            } else {
+                max_tokens / 8 + 64 * cuts
+            }
+        };
+        let mut ids = Vec::new();
+        let (mut counted, mut cuts, mut start) = (0usize, 0usize, 0usize);
+        let mut over = false;
+        while start < text.len() {
+            let (end, exact) = piece_end(text, start);
+            let piece = self.encode(&text[start..end])?;
+            counted += piece.len();
+            cuts += usize::from(!exact);
+            start = end;
+            let limit = max_tokens.saturating_add(slack(cuts));
+            if counted > limit {
+                over = true;
+                ids = Vec::new();
+                if counted > limit.saturating_mul(8).max(COUNT_PAST_LIMIT) {
+                    return Ok(Bounded::TooLong {
+                        counted,
+                        whole: false,
+                    });
+                }
+            } else {
+                ids.extend(piece);
+            }
+        }
+        if over {
+            return Ok(Bounded::TooLong {
+                counted,
+                whole: cuts == 0,
+            });
+        }
+        if cuts > 0 {
+            // Near the limit: the whole text decides (its size is now
+            // bounded by the limit).
+            ids = self.encode(text)?;
+        }
+        if ids.len() > max_tokens {
+            return Ok(Bounded::TooLong {
+                counted: ids.len(),
+                whole: true,
+            });
+        }
+        Ok(Bounded::Fits(ids))
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String, EngineError> {
         self.tokenizer
             .decode(ids, false)
@@ -45,6 +110,63 @@ impl TextCodec {
     pub fn tokenizer(&self) -> &tokenizers::Tokenizer {
         &self.tokenizer
     }
+}
+
+/// Tokens [`TextCodec::encode_within`] counts past its limit at least
+/// before it stops (time, not memory: past the limit it keeps no ids).
+pub const COUNT_PAST_LIMIT: usize = 1 << 20;
+
+/// Most bytes [`TextCodec::encode_within`] encodes at once.
+pub const PIECE_BYTES: usize = 64 << 10;
+
+/// Bytes of text per token above which a text (or a body carrying it) is
+/// taken to exceed a token limit without encoding it: several times what
+/// prose, code or CJK text take (3-5 bytes a token).
+pub const BYTES_PER_TOKEN_BOUND: usize = 24;
+
+/// Most bytes of text (or request body) worth reading for a prompt of at
+/// most `max_tokens` tokens: [`BYTES_PER_TOKEN_BOUND`] a token, at least
+/// 1 MiB.
+pub fn text_bytes_bound(max_tokens: usize) -> usize {
+    max_tokens
+        .saturating_mul(BYTES_PER_TOKEN_BOUND)
+        .max(1 << 20)
+}
+
+/// What [`TextCodec::encode_within`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bounded {
+    /// The ids of the whole text, at most the limit.
+    Fits(Vec<u32>),
+    /// More tokens than the limit: `counted` were counted, all the text's
+    /// when `whole`, else those before counting stopped (see
+    /// [`COUNT_PAST_LIMIT`]) or an estimate from cut pieces.
+    TooLong { counted: usize, whole: bool },
+}
+
+/// Where the piece of `text` from `start` ends (a char boundary), and
+/// whether it ends at a pre-token boundary (see
+/// [`TextCodec::encode_within`]).
+fn piece_end(text: &str, start: usize) -> (usize, bool) {
+    let end = start + PIECE_BYTES;
+    if end >= text.len() {
+        return (text.len(), true);
+    }
+    let b = text.as_bytes();
+    // The latest "letter, space, letter" in the piece's second half; the
+    // space starts the next piece.
+    let lo = start + PIECE_BYTES / 2;
+    if let Some(i) = (lo..end)
+        .rev()
+        .find(|&i| b[i] == b' ' && b[i - 1].is_ascii_alphabetic() && b[i + 1].is_ascii_alphabetic())
+    {
+        return (i, true);
+    }
+    let mut cut = end;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    (cut, false)
 }
 
 /// Turns a growing list of generated ids into text pieces, holding back
@@ -206,6 +328,104 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn demo_codec() -> TextCodec {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../models/demo/tokenizer.json"
+        );
+        TextCodec::from_bytes(&std::fs::read(path).unwrap()).unwrap()
+    }
+
+    /// Prose of about `bytes` bytes: words, numbers, punctuation, blank
+    /// lines and indentation, varied by a simple generator.
+    fn prose(bytes: usize) -> String {
+        let words = [
+            "the", "model", "reads", "experts", "from", "disk", "while", "(x)", "42,", "über",
+            "漢字", "fn", "main()", "{", "}", "-", "don't", "Z9", "tab\t", "end.",
+        ];
+        let mut s = String::new();
+        let mut x = 12345u64;
+        while s.len() < bytes {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let w = words[(x >> 33) as usize % words.len()];
+            s.push_str(w);
+            s.push_str(match (x >> 20) % 13 {
+                0 => "\n\n",
+                1 => "\n    ",
+                2 => ".\n",
+                _ => " ",
+            });
+        }
+        s
+    }
+
+    #[test]
+    fn bounded_encode_gives_the_whole_texts_ids_or_stops_at_the_limit() {
+        let codec = demo_codec();
+        let text = prose(3 * PIECE_BYTES + 777);
+        let whole = codec.encode(&text).unwrap();
+        let n = whole.len();
+        assert_eq!(codec.encode_within(&text, n).unwrap(), Bounded::Fits(whole));
+        // Just over: the exact count, as the whole text's.
+        assert_eq!(
+            codec.encode_within(&text, n - 1).unwrap(),
+            Bounded::TooLong {
+                counted: n,
+                whole: true
+            }
+        );
+        // Far over: still counted to the end (no ids kept past the limit).
+        assert_eq!(
+            codec.encode_within(&text, n / 10).unwrap(),
+            Bounded::TooLong {
+                counted: n,
+                whole: true
+            }
+        );
+        assert_eq!(codec.encode_within("", 0).unwrap(), Bounded::Fits(vec![]));
+    }
+
+    #[test]
+    fn bounded_encode_of_text_without_spaces_is_exact_near_the_limit() {
+        let codec = demo_codec();
+        // No "letter space letter" anywhere: every piece is cut mid-run,
+        // some cuts inside a multi-byte character's neighbourhood.
+        let text: String = (0..(2 * PIECE_BYTES + 100))
+            .map(|i| ['a', 'é', '7', '_', '漢', 'Q'][(i * 7 + i / 3) % 6])
+            .collect();
+        let whole = codec.encode(&text).unwrap();
+        let n = whole.len();
+        assert_eq!(codec.encode_within(&text, n).unwrap(), Bounded::Fits(whole));
+        assert!(matches!(
+            codec.encode_within(&text, n - 1).unwrap(),
+            Bounded::TooLong { .. }
+        ));
+        // Megabytes against a small limit: counting stops a piece past
+        // COUNT_PAST_LIMIT.
+        let big = text.repeat(40);
+        let tokens_in_big = 40 * n;
+        assert!(tokens_in_big > COUNT_PAST_LIMIT + PIECE_BYTES);
+        match codec.encode_within(&big, 1000).unwrap() {
+            Bounded::TooLong {
+                counted,
+                whole: false,
+            } => assert!(
+                counted > COUNT_PAST_LIMIT && counted < COUNT_PAST_LIMIT + PIECE_BYTES,
+                "{counted}"
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn text_bound_follows_the_context_with_a_floor() {
+        assert_eq!(text_bytes_bound(1), 1 << 20);
+        assert_eq!(text_bytes_bound(1 << 20), 24 << 20);
+        assert_eq!(text_bytes_bound(usize::MAX), usize::MAX);
+    }
 
     const CHATML: &str = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.strip() }}<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}";
 

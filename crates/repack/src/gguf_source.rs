@@ -27,7 +27,6 @@
 //! `tokenizer.ggml.pre`), the chat template from `tokenizer.chat_template`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::Instant;
 
 use serde_json::{json, Value as Json};
@@ -843,6 +842,25 @@ pub(crate) fn tokenizer(f: &GgufFile) -> GgufTokenizer {
     t
 }
 
+/// Builds the tokenizer rebuilt from `tokenizer.ggml.*` the way the engine
+/// will at open, so broken metadata (a merge of tokens not in the list, a
+/// merge that is not a pair) fails the repack instead of every later open;
+/// its ids must lie inside the model's `vocab_size` embedding rows.
+fn check_tokenizer(json: &[u8], vocab_size: usize, path: &str) -> Result<()> {
+    let bad = |reason: String| RepackError::Corrupt {
+        path: path.to_string(),
+        reason: format!("tokenizer.ggml.* metadata does not make a tokenizer: {reason}"),
+    };
+    let tok = tokenizers::Tokenizer::from_bytes(json).map_err(|e| bad(e.to_string()))?;
+    let ids = tok.get_vocab_size(true);
+    if ids > vocab_size {
+        return Err(bad(format!(
+            "{ids} tokens, but the model embeds only {vocab_size} (vocab_size)"
+        )));
+    }
+    Ok(())
+}
+
 /// Converts a GGUF file into a `.slip` model.
 pub(crate) fn repack_gguf(
     opts: &RepackOptions,
@@ -862,6 +880,11 @@ pub(crate) fn repack_gguf(
     let cfg = model_config(&src)?;
     let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
     let n_layers = cfg.num_layers();
+    // Before any tensor work: the tokenizer must build.
+    let tok = tokenizer(&f);
+    if let Some(json) = &tok.tokenizer_json {
+        check_tokenizer(json, cfg.vocab_size, &path)?;
+    }
 
     // Expert tensors: one layout for the whole pool.
     let mut exps = Vec::with_capacity(n_layers);
@@ -971,7 +994,6 @@ pub(crate) fn repack_gguf(
     drop(read);
 
     progress(ProgressEvent::Finishing);
-    let tok = tokenizer(&f);
     let tokenizer_file = match &tok.tokenizer_json {
         Some(b) => {
             w.add_file(slipstream_format::TOKENIZER_FILE, b)?;
@@ -1035,11 +1057,6 @@ fn write_layer_experts(
     Ok(())
 }
 
-/// Whether `input` is a GGUF file (by its magic).
-pub(crate) fn is_gguf(input: &Path) -> bool {
-    input.is_file() && slipstream_gguf::is_gguf_file(input)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1078,7 +1095,7 @@ mod tests {
             overwrite: Default::default(),
             quant: Default::default(),
         };
-        assert!(is_gguf(&path));
+        assert!(slipstream_gguf::is_gguf_file(&path));
         let e = repack_gguf(&opts(path.clone()), &|_| {})
             .err()
             .unwrap()
@@ -1148,5 +1165,49 @@ mod tests {
         };
         assert_eq!(val(&a.bytes, dv), q[nk * dv] as f32 * 0.5);
         assert_ne!(a.bytes, f32s);
+    }
+
+    #[test]
+    fn broken_tokenizer_metadata_is_refused_before_any_tensor() {
+        use slipstream_gguf::GgufWriter;
+        let dir = tempfile::tempdir().unwrap();
+        let strs = |v: &[&str]| Value::strings(v.iter().map(|s| s.to_string()).collect());
+        let write = |name: &str, merges: &[&str]| {
+            let path = dir.path().join(name);
+            let meta = vec![
+                (
+                    "tokenizer.ggml.model".to_string(),
+                    Value::String("gpt2".into()),
+                ),
+                ("tokenizer.ggml.tokens".to_string(), strs(&["a", "b", "ab"])),
+                ("tokenizer.ggml.merges".to_string(), strs(merges)),
+            ];
+            GgufWriter::create(&path, &meta, vec![], Default::default())
+                .unwrap()
+                .finish()
+                .unwrap();
+            let f = GgufFile::open(&path).unwrap();
+            let json = tokenizer(&f).tokenizer_json.expect("a tokenizer is built");
+            check_tokenizer(&json, 8, name).map_err(|e| e.to_string())
+        };
+        write("good.gguf", &["a b"]).unwrap();
+        for (name, merges) in [
+            ("unknown.gguf", &["a zz"][..]),
+            ("single.gguf", &["ab"][..]),
+        ] {
+            let e = write(name, merges).unwrap_err();
+            assert!(
+                e.contains(name) && e.contains("does not make a tokenizer"),
+                "{e}"
+            );
+        }
+        // More tokens than the embedding has rows.
+        let path = dir.path().join("good.gguf");
+        let f = GgufFile::open(&path).unwrap();
+        let json = tokenizer(&f).tokenizer_json.unwrap();
+        let e = check_tokenizer(&json, 2, "good.gguf")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("vocab_size"), "{e}");
     }
 }

@@ -967,6 +967,27 @@ enum Msg {
     Failed(RepackError),
 }
 
+/// Reads a checkpoint directory's `config.json` as [`repack`] does: the
+/// checked config, or the error `repack` would give. (For fuzzing and
+/// checks before a long conversion.)
+pub fn read_checkpoint_config(dir: &std::path::Path) -> Result<ModelConfig> {
+    RawConfig::read(dir)?.model_config()
+}
+
+/// Reads a checkpoint directory's safetensors headers as [`repack`] does:
+/// each tensor's name, shape and byte length, every extent checked
+/// against its file, sorted by name.
+pub fn read_checkpoint_tensors(dir: &std::path::Path) -> Result<Vec<(String, Vec<usize>, usize)>> {
+    let ck = Checkpoint::open(dir)?;
+    let mut out = Vec::new();
+    for name in ck.names() {
+        let t = ck.require(name)?;
+        out.push((name.to_string(), t.shape.to_vec(), t.data.len()));
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Converts `opts.input` into a `.slip` model at `opts.output`, calling
 /// `progress` from this thread as work completes.
 pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<RepackReport> {
@@ -974,8 +995,9 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
     // anything that is not a model.
     slipstream_outpath::check_disjoint(&opts.input, &opts.output).map_err(RepackError::Output)?;
     slipstream_format::check_model_target(&opts.output, opts.overwrite)?;
-    // A GGUF file (detected by its magic) keeps its own tensor types.
-    if gguf_source::is_gguf(&opts.input) {
+    // A file can only be GGUF (a checkpoint is a directory): the GGUF
+    // reader names a bad magic. GGUF keeps its own tensor types.
+    if opts.input.is_file() {
         return gguf_source::repack_gguf(opts, progress);
     }
     let t0 = Instant::now();

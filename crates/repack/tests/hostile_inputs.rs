@@ -74,3 +74,18 @@ fn invalid_or_unbounded_config_values_are_refused_by_key() {
         assert!(e.contains(named), "{key}: {e}");
     }
 }
+
+#[test]
+fn a_file_that_is_not_gguf_is_named_as_such() {
+    let d = tempfile::tempdir().unwrap();
+    let input = d.path().join("model.gguf");
+    std::fs::write(&input, b"GGUX and then some bytes that are not a model").unwrap();
+    let out = d.path().join("m.slip");
+    let e = repack_to(&input, &out).unwrap_err();
+    assert!(
+        e.contains("model.gguf") && e.contains("not a GGUF file"),
+        "{e}"
+    );
+    assert!(!e.contains("config.json"), "{e}");
+    assert!(!out.exists());
+}

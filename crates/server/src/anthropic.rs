@@ -10,7 +10,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-use slipstream_engine::FinishReason;
+use slipstream_engine::{Bounded, FinishReason};
 use tokio::sync::mpsc;
 
 use crate::anthropic_request::output_format;
@@ -46,11 +46,22 @@ pub async fn count_tokens(
     let r = (|| {
         let req: MessagesRequest = parse_body(F, body)?;
         let (r, _) = rendered(&app, &req)?;
-        let n = app
+        // Counts past the context are useful (a client sizes its
+        // compaction by them), but bounded: twice the model's positions.
+        let most = app.info.max_position.saturating_mul(2);
+        let n = match app
             .codec
-            .encode(&r.text)
+            .encode_within(&r.text, most)
             .map_err(|e| bad(e.to_string()))?
-            .len();
+        {
+            Bounded::Fits(ids) => ids.len(),
+            Bounded::TooLong { .. } => {
+                return Err(bad(format!(
+                    "the prompt is more than {most} tokens, twice what this model can take; not counted further"
+                ))
+                .code("context_length_exceeded"))
+            }
+        };
         Ok::<_, ApiError>(Json(json!({"input_tokens": n})).into_response())
     })();
     r.unwrap_or_else(IntoResponse::into_response)

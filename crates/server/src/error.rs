@@ -139,6 +139,9 @@ impl IntoResponse for ApiError {
 /// A body that could not be read (too large, cut off), in the API's shape.
 pub fn read_error(flavor: Flavor, e: BytesRejection) -> ApiError {
     let status = e.status();
+    if crate::conn::is_body_timeout(&e) {
+        return ApiError::new(flavor, StatusCode::REQUEST_TIMEOUT, e.body_text());
+    }
     let msg = if status == StatusCode::PAYLOAD_TOO_LARGE {
         "the request body is larger than the server's limit".to_string()
     } else {

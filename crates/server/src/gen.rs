@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde_json::Value;
-use slipstream_engine::{FinishReason, GenerationStats, SamplingParams, StreamDecoder};
+use slipstream_engine::{Bounded, FinishReason, GenerationStats, SamplingParams, StreamDecoder};
 use tokio::sync::mpsc;
 
 use crate::access::{GenFigures, RequestRecord};
@@ -125,27 +125,36 @@ pub struct Gen {
 
 /// Tokenizes, checks the context limit and queues the job.
 pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiError> {
-    let prompt = app
-        .codec
-        .encode(&p.prompt_text)
-        .map_err(|e| ApiError::bad_request(flavor, e.to_string()))?;
-    if prompt.is_empty() {
-        return Err(ApiError::bad_request(flavor, "the prompt is empty"));
-    }
     let limit = app.max_context;
     // Prompt tokens that leave room for one token of reply.
     let most = limit - 1;
-    if prompt.len() > most {
-        let n = prompt.len();
-        let advice = overflow_advice(n, limit, app.info.max_position);
-        tracing::warn!("refused a prompt of {n} tokens: {advice}");
-        let message = match flavor {
-            // Anthropic's own wording, which Claude Code matches exactly
-            // (it then compacts the conversation); the advice is logged.
-            Flavor::Anthropic => format!("prompt is too long: {n} tokens > {most} maximum"),
-            Flavor::OpenAi => format!("the prompt is {n} tokens; {advice}"),
-        };
-        return Err(ApiError::bad_request(flavor, message).code("context_length_exceeded"));
+    // Bounded: a prompt far past the limit is refused after about twice
+    // the limit's tokens, not tokenized whole.
+    let prompt = match app
+        .codec
+        .encode_within(&p.prompt_text, most)
+        .map_err(|e| ApiError::bad_request(flavor, e.to_string()))?
+    {
+        Bounded::Fits(ids) => ids,
+        Bounded::TooLong { counted: n, whole } => {
+            let advice = overflow_advice(n, limit, app.info.max_position);
+            let size = if whole {
+                n.to_string()
+            } else {
+                format!("at least {n}")
+            };
+            tracing::warn!("refused a prompt of {size} tokens: {advice}");
+            let message = match flavor {
+                // Anthropic's own wording, which Claude Code matches exactly
+                // (it then compacts the conversation); the advice is logged.
+                Flavor::Anthropic => format!("prompt is too long: {n} tokens > {most} maximum"),
+                Flavor::OpenAi => format!("the prompt is {size} tokens; {advice}"),
+            };
+            return Err(ApiError::bad_request(flavor, message).code("context_length_exceeded"));
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad_request(flavor, "the prompt is empty"));
     }
     let room = limit - prompt.len();
     let max_new = p.max_tokens.unwrap_or(room).min(room);

@@ -13,6 +13,7 @@ pub mod access;
 pub mod anthropic;
 pub mod anthropic_request;
 pub mod constrain;
+pub mod conn;
 pub mod error;
 pub mod fields;
 pub mod gen;
@@ -57,8 +58,10 @@ pub struct ServerConfig {
     pub queue: usize,
     /// Most tokens of prompt plus reply; the model's own limit when `None`.
     pub max_context: Option<usize>,
-    /// Largest request body accepted.
-    pub max_body_bytes: usize,
+    /// Largest request body accepted; `None`: what a prompt of the context
+    /// could take ([`slipstream_engine::text_bytes_bound`]: 24 bytes a
+    /// token, at least 1 MiB).
+    pub max_body_bytes: Option<usize>,
     /// The id `/v1/models` lists and requests name.
     pub model_id: String,
     /// Accept any model name in requests (for clients with fixed names).
@@ -83,6 +86,8 @@ pub struct ServerConfig {
     /// Sampling settings from flags (`serve --temperature` ...): over the
     /// checkpoint's, under a request's own (see [`sampling`]).
     pub sampling: slipstream_engine::GenerationDefaults,
+    /// Read deadlines and the connection limit (see [`conn`]).
+    pub conn_limits: conn::ConnLimits,
 }
 
 impl Default for ServerConfig {
@@ -93,7 +98,7 @@ impl Default for ServerConfig {
             api_key: None,
             queue: 8,
             max_context: None,
-            max_body_bytes: 32 << 20,
+            max_body_bytes: None,
             model_id: "slipstream".into(),
             any_model: false,
             ping_interval: Duration::from_secs(2),
@@ -103,6 +108,7 @@ impl Default for ServerConfig {
             log_requests: None,
             log_prompts: false,
             sampling: Default::default(),
+            conn_limits: conn::ConnLimits::default(),
         }
     }
 }
@@ -165,6 +171,8 @@ pub struct App {
     pub codec: Arc<TextCodec>,
     pub info: Info,
     pub max_context: usize,
+    /// Largest request body accepted (see [`ServerConfig::max_body_bytes`]).
+    pub max_body_bytes: usize,
     pub started: std::time::Instant,
     /// Where API requests are recorded (`--log-requests`).
     pub request_log: Option<Arc<request_log::RequestLog>>,
@@ -227,8 +235,12 @@ pub fn context_limit(requested: Option<usize>, max_position: usize) -> anyhow::R
     }
 }
 
-/// Refuses a non-loopback bind without an API key.
+/// Refuses a non-loopback bind without an API key, and an empty or blank
+/// key (it would match nothing a client can send, or everything).
 pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
+    if api_key.is_some_and(|k| k.trim().is_empty()) {
+        bail!("--api-key is empty or only whitespace; give a real key or leave the flag out");
+    }
     let loopback = match host.parse::<IpAddr>() {
         Ok(ip) => ip.is_loopback(),
         Err(_) => host.eq_ignore_ascii_case("localhost"),
@@ -406,6 +418,9 @@ fn launch(
         codec,
         info,
         max_context,
+        max_body_bytes: config
+            .max_body_bytes
+            .unwrap_or_else(|| slipstream_engine::text_bytes_bound(max_context)),
         started: std::time::Instant::now(),
         request_log,
         metrics: metrics::Metrics::default(),
@@ -432,19 +447,19 @@ fn launch(
     let addr = listener.local_addr()?;
     let router = router(app.clone());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let limits = config.conn_limits;
     let thread = std::thread::Builder::new()
         .name("slipstream-http".into())
         .spawn(move || {
             rt.block_on(async move {
-                axum::serve(listener, router)
-                    .with_graceful_shutdown(async move {
-                        tokio::select! {
-                            _ = rx => {}
-                            _ = tokio::signal::ctrl_c() => {}
-                        }
-                    })
-                    .await
-                    .context("serving")
+                conn::serve(listener, router, limits, async move {
+                    tokio::select! {
+                        _ = rx => {}
+                        _ = tokio::signal::ctrl_c() => {}
+                    }
+                })
+                .await;
+                Ok::<(), anyhow::Error>(())
             })
         })?;
     Ok(RunningServer {
@@ -492,7 +507,7 @@ pub fn router(app: Arc<App>) -> Router {
             app.clone(),
             access::log_requests,
         ))
-        .layer(DefaultBodyLimit::max(app.config.max_body_bytes))
+        .layer(DefaultBodyLimit::max(app.max_body_bytes))
         .with_state(app)
 }
 
@@ -559,7 +574,12 @@ async fn method_not_allowed(req: Request) -> Response {
     .into_response()
 }
 
-async fn health(State(app): State<Arc<App>>) -> Response {
+/// Liveness for anyone; with an API key set, the details (model, store,
+/// queue, the last request's figures) only for requests that carry it.
+async fn health(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if !app.key_accepted(&headers) {
+        return Json(serde_json::json!({"status": "ok"})).into_response();
+    }
     let st = &app.worker.state;
     let last = st
         .last_stats

@@ -199,7 +199,7 @@ fn anthropic_messages_non_streaming_streaming_and_count() {
 fn malformed_requests_get_errors_in_each_apis_shape() {
     let mut c = config();
     c.max_context = Some(64);
-    c.max_body_bytes = 4096;
+    c.max_body_bytes = Some(4096);
     let s = server(c);
     rt().block_on(async {
         // OpenAI shape.
@@ -372,8 +372,34 @@ fn api_key_is_checked() {
         assert_eq!(r.status(), 200);
         let r = client.get(url(&s, "/v1/models")).send().await.unwrap();
         assert_eq!(r.status(), 401);
-        // Health and the page stay open (the page asks for the key).
-        assert_eq!(client.get(url(&s, "/health")).send().await.unwrap().status(), 200);
+        // Liveness and the page stay open (the page asks for the key); the
+        // server's details only with the key.
+        let r = client.get(url(&s, "/health")).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let h: Value = r.json().await.unwrap();
+        assert_eq!(h, json!({"status": "ok"}));
+        let h: Value = client
+            .get(url(&s, "/health"))
+            .header("x-api-key", "wrong")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(h, json!({"status": "ok"}));
+        let h: Value = client
+            .get(url(&s, "/health"))
+            .bearer_auth("sekrit")
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(h["model"], "demo");
+        assert!(h["max_context"].as_u64().unwrap() > 0, "{h}");
+        assert!(h.get("store").is_some() && h.get("last").is_some(), "{h}");
         assert_eq!(client.get(url(&s, "/")).send().await.unwrap().status(), 200);
     });
 }
@@ -395,6 +421,11 @@ fn non_loopback_bind_without_key_is_refused() {
     .expect("refused");
     assert!(err.to_string().contains("--api-key"), "{err}");
     assert!(slipstream_server::check_bind("::", Some("")).is_err());
+    // A blank key is refused wherever the server listens.
+    for blank in ["", "   ", "\t\n"] {
+        let e = slipstream_server::check_bind("127.0.0.1", Some(blank)).unwrap_err();
+        assert!(e.to_string().contains("empty or only whitespace"), "{e}");
+    }
     assert!(slipstream_server::check_bind("192.168.1.5", None).is_err());
     assert!(slipstream_server::check_bind("0.0.0.0", Some("k")).is_ok());
     assert!(slipstream_server::check_bind("127.0.0.1", None).is_ok());

@@ -147,3 +147,46 @@ fn q4_0_keeps_the_router_skew() {
         "skewed {skewed} vs uniform {uniform}"
     );
 }
+
+/// Tokenizer metadata that does not build a tokenizer fails the repack
+/// (naming the file), not every later open of the written model.
+#[test]
+fn broken_gguf_tokenizer_fails_the_repack() {
+    use slipstream_gguf::{GgufFile, GgufWriter, TensorDecl, Value};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(Architecture::Qwen3Moe);
+    let good = dir.path().join("good.gguf");
+    synthesize_gguf(&opts(&cfg, good.clone()), &|_| {}).unwrap();
+    let f = GgufFile::open(&good).unwrap();
+    let mut meta = f.metadata.clone();
+    for (k, v) in meta.iter_mut() {
+        if k == "tokenizer.ggml.merges" {
+            *v = Value::strings(vec!["no-such-token another-one".into()]);
+        }
+    }
+    let bad = dir.path().join("bad.gguf");
+    let decls = f
+        .tensors
+        .iter()
+        .map(|t| TensorDecl::new(t.name.clone(), &t.dims, t.ty))
+        .collect();
+    let mut w = GgufWriter::create(&bad, &meta, decls, Default::default()).unwrap();
+    for t in &f.tensors {
+        w.write_tensor(&t.name, f.data(t)).unwrap();
+    }
+    w.finish().unwrap();
+    let out = dir.path().join("m.slip");
+    let e = slipstream_repack::repack(
+        &slipstream_repack::RepackOptions {
+            input: bad,
+            output: out.clone(),
+            overwrite: Default::default(),
+            quant: Default::default(),
+        },
+        &|_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("bad.gguf") && e.contains("tokenizer"), "{e}");
+    assert!(!out.exists());
+}
