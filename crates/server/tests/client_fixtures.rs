@@ -12,6 +12,9 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 use slipstream_engine::ChatTemplate;
+use slipstream_server::anthropic::MessagesRequest;
+use slipstream_server::error::Flavor;
+use slipstream_server::fields::{refuse_unknown, ANTHROPIC_IGNORED, OPENAI_IGNORED};
 use slipstream_server::openai::{conversation, ChatRequest};
 use slipstream_server::prompt::{render, Conversation};
 
@@ -42,6 +45,9 @@ fn chat(client: &str) -> (Conversation, String) {
     assert_eq!(path, "/v1/chat/completions", "{client}");
     let req: ChatRequest = serde_json::from_value(body)
         .unwrap_or_else(|e| panic!("{client}: the request does not parse: {e}"));
+    // No field the client sends is refused as unknown.
+    refuse_unknown(Flavor::OpenAi, &req.unknown, OPENAI_IGNORED)
+        .unwrap_or_else(|e| panic!("{client}: refused: {e:?}"));
     let conv = conversation(&req).unwrap_or_else(|e| panic!("{client}: refused: {e:?}"));
     let text = render(&conv, Some(&demo_template()))
         .unwrap_or_else(|e| panic!("{client}: does not render: {e}"))
@@ -116,6 +122,8 @@ fn aider_request_parses() {
 fn claude_code_and_codex_follow_ups_are_recorded() {
     let (path, body) = fixture("claude");
     assert!(path.starts_with("/v1/messages"), "{path}");
+    let req: MessagesRequest = serde_json::from_value(body.clone()).unwrap();
+    refuse_unknown(Flavor::Anthropic, &req.unknown, ANTHROPIC_IGNORED).unwrap();
     assert!(body["tools"]
         .as_array()
         .unwrap()
