@@ -90,6 +90,46 @@ fn quiet_panics() -> LastPanic {
     last
 }
 
+/// The input being run: target, bytes, since when.
+type Current = Arc<Mutex<Option<(&'static str, Vec<u8>, Instant)>>>;
+
+/// Most time one input may take before it counts as a hang.
+const HANG: Duration = Duration::from_secs(10);
+
+/// Watches the input being run: one that takes longer than [`HANG`] is a
+/// finding (a reader that loops or grows without bound); its input is
+/// written out and the process ends, as nothing can stop that thread.
+fn watchdog(out: PathBuf) -> Current {
+    let current: Current = Arc::default();
+    let watched = current.clone();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let slot = watched.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((name, input, since)) = slot.as_ref() {
+            if since.elapsed() > HANG {
+                let _ = std::fs::create_dir_all(&out);
+                let path = out.join(format!("{name}-hang.bin"));
+                let saved = std::fs::write(&path, input).is_ok();
+                println!(
+                    "FOUND {name}: one input ran for more than {} s{}",
+                    HANG.as_secs(),
+                    if saved {
+                        format!(
+                            "\n  input: {} (replay: --target {name} --replay {})",
+                            path.display(),
+                            path.display()
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+                std::process::exit(1);
+            }
+        }
+    });
+    current
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -147,9 +187,14 @@ fn main() -> ExitCode {
     }
 
     let budget = Duration::from_secs_f64(args.seconds);
+    let current = watchdog(args.out.clone());
     let mut findings = 0usize;
-    for (ti, t) in all.iter_mut().enumerate() {
-        let mut rng = Rng::new(args.seed ^ (ti as u64).wrapping_mul(0x9E37_79B9));
+    for t in all.iter_mut() {
+        // Seeded by name: `--target NAME` replays a target's run alone.
+        let name_hash = t.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+        });
+        let mut rng = Rng::new(args.seed ^ name_hash);
         // Named first: an abort (an allocation the OS refuses) ends the
         // process, and the same --seed replays it.
         println!("{}: fuzzing for {:.0} s", t.name, args.seconds);
@@ -166,7 +211,11 @@ fn main() -> ExitCode {
                 m
             });
             runs += 1;
-            match catch_unwind(AssertUnwindSafe(|| (t.run)(&input))) {
+            *current.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((t.name, input.clone(), Instant::now()));
+            let result = catch_unwind(AssertUnwindSafe(|| (t.run)(&input)));
+            *current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            match result {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     eprintln!("error: {}: the harness failed: {e}", t.name);
