@@ -5,6 +5,7 @@
 # .ci/run installs them), then the coding-agent clients (Claude Code, Codex,
 # Qwen Code, opencode, aider) each through a tool round trip
 # (tests/clients; pinned, installed from npm and PyPI into target/clients/).
+# Between the two: every fuzz target for 15 s (SLIPSTREAM_FUZZ_SECONDS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVIDIA's NVRTC wheel (pinned in crates/cuda/nvrtc-requirements.txt) so the
@@ -20,5 +21,9 @@ nvrtc_lib=$("$nv/bin/python" -c 'import nvidia, glob, os; print(os.path.dirname(
 export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export SLIPSTREAM_REQUIRE_NVRTC=1
 cargo test --workspace
+# Mutation fuzzing of every reader of untrusted bytes (crates/fuzz), a few
+# seconds a target; a panic fails the run and leaves its input in
+# target/fuzz-findings/.
+cargo run --quiet -p slipstream-fuzz --profile test -- --seconds "${SLIPSTREAM_FUZZ_SECONDS:-15}"
 bash tests/server/run.sh
 bash tests/clients/run.sh

@@ -87,12 +87,24 @@ impl SlipModel {
             .record_stride
             .is_multiple_of(crate::RECORD_ALIGN as u64)
             || pool.record_bytes > pool.record_stride
-            || pool
-                .parts
-                .iter()
-                .any(|p| p.offset + p.nbytes > pool.record_bytes)
+            || pool.parts.iter().any(|p| {
+                p.offset
+                    .checked_add(p.nbytes)
+                    .is_none_or(|end| end > pool.record_bytes)
+            })
         {
             return Err(bad("expert record layout is inconsistent".into()));
+        }
+        // The pool's size in bytes must be a number (`file_bytes`,
+        // `record_offset` multiply by the stride).
+        if ((pool.num_layers * pool.num_experts) as u64)
+            .checked_mul(pool.record_stride)
+            .is_none()
+        {
+            return Err(bad(format!(
+                "expert record stride {} makes the pool larger than any file",
+                pool.record_stride
+            )));
         }
         let expert_checksums = pool
             .checksums

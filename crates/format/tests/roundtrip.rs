@@ -307,6 +307,38 @@ fn a_pool_that_disagrees_with_the_config_is_refused() {
     }
 }
 
+/// Extents whose sums overflow (found by `slipstream-fuzz`): an error, not
+/// an arithmetic overflow panic (or, in release, a wrapped bounds check).
+#[test]
+fn overflowing_expert_extents_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path());
+    let good = read_manifest(&path);
+    let edits: [(&str, Edit, &str); 2] = [
+        (
+            "part offset",
+            |m| m.experts.parts[0].offset = u64::MAX - 1,
+            "layout is inconsistent",
+        ),
+        (
+            "record stride",
+            |m| {
+                m.experts.record_stride = u64::MAX - (u64::MAX % 4096);
+            },
+            "larger than any file",
+        ),
+    ];
+    for (what, edit, says) in edits {
+        let mut m = good.clone();
+        edit(&mut m);
+        m.model_hash = m.content_hash();
+        m.manifest_checksum = m.self_checksum();
+        write_manifest(&path, &m);
+        let e = SlipModel::open(&path).err().expect(what).to_string();
+        assert!(e.contains(says), "{what}: {e}");
+    }
+}
+
 /// Files that are not regular files, and names outside the directory.
 #[test]
 fn non_regular_files_and_foreign_paths_are_refused() {

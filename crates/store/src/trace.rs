@@ -95,6 +95,11 @@ impl TraceWriter {
     }
 }
 
+/// Most layers a trace header may give (a model config's bound).
+pub const MAX_TRACE_LAYERS: usize = 1024;
+/// Most experts (and top-k) a trace header may give (a model config's bound).
+pub const MAX_TRACE_EXPERTS: usize = 1 << 16;
+
 /// Reads a whole trace; errors name the line.
 pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceRecord>), String> {
     let f = File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
@@ -118,6 +123,17 @@ pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceRecord>), String
         experts: field("experts")?,
         top_k: field("top_k")?,
     };
+    // The bounds a model config has (`ModelConfig::validate`): replay
+    // builds a cache per layer with a slot table per expert.
+    for (key, value, most) in [
+        ("layers", header.layers, MAX_TRACE_LAYERS),
+        ("experts", header.experts, MAX_TRACE_EXPERTS),
+        ("top_k", header.top_k, MAX_TRACE_EXPERTS),
+    ] {
+        if value > most {
+            return Err(bad(1, &format!("{key}={value} is more than {most}")));
+        }
+    }
     let mut records = Vec::new();
     for (i, line) in lines.enumerate() {
         let n = i + 2;
@@ -167,6 +183,41 @@ pub fn read_trace(path: &Path) -> Result<(TraceHeader, Vec<TraceRecord>), String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by `slipstream-fuzz`: `layers=2^64-1` made replay build caches
+    /// without end.
+    #[test]
+    fn header_counts_past_a_models_bounds_are_refused() {
+        let dir = tempfile_dir("trace-bounds");
+        let path = dir.join("t.trace");
+        for (header, says) in [
+            ("layers=18446744073709551615 experts=16 top_k=4", "layers="),
+            ("layers=1025 experts=16 top_k=4", "layers=1025"),
+            ("layers=4 experts=1099511627776 top_k=4", "experts="),
+            ("layers=4 experts=16 top_k=70000", "top_k="),
+        ] {
+            std::fs::write(
+                &path,
+                format!("# slipstream route trace v1 {header}\nD 0 1 3:1\n"),
+            )
+            .unwrap();
+            let e = read_trace(&path).unwrap_err();
+            assert!(e.contains(says) && e.contains(":1:"), "{header}: {e}");
+        }
+        std::fs::write(
+            &path,
+            "# slipstream route trace v1 layers=1024 experts=65536 top_k=8\nD 1023 1 65535:1\n",
+        )
+        .unwrap();
+        assert_eq!(read_trace(&path).unwrap().1.len(), 1);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn tempfile_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
 
     #[test]
     fn round_trip_and_errors() {
