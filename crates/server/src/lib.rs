@@ -12,8 +12,8 @@
 pub mod access;
 pub mod anthropic;
 pub mod anthropic_request;
-pub mod constrain;
 pub mod conn;
+pub mod constrain;
 pub mod error;
 pub mod fields;
 pub mod gen;
