@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value as Json};
 use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
+use slipstream_core::schema;
 use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
 use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
 use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
@@ -359,7 +360,6 @@ type Job<'s> = Box<dyn Fn() -> Result<Dense> + 's>;
 
 fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String, Job<'s>)>> {
     let h = cfg.hidden_size;
-    let v = cfg.vocab_size;
     let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
     let mut jobs: Vec<(String, Job<'s>)> = Vec::new();
 
@@ -424,220 +424,122 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
         Ok(x)
     }
 
-    jobs.push((
-        "embed".into(),
-        copy("token_embd.weight".into(), "embed".into(), v, h),
-    ));
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        let g = |s: &str| format!("blk.{l}.{s}");
-        let o = |s: &str| format!("layers.{l}.{s}");
-        jobs.push((
-            o("input_norm"),
-            vector(g("attn_norm.weight"), o("input_norm"), h, ident, None),
-        ));
-        match kind {
-            LayerKind::FullAttention => {
-                let hd = cfg.head_dim;
-                let qr = cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
-                let kvr = cfg.num_key_value_heads * hd;
-                let oc = cfg.num_attention_heads * hd;
-                jobs.push((
-                    o("attn.q_proj"),
-                    copy(g("attn_q.weight"), o("attn.q_proj"), qr, h),
-                ));
-                jobs.push((
-                    o("attn.k_proj"),
-                    copy(g("attn_k.weight"), o("attn.k_proj"), kvr, h),
-                ));
-                jobs.push((
-                    o("attn.v_proj"),
-                    copy(g("attn_v.weight"), o("attn.v_proj"), kvr, h),
-                ));
-                jobs.push((
-                    o("attn.o_proj"),
-                    copy(g("attn_output.weight"), o("attn.o_proj"), h, oc),
-                ));
-                jobs.push((
-                    o("attn.q_norm"),
-                    vector(g("attn_q_norm.weight"), o("attn.q_norm"), hd, ident, None),
-                ));
-                jobs.push((
-                    o("attn.k_norm"),
-                    vector(g("attn_k_norm.weight"), o("attn.k_norm"), hd, ident, None),
-                ));
-            }
-            LayerKind::LinearAttention => {
-                let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
-                let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
-                // qwen35moe GGUFs hold value heads in tiled order (see module doc).
-                let r = nv / nk;
-                let conv_dim = cfg.linear_conv_dim();
-                let qk = 2 * nk * dk;
-                let vd = nv * dv;
-                let kk = cfg.linear_conv_kernel;
-                jobs.push((
-                    o("gdn.in_proj_qkv"),
-                    rows_perm(
-                        g("attn_qkv.weight"),
-                        o("gdn.in_proj_qkv"),
-                        conv_dim,
-                        h,
-                        head_rows(conv_dim, qk, nk, r, dv),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.in_proj_z"),
-                    rows_perm(
-                        g("attn_gate.weight"),
-                        o("gdn.in_proj_z"),
-                        vd,
-                        h,
-                        head_rows(vd, 0, nk, r, dv),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.in_proj_b"),
-                    rows_perm(
-                        g("ssm_beta.weight"),
-                        o("gdn.in_proj_b"),
-                        nv,
-                        h,
-                        head_rows(nv, 0, nk, r, 1),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.in_proj_a"),
-                    rows_perm(
-                        g("ssm_alpha.weight"),
-                        o("gdn.in_proj_a"),
-                        nv,
-                        h,
-                        head_rows(nv, 0, nk, r, 1),
-                    ),
-                ));
-                // Conv: ggml [K, conv_dim] = our [conv_dim, K]; always f32.
-                {
-                    let gname = g("ssm_conv1d.weight");
-                    let out = o("gdn.conv");
-                    let perm = head_rows(conv_dim, qk, nk, r, dv);
-                    jobs.push((
-                        out.clone(),
-                        Box::new(move || {
-                            let vals = src.floats(&gname, &[kk, conv_dim])?;
-                            let b = f32_bytes(&vals);
-                            Ok(Dense {
-                                name: out.clone(),
-                                qtype: QuantType::F32,
-                                shape: [conv_dim, kk],
-                                bytes: permute_rows(&b, 4 * kk, &perm),
-                                bytes_in: src.tensor(&gname)?.nbytes,
-                            })
-                        }),
-                    ));
+    fn a_log(a: Vec<f32>) -> Result<Vec<f32>> {
+        a.iter()
+            .map(|&x| {
+                if x < 0.0 {
+                    Ok((-(x as f64)).ln() as f32)
+                } else {
+                    Err(RepackError::UnexpectedTensor {
+                        name: "ssm_a".into(),
+                        message: format!("value {x} is not negative (ssm_a = -exp(A_log))"),
+                    })
                 }
-                fn a_log(a: Vec<f32>) -> Result<Vec<f32>> {
-                    a.iter()
-                        .map(|&x| {
-                            if x < 0.0 {
-                                Ok((-(x as f64)).ln() as f32)
-                            } else {
-                                Err(RepackError::UnexpectedTensor {
-                                    name: "ssm_a".into(),
-                                    message: format!(
-                                        "value {x} is not negative (ssm_a = -exp(A_log))"
-                                    ),
-                                })
-                            }
-                        })
-                        .collect()
-                }
-                jobs.push((
-                    o("gdn.A_log"),
-                    vector(
-                        g("ssm_a"),
-                        o("gdn.A_log"),
-                        nv,
-                        a_log,
-                        Some(untile_heads(nk, r)),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.dt_bias"),
-                    vector(
-                        g("ssm_dt.bias"),
-                        o("gdn.dt_bias"),
-                        nv,
-                        ident,
-                        Some(untile_heads(nk, r)),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.norm"),
-                    vector(g("ssm_norm.weight"), o("gdn.norm"), dv, ident, None),
-                ));
-                {
-                    let gname = g("ssm_out.weight");
-                    let out = o("gdn.out_proj");
-                    jobs.push((
-                        out.clone(),
-                        Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv)),
-                    ));
-                }
-            }
-        }
-        let post = if qwen35 {
-            "post_attention_norm.weight"
-        } else {
-            "ffn_norm.weight"
-        };
-        jobs.push((
-            o("post_attn_norm"),
-            vector(g(post), o("post_attn_norm"), h, ident, None),
-        ));
-        jobs.push((
-            o("moe.router"),
-            copy(
-                g("ffn_gate_inp.weight"),
-                o("moe.router"),
-                cfg.num_experts,
-                h,
-            ),
-        ));
-        if qwen35 {
-            let is = cfg.shared_expert_intermediate_size;
-            jobs.push((
-                o("moe.shared_gate"),
-                copy(g("ffn_gate_inp_shexp.weight"), o("moe.shared_gate"), 1, h),
-            ));
-            jobs.push((
-                o("moe.shared.gate_proj"),
-                copy(g("ffn_gate_shexp.weight"), o("moe.shared.gate_proj"), is, h),
-            ));
-            jobs.push((
-                o("moe.shared.up_proj"),
-                copy(g("ffn_up_shexp.weight"), o("moe.shared.up_proj"), is, h),
-            ));
-            jobs.push((
-                o("moe.shared.down_proj"),
-                copy(g("ffn_down_shexp.weight"), o("moe.shared.down_proj"), h, is),
-            ));
-        }
+            })
+            .collect()
     }
-    jobs.push((
-        "final_norm".into(),
-        vector(
-            "output_norm.weight".into(),
-            "final_norm".into(),
-            h,
-            ident,
-            None,
-        ),
-    ));
-    if !cfg.tie_word_embeddings {
-        jobs.push((
-            "lm_head".into(),
-            copy("output.weight".into(), "lm_head".into(), v, h),
-        ));
+
+    let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+    let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
+    // qwen35moe GGUFs hold value heads in tiled order (see module doc); `r`
+    // value heads per key head (only read in Gated DeltaNet layers, where
+    // the config guarantees nk > 0).
+    let r = nv.checked_div(nk).unwrap_or(0);
+    let qk = 2 * nk * dk;
+    let post = if qwen35 {
+        "post_attention_norm.weight"
+    } else {
+        "ffn_norm.weight"
+    };
+    for spec in schema::dense_tensors(cfg) {
+        let g = |s: &str| match spec.layer {
+            Some(l) => format!("blk.{l}.{s}"),
+            None => s.to_string(),
+        };
+        let out = spec.name.clone();
+        let [rows, cols] = spec.shape;
+        let job: Job<'s> = match spec.key {
+            "embed" => copy(g("token_embd.weight"), out, rows, cols),
+            "final_norm" => vector(g("output_norm.weight"), out, cols, ident, None),
+            "lm_head" => copy(g("output.weight"), out, rows, cols),
+            "input_norm" => vector(g("attn_norm.weight"), out, cols, ident, None),
+            "attn.q_proj" => copy(g("attn_q.weight"), out, rows, cols),
+            "attn.k_proj" => copy(g("attn_k.weight"), out, rows, cols),
+            "attn.v_proj" => copy(g("attn_v.weight"), out, rows, cols),
+            "attn.o_proj" => copy(g("attn_output.weight"), out, rows, cols),
+            "attn.q_norm" => vector(g("attn_q_norm.weight"), out, cols, ident, None),
+            "attn.k_norm" => vector(g("attn_k_norm.weight"), out, cols, ident, None),
+            "gdn.in_proj_qkv" => rows_perm(
+                g("attn_qkv.weight"),
+                out,
+                rows,
+                cols,
+                head_rows(rows, qk, nk, r, dv),
+            ),
+            "gdn.in_proj_z" => rows_perm(
+                g("attn_gate.weight"),
+                out,
+                rows,
+                cols,
+                head_rows(rows, 0, nk, r, dv),
+            ),
+            "gdn.in_proj_b" => rows_perm(
+                g("ssm_beta.weight"),
+                out,
+                rows,
+                cols,
+                head_rows(rows, 0, nk, r, 1),
+            ),
+            "gdn.in_proj_a" => rows_perm(
+                g("ssm_alpha.weight"),
+                out,
+                rows,
+                cols,
+                head_rows(rows, 0, nk, r, 1),
+            ),
+            // Conv: ggml [K, conv_dim] = our [conv_dim, K]; always f32.
+            "gdn.conv" => {
+                let gname = g("ssm_conv1d.weight");
+                let (conv_dim, kk) = (rows, cols);
+                let perm = head_rows(conv_dim, qk, nk, r, dv);
+                Box::new(move || {
+                    let vals = src.floats(&gname, &[kk, conv_dim])?;
+                    let b = f32_bytes(&vals);
+                    Ok(Dense {
+                        name: out.clone(),
+                        qtype: QuantType::F32,
+                        shape: [conv_dim, kk],
+                        bytes: permute_rows(&b, 4 * kk, &perm),
+                        bytes_in: src.tensor(&gname)?.nbytes,
+                    })
+                })
+            }
+            "gdn.A_log" => vector(g("ssm_a"), out, cols, a_log, Some(untile_heads(nk, r))),
+            "gdn.dt_bias" => vector(
+                g("ssm_dt.bias"),
+                out,
+                cols,
+                ident,
+                Some(untile_heads(nk, r)),
+            ),
+            "gdn.norm" => vector(g("ssm_norm.weight"), out, cols, ident, None),
+            "gdn.out_proj" => {
+                let gname = g("ssm_out.weight");
+                Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv))
+            }
+            "post_attn_norm" => vector(g(post), out, cols, ident, None),
+            "moe.router" => copy(g("ffn_gate_inp.weight"), out, rows, cols),
+            "moe.shared_gate" => copy(g("ffn_gate_inp_shexp.weight"), out, rows, cols),
+            "moe.shared.gate_proj" => copy(g("ffn_gate_shexp.weight"), out, rows, cols),
+            "moe.shared.up_proj" => copy(g("ffn_up_shexp.weight"), out, rows, cols),
+            "moe.shared.down_proj" => copy(g("ffn_down_shexp.weight"), out, rows, cols),
+            other => {
+                return Err(RepackError::Unsupported(format!(
+                    "no GGUF tensor is known for canonical {other}"
+                )))
+            }
+        };
+        jobs.push((spec.name, job));
     }
     Ok(jobs)
 }
@@ -878,7 +780,7 @@ pub(crate) fn repack_gguf(
         read: Default::default(),
     };
     let cfg = model_config(&src)?;
-    let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
+    let e_count = cfg.num_experts;
     let n_layers = cfg.num_layers();
     // Before any tensor work: the tokenizer must build.
     let tok = tokenizer(&f);
@@ -887,17 +789,20 @@ pub(crate) fn repack_gguf(
     }
 
     // Expert tensors: one layout for the whole pool.
+    // ggml dims of a stacked expert tensor: [cols, rows, E].
+    let parts = schema::expert_parts(&cfg);
     let mut exps = Vec::with_capacity(n_layers);
     for l in 0..n_layers {
-        let gate = src.shaped(&format!("blk.{l}.ffn_gate_exps.weight"), &[h, i, e_count])?;
-        let up = src.shaped(&format!("blk.{l}.ffn_up_exps.weight"), &[h, i, e_count])?;
-        let down = src.shaped(&format!("blk.{l}.ffn_down_exps.weight"), &[i, h, e_count])?;
-        exps.push([gate, up, down]);
+        let part = |k: usize| {
+            let [rows, cols] = parts[k].shape;
+            let gname = format!("blk.{l}.ffn_{}_exps.weight", parts[k].name);
+            src.shaped(&gname, &[cols, rows, e_count])
+        };
+        exps.push([part(0)?, part(1)?, part(2)?]);
     }
-    let shapes = [[i, h], [i, h], [h, i]];
-    let names = ["gate", "up", "down"];
+    let names = parts.map(|p| p.name);
     let layout: Vec<(String, QuantType, [usize; 2])> = (0..3)
-        .map(|k| (names[k].to_string(), exps[0][k].1, shapes[k]))
+        .map(|k| (names[k].to_string(), exps[0][k].1, parts[k].shape))
         .collect();
     for (l, parts) in exps.iter().enumerate() {
         for k in 0..3 {

@@ -25,6 +25,7 @@ use std::time::Instant;
 use half::f16;
 use rayon::prelude::*;
 use slipstream_core::config::LayerKind;
+use slipstream_core::schema::{self, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType};
 use slipstream_gguf::{GgmlType, GgufWriter, TensorDecl, Value, ValueType};
 
@@ -437,65 +438,32 @@ pub fn synthesize_gguf(
         quant: SynthQuant::Q4_0,
     };
     let n_layers = cfg.num_layers();
-    let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
+    let e_count = cfg.num_experts;
 
-    // Dense tensor shapes per layer kind, from one generated layer of each
-    // kind (shapes never depend on the layer index).
-    type Shapes = Vec<(String, QuantType, [usize; 2])>;
-    let mut kind_shapes: Vec<(LayerKind, Shapes)> = Vec::new();
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        if kind_shapes.iter().all(|(k, _)| k != kind) {
-            let prefix = format!("layers.{l}.");
-            let v = g
-                .layer(l)
-                .into_iter()
-                .map(|d| {
-                    (
-                        d.name.trim_start_matches(&prefix).to_string(),
-                        d.qtype,
-                        d.shape,
-                    )
-                })
-                .collect();
-            kind_shapes.push((*kind, v));
-        }
-    }
+    // Declared in the order written: embed, per layer its dense tensors
+    // then its stacked experts (ggml dims [cols, rows, E]), the output.
     let mut decls = Vec::new();
-    let declare = |decls: &mut Vec<TensorDecl>, name: &str, q: QuantType, shape: [usize; 2]| {
-        let (n, dims) = gguf_name(cfg, name, shape);
-        decls.push(TensorDecl::new(n, &dims, ggml(q)));
+    let declare = |decls: &mut Vec<TensorDecl>, t: &TensorSpec| {
+        let (n, dims) = gguf_name(cfg, &t.name, t.shape);
+        decls.push(TensorDecl::new(n, &dims, ggml(g.quant.qtype_of(t.kind))));
     };
-    let q = QuantType::Q4_0;
-    declare(&mut decls, "embed", q, [cfg.vocab_size, h]);
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        let shapes = &kind_shapes
-            .iter()
-            .find(|(k, _)| k == kind)
-            .expect("shapes")
-            .1;
-        for (n, qt, shape) in shapes {
-            declare(&mut decls, &format!("layers.{l}.{n}"), *qt, *shape);
+    declare(&mut decls, &schema::embed_tensor(cfg));
+    let parts = schema::expert_parts(cfg);
+    for l in 0..n_layers {
+        for t in schema::layer_tensors(cfg, l) {
+            declare(&mut decls, &t);
         }
-        let e = e_count as u64;
-        decls.push(TensorDecl::new(
-            format!("blk.{l}.ffn_gate_exps.weight"),
-            &[h as u64, i as u64, e],
-            GgmlType::Q4_0,
-        ));
-        decls.push(TensorDecl::new(
-            format!("blk.{l}.ffn_up_exps.weight"),
-            &[h as u64, i as u64, e],
-            GgmlType::Q4_0,
-        ));
-        decls.push(TensorDecl::new(
-            format!("blk.{l}.ffn_down_exps.weight"),
-            &[i as u64, h as u64, e],
-            GgmlType::Q4_0,
-        ));
+        for p in &parts {
+            let [rows, cols] = p.shape.map(|x| x as u64);
+            decls.push(TensorDecl::new(
+                format!("blk.{l}.ffn_{}_exps.weight", p.name),
+                &[cols, rows, e_count as u64],
+                ggml(g.quant.qtype(4)),
+            ));
+        }
     }
-    for d in g.head_tail() {
-        // head_tail is small (a norm and the lm_head's shape): regenerated below.
-        declare(&mut decls, &d.name, d.qtype, d.shape);
+    for t in schema::output_tensors(cfg) {
+        declare(&mut decls, &t);
     }
     let total: u64 = decls
         .iter()
@@ -518,7 +486,7 @@ pub fn synthesize_gguf(
     put(&mut w, g.embed())?;
     let batch = opts.batch.max(1);
     for l in 0..n_layers {
-        for d in g.layer(l) {
+        for d in g.layer(l)? {
             put(&mut w, d)?;
         }
         for k in 0..3 {
