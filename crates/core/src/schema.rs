@@ -193,3 +193,64 @@ pub fn expert_parts(cfg: &ModelConfig) -> [PartSpec; 3] {
 pub fn find<'a>(specs: &'a [TensorSpec], key: &str) -> Option<&'a TensorSpec> {
     specs.iter().find(|s| s.key == key)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Architecture;
+
+    fn cfg(tied: bool) -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Qwen35Moe,
+            vocab_size: 100,
+            hidden_size: 64,
+            rms_norm_eps: 1e-6,
+            layer_types: vec![LayerKind::LinearAttention, LayerKind::FullAttention],
+            tie_word_embeddings: tied,
+            max_position_embeddings: 128,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            rotary_dim: 8,
+            rope_theta: 1e4,
+            attn_output_gate: true,
+            linear_num_key_heads: 2,
+            linear_key_head_dim: 8,
+            linear_num_value_heads: 4,
+            linear_value_head_dim: 8,
+            linear_conv_kernel: 4,
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 32,
+            shared_expert_intermediate_size: 32,
+            norm_topk_prob: true,
+        }
+    }
+
+    #[test]
+    fn names_are_unique_and_keys_find_their_tensor() {
+        let c = cfg(false);
+        let all = dense_tensors(&c);
+        let names: std::collections::HashSet<_> = all.iter().map(|t| &t.name).collect();
+        assert_eq!(names.len(), all.len());
+        assert_eq!(all.first().unwrap().name, "embed");
+        assert_eq!(all.last().unwrap().name, "lm_head");
+        let l1 = layer_tensors(&c, 1);
+        let q = find(&l1, "attn.q_proj").unwrap();
+        assert_eq!(
+            (q.name.as_str(), q.shape),
+            ("layers.1.attn.q_proj", [128, 64])
+        );
+        assert!(find(&l1, "gdn.conv").is_none());
+        assert_eq!(
+            find(&layer_tensors(&c, 0), "gdn.conv").unwrap().shape,
+            [64, 4]
+        );
+        // Tied: no lm_head is listed.
+        assert_eq!(dense_tensors(&cfg(true)).len(), all.len() - 1);
+        assert_eq!(
+            expert_parts(&c).map(|p| p.shape),
+            [[32, 64], [32, 64], [64, 32]]
+        );
+    }
+}

@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value as Json};
 use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
-use slipstream_core::schema;
+use slipstream_core::schema::{self, PartSpec, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
 use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
 use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
@@ -355,12 +355,58 @@ fn model_config(src: &Src) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
+/// The llama.cpp name of a canonical dense tensor in a GGUF of `cfg`'s
+/// architecture (`blk.{l}.` for layer tensors), or `None` for a tensor
+/// llama.cpp has no name for. The GGUF importer reads by it and the
+/// synthetic GGUF writer writes by it.
+pub fn gguf_tensor_name(cfg: &ModelConfig, spec: &TensorSpec) -> Option<String> {
+    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
+    let g = match spec.key {
+        "embed" => "token_embd.weight",
+        "lm_head" => "output.weight",
+        "final_norm" => "output_norm.weight",
+        "input_norm" => "attn_norm.weight",
+        "post_attn_norm" if qwen35 => "post_attention_norm.weight",
+        "post_attn_norm" => "ffn_norm.weight",
+        "attn.q_proj" => "attn_q.weight",
+        "attn.k_proj" => "attn_k.weight",
+        "attn.v_proj" => "attn_v.weight",
+        "attn.o_proj" => "attn_output.weight",
+        "attn.q_norm" => "attn_q_norm.weight",
+        "attn.k_norm" => "attn_k_norm.weight",
+        "gdn.in_proj_qkv" => "attn_qkv.weight",
+        "gdn.in_proj_z" => "attn_gate.weight",
+        "gdn.in_proj_b" => "ssm_beta.weight",
+        "gdn.in_proj_a" => "ssm_alpha.weight",
+        "gdn.conv" => "ssm_conv1d.weight",
+        "gdn.A_log" => "ssm_a",
+        "gdn.dt_bias" => "ssm_dt.bias",
+        "gdn.norm" => "ssm_norm.weight",
+        "gdn.out_proj" => "ssm_out.weight",
+        "moe.router" => "ffn_gate_inp.weight",
+        "moe.shared_gate" => "ffn_gate_inp_shexp.weight",
+        "moe.shared.gate_proj" => "ffn_gate_shexp.weight",
+        "moe.shared.up_proj" => "ffn_up_shexp.weight",
+        "moe.shared.down_proj" => "ffn_down_shexp.weight",
+        _ => return None,
+    };
+    Some(match spec.layer {
+        Some(l) => format!("blk.{l}.{g}"),
+        None => g.to_string(),
+    })
+}
+
+/// The llama.cpp name of layer `l`'s stacked routed-expert tensor for
+/// expert part `part` (`gate`, `up`, `down`); ggml dims `[cols, rows, E]`.
+pub fn gguf_experts_name(l: usize, part: &PartSpec) -> String {
+    format!("blk.{l}.ffn_{}_exps.weight", part.name)
+}
+
 /// Everything dense, in canonical order.
 type Job<'s> = Box<dyn Fn() -> Result<Dense> + 's>;
 
 fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String, Job<'s>)>> {
     let h = cfg.hidden_size;
-    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
     let mut jobs: Vec<(String, Job<'s>)> = Vec::new();
 
     // A tensor copied as stored: ggml dims [cols, rows].
@@ -446,60 +492,23 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
     // the config guarantees nk > 0).
     let r = nv.checked_div(nk).unwrap_or(0);
     let qk = 2 * nk * dk;
-    let post = if qwen35 {
-        "post_attention_norm.weight"
-    } else {
-        "ffn_norm.weight"
-    };
     for spec in schema::dense_tensors(cfg) {
-        let g = |s: &str| match spec.layer {
-            Some(l) => format!("blk.{l}.{s}"),
-            None => s.to_string(),
-        };
+        let gname = gguf_tensor_name(cfg, &spec).ok_or_else(|| {
+            RepackError::Unsupported(format!(
+                "no GGUF tensor is known for canonical {}",
+                spec.name
+            ))
+        })?;
         let out = spec.name.clone();
         let [rows, cols] = spec.shape;
         let job: Job<'s> = match spec.key {
-            "embed" => copy(g("token_embd.weight"), out, rows, cols),
-            "final_norm" => vector(g("output_norm.weight"), out, cols, ident, None),
-            "lm_head" => copy(g("output.weight"), out, rows, cols),
-            "input_norm" => vector(g("attn_norm.weight"), out, cols, ident, None),
-            "attn.q_proj" => copy(g("attn_q.weight"), out, rows, cols),
-            "attn.k_proj" => copy(g("attn_k.weight"), out, rows, cols),
-            "attn.v_proj" => copy(g("attn_v.weight"), out, rows, cols),
-            "attn.o_proj" => copy(g("attn_output.weight"), out, rows, cols),
-            "attn.q_norm" => vector(g("attn_q_norm.weight"), out, cols, ident, None),
-            "attn.k_norm" => vector(g("attn_k_norm.weight"), out, cols, ident, None),
-            "gdn.in_proj_qkv" => rows_perm(
-                g("attn_qkv.weight"),
-                out,
-                rows,
-                cols,
-                head_rows(rows, qk, nk, r, dv),
-            ),
-            "gdn.in_proj_z" => rows_perm(
-                g("attn_gate.weight"),
-                out,
-                rows,
-                cols,
-                head_rows(rows, 0, nk, r, dv),
-            ),
-            "gdn.in_proj_b" => rows_perm(
-                g("ssm_beta.weight"),
-                out,
-                rows,
-                cols,
-                head_rows(rows, 0, nk, r, 1),
-            ),
-            "gdn.in_proj_a" => rows_perm(
-                g("ssm_alpha.weight"),
-                out,
-                rows,
-                cols,
-                head_rows(rows, 0, nk, r, 1),
-            ),
+            "gdn.in_proj_qkv" => rows_perm(gname, out, rows, cols, head_rows(rows, qk, nk, r, dv)),
+            "gdn.in_proj_z" => rows_perm(gname, out, rows, cols, head_rows(rows, 0, nk, r, dv)),
+            "gdn.in_proj_b" | "gdn.in_proj_a" => {
+                rows_perm(gname, out, rows, cols, head_rows(rows, 0, nk, r, 1))
+            }
             // Conv: ggml [K, conv_dim] = our [conv_dim, K]; always f32.
             "gdn.conv" => {
-                let gname = g("ssm_conv1d.weight");
                 let (conv_dim, kk) = (rows, cols);
                 let perm = head_rows(conv_dim, qk, nk, r, dv);
                 Box::new(move || {
@@ -514,30 +523,12 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                     })
                 })
             }
-            "gdn.A_log" => vector(g("ssm_a"), out, cols, a_log, Some(untile_heads(nk, r))),
-            "gdn.dt_bias" => vector(
-                g("ssm_dt.bias"),
-                out,
-                cols,
-                ident,
-                Some(untile_heads(nk, r)),
-            ),
-            "gdn.norm" => vector(g("ssm_norm.weight"), out, cols, ident, None),
-            "gdn.out_proj" => {
-                let gname = g("ssm_out.weight");
-                Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv))
-            }
-            "post_attn_norm" => vector(g(post), out, cols, ident, None),
-            "moe.router" => copy(g("ffn_gate_inp.weight"), out, rows, cols),
-            "moe.shared_gate" => copy(g("ffn_gate_inp_shexp.weight"), out, rows, cols),
-            "moe.shared.gate_proj" => copy(g("ffn_gate_shexp.weight"), out, rows, cols),
-            "moe.shared.up_proj" => copy(g("ffn_up_shexp.weight"), out, rows, cols),
-            "moe.shared.down_proj" => copy(g("ffn_down_shexp.weight"), out, rows, cols),
-            other => {
-                return Err(RepackError::Unsupported(format!(
-                    "no GGUF tensor is known for canonical {other}"
-                )))
-            }
+            "gdn.A_log" => vector(gname, out, cols, a_log, Some(untile_heads(nk, r))),
+            "gdn.dt_bias" => vector(gname, out, cols, ident, Some(untile_heads(nk, r))),
+            "gdn.out_proj" => Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv)),
+            // Everything else as stored; norms as f32.
+            _ if spec.kind == TensorKind::Norm => vector(gname, out, cols, ident, None),
+            _ => copy(gname, out, rows, cols),
         };
         jobs.push((spec.name, job));
     }
@@ -795,7 +786,7 @@ pub(crate) fn repack_gguf(
     for l in 0..n_layers {
         let part = |k: usize| {
             let [rows, cols] = parts[k].shape;
-            let gname = format!("blk.{l}.ffn_{}_exps.weight", parts[k].name);
+            let gname = gguf_experts_name(l, &parts[k]);
             src.shaped(&gname, &[cols, rows, e_count])
         };
         exps.push([part(0)?, part(1)?, part(2)?]);

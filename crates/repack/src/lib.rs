@@ -51,6 +51,8 @@ mod finite;
 mod gguf_source;
 mod source;
 
+pub use gguf_source::{gguf_experts_name, gguf_tensor_name};
+
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::path::PathBuf;
