@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod quant;
+pub mod schema;
 pub mod tensor;
 
 pub use config::{Architecture, ModelConfig};

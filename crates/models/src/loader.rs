@@ -1,32 +1,66 @@
-//! Loading the shared blocks by canonical tensor name. Canonical names are
-//! what the repacker writes; see ARCHITECTURE.md for the table.
+//! Loading the shared blocks by canonical tensor name. Names and shapes
+//! come from `slipstream_core::schema`, which the repacker writes by.
 
+use slipstream_core::schema::{self, TensorSpec};
 use slipstream_core::{ModelConfig, TensorSource};
 
 use crate::blocks::*;
 use crate::transformer::Transformer;
 use crate::ModelError;
 
+/// The canonical tensors of one layer, looked up by key.
+struct LayerSpecs<'s> {
+    src: &'s dyn TensorSource,
+    specs: Vec<TensorSpec>,
+}
+
+impl<'s> LayerSpecs<'s> {
+    fn new(src: &'s dyn TensorSource, cfg: &ModelConfig, layer: usize) -> Self {
+        LayerSpecs {
+            src,
+            specs: schema::layer_tensors(cfg, layer),
+        }
+    }
+
+    fn get(&self, key: &str) -> Result<&TensorSpec, ModelError> {
+        schema::find(&self.specs, key)
+            .ok_or_else(|| ModelError::Weight(format!("this layer kind has no tensor {key}")))
+    }
+
+    fn linear(&self, key: &str) -> Result<Linear, ModelError> {
+        let s = self.get(key)?;
+        Linear::load(self.src, &s.name, s.shape)
+    }
+
+    fn vector(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        let s = self.get(key)?;
+        load_vector(self.src, &s.name, s.shape[1])
+    }
+
+    fn matrix_f32(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        let s = self.get(key)?;
+        load_matrix_f32(self.src, &s.name, s.shape)
+    }
+}
+
 pub fn attention(
     src: &dyn TensorSource,
     cfg: &ModelConfig,
     layer: usize,
 ) -> Result<Attention, ModelError> {
-    let p = format!("layers.{layer}.attn");
-    let (h, nh, nkv, hd) = (
-        cfg.hidden_size,
+    let t = LayerSpecs::new(src, cfg, layer);
+    let (nh, nkv, hd) = (
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.head_dim,
     );
-    let q_rows = nh * hd * if cfg.attn_output_gate { 2 } else { 1 };
     Ok(Attention {
-        q_proj: Linear::load(src, &format!("{p}.q_proj"), [q_rows, h])?,
-        k_proj: Linear::load(src, &format!("{p}.k_proj"), [nkv * hd, h])?,
-        v_proj: Linear::load(src, &format!("{p}.v_proj"), [nkv * hd, h])?,
-        o_proj: Linear::load(src, &format!("{p}.o_proj"), [h, nh * hd])?,
-        q_norm: load_vector(src, &format!("{p}.q_norm"), hd)?,
-        k_norm: load_vector(src, &format!("{p}.k_norm"), hd)?,
+        q_proj: t.linear("attn.q_proj")?,
+        k_proj: t.linear("attn.k_proj")?,
+        v_proj: t.linear("attn.v_proj")?,
+        o_proj: t.linear("attn.o_proj")?,
+        q_norm: t.vector("attn.q_norm")?,
+        k_norm: t.vector("attn.k_norm")?,
         num_heads: nh,
         num_kv_heads: nkv,
         head_dim: hd,
@@ -41,8 +75,7 @@ pub fn gated_delta_net(
     cfg: &ModelConfig,
     layer: usize,
 ) -> Result<GatedDeltaNet, ModelError> {
-    let p = format!("layers.{layer}.gdn");
-    let h = cfg.hidden_size;
+    let t = LayerSpecs::new(src, cfg, layer);
     let (nk, dk, nv, dv, kk) = (
         cfg.linear_num_key_heads,
         cfg.linear_key_head_dim,
@@ -50,17 +83,16 @@ pub fn gated_delta_net(
         cfg.linear_value_head_dim,
         cfg.linear_conv_kernel,
     );
-    let conv_dim = cfg.linear_conv_dim();
     Ok(GatedDeltaNet {
-        in_proj_qkv: Linear::load(src, &format!("{p}.in_proj_qkv"), [conv_dim, h])?,
-        in_proj_z: Linear::load(src, &format!("{p}.in_proj_z"), [nv * dv, h])?,
-        in_proj_b: Linear::load(src, &format!("{p}.in_proj_b"), [nv, h])?,
-        in_proj_a: Linear::load(src, &format!("{p}.in_proj_a"), [nv, h])?,
-        conv: load_matrix_f32(src, &format!("{p}.conv"), [conv_dim, kk])?,
-        a_log: load_vector(src, &format!("{p}.A_log"), nv)?,
-        dt_bias: load_vector(src, &format!("{p}.dt_bias"), nv)?,
-        norm: load_vector(src, &format!("{p}.norm"), dv)?,
-        out_proj: Linear::load(src, &format!("{p}.out_proj"), [h, nv * dv])?,
+        in_proj_qkv: t.linear("gdn.in_proj_qkv")?,
+        in_proj_z: t.linear("gdn.in_proj_z")?,
+        in_proj_b: t.linear("gdn.in_proj_b")?,
+        in_proj_a: t.linear("gdn.in_proj_a")?,
+        conv: t.matrix_f32("gdn.conv")?,
+        a_log: t.vector("gdn.A_log")?,
+        dt_bias: t.vector("gdn.dt_bias")?,
+        norm: t.vector("gdn.norm")?,
+        out_proj: t.linear("gdn.out_proj")?,
         num_k_heads: nk,
         k_dim: dk,
         num_v_heads: nv,
@@ -71,29 +103,27 @@ pub fn gated_delta_net(
 }
 
 pub fn moe(src: &dyn TensorSource, cfg: &ModelConfig, layer: usize) -> Result<Moe, ModelError> {
-    let p = format!("layers.{layer}.moe");
-    let h = cfg.hidden_size;
+    let t = LayerSpecs::new(src, cfg, layer);
     let shared = if cfg.shared_expert_intermediate_size > 0 {
-        let is = cfg.shared_expert_intermediate_size;
         Some((
             Mlp {
-                gate_proj: Linear::load(src, &format!("{p}.shared.gate_proj"), [is, h])?,
-                up_proj: Linear::load(src, &format!("{p}.shared.up_proj"), [is, h])?,
-                down_proj: Linear::load(src, &format!("{p}.shared.down_proj"), [h, is])?,
+                gate_proj: t.linear("moe.shared.gate_proj")?,
+                up_proj: t.linear("moe.shared.up_proj")?,
+                down_proj: t.linear("moe.shared.down_proj")?,
             },
-            Linear::load(src, &format!("{p}.shared_gate"), [1, h])?,
+            t.linear("moe.shared_gate")?,
         ))
     } else {
         None
     };
     Ok(Moe {
         layer,
-        router: Linear::load(src, &format!("{p}.router"), [cfg.num_experts, h])?,
+        router: t.linear("moe.router")?,
         num_experts: cfg.num_experts,
         top_k: cfg.num_experts_per_tok,
         norm_topk_prob: cfg.norm_topk_prob,
         shared,
-        hidden: h,
+        hidden: cfg.hidden_size,
         act: slipstream_kernels::Activations::default(),
     })
 }
@@ -104,13 +134,16 @@ pub fn embed_and_head(
     src: &dyn TensorSource,
     cfg: &ModelConfig,
 ) -> Result<(slipstream_core::Tensor, Vec<f32>, slipstream_core::Tensor), ModelError> {
-    let shape = [cfg.vocab_size, cfg.hidden_size];
-    let embed = load_tensor(src, "embed", shape)?;
-    let final_norm = load_vector(src, "final_norm", cfg.hidden_size)?;
-    let lm_head = if cfg.tie_word_embeddings && !src.has_tensor("lm_head") {
+    let e = schema::embed_tensor(cfg);
+    let embed = load_tensor(src, &e.name, e.shape)?;
+    let n = schema::final_norm_tensor(cfg);
+    let final_norm = load_vector(src, &n.name, n.shape[1])?;
+    let head = schema::lm_head_tensor(cfg);
+    // A tied config may still carry its own head (repack keeps one it finds).
+    let lm_head = if cfg.tie_word_embeddings && !src.has_tensor(&head.name) {
         embed.clone()
     } else {
-        load_tensor(src, "lm_head", shape)?
+        load_tensor(src, &head.name, head.shape)?
     };
     Ok((embed, final_norm, lm_head))
 }
@@ -122,13 +155,13 @@ pub fn assemble(
     mixer: impl Fn(usize) -> Result<crate::transformer::Mixer, ModelError>,
 ) -> Result<Transformer, ModelError> {
     let (embed, final_norm, lm_head) = embed_and_head(src, cfg)?;
-    let h = cfg.hidden_size;
     let layers = (0..cfg.num_layers())
         .map(|l| {
+            let t = LayerSpecs::new(src, cfg, l);
             Ok(crate::transformer::Layer {
-                input_norm: load_vector(src, &format!("layers.{l}.input_norm"), h)?,
+                input_norm: t.vector("input_norm")?,
                 mixer: mixer(l)?,
-                post_attn_norm: load_vector(src, &format!("layers.{l}.post_attn_norm"), h)?,
+                post_attn_norm: t.vector("post_attn_norm")?,
                 moe: moe(src, cfg, l)?,
             })
         })

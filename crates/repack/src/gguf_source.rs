@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use serde_json::{json, Value as Json};
 use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
+use slipstream_core::schema::{self, PartSpec, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
 use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
 use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
@@ -354,13 +355,58 @@ fn model_config(src: &Src) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
+/// The llama.cpp name of a canonical dense tensor in a GGUF of `cfg`'s
+/// architecture (`blk.{l}.` for layer tensors), or `None` for a tensor
+/// llama.cpp has no name for. The GGUF importer reads by it and the
+/// synthetic GGUF writer writes by it.
+pub fn gguf_tensor_name(cfg: &ModelConfig, spec: &TensorSpec) -> Option<String> {
+    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
+    let g = match spec.key {
+        "embed" => "token_embd.weight",
+        "lm_head" => "output.weight",
+        "final_norm" => "output_norm.weight",
+        "input_norm" => "attn_norm.weight",
+        "post_attn_norm" if qwen35 => "post_attention_norm.weight",
+        "post_attn_norm" => "ffn_norm.weight",
+        "attn.q_proj" => "attn_q.weight",
+        "attn.k_proj" => "attn_k.weight",
+        "attn.v_proj" => "attn_v.weight",
+        "attn.o_proj" => "attn_output.weight",
+        "attn.q_norm" => "attn_q_norm.weight",
+        "attn.k_norm" => "attn_k_norm.weight",
+        "gdn.in_proj_qkv" => "attn_qkv.weight",
+        "gdn.in_proj_z" => "attn_gate.weight",
+        "gdn.in_proj_b" => "ssm_beta.weight",
+        "gdn.in_proj_a" => "ssm_alpha.weight",
+        "gdn.conv" => "ssm_conv1d.weight",
+        "gdn.A_log" => "ssm_a",
+        "gdn.dt_bias" => "ssm_dt.bias",
+        "gdn.norm" => "ssm_norm.weight",
+        "gdn.out_proj" => "ssm_out.weight",
+        "moe.router" => "ffn_gate_inp.weight",
+        "moe.shared_gate" => "ffn_gate_inp_shexp.weight",
+        "moe.shared.gate_proj" => "ffn_gate_shexp.weight",
+        "moe.shared.up_proj" => "ffn_up_shexp.weight",
+        "moe.shared.down_proj" => "ffn_down_shexp.weight",
+        _ => return None,
+    };
+    Some(match spec.layer {
+        Some(l) => format!("blk.{l}.{g}"),
+        None => g.to_string(),
+    })
+}
+
+/// The llama.cpp name of layer `l`'s stacked routed-expert tensor for
+/// expert part `part` (`gate`, `up`, `down`); ggml dims `[cols, rows, E]`.
+pub fn gguf_experts_name(l: usize, part: &PartSpec) -> String {
+    format!("blk.{l}.ffn_{}_exps.weight", part.name)
+}
+
 /// Everything dense, in canonical order.
 type Job<'s> = Box<dyn Fn() -> Result<Dense> + 's>;
 
 fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String, Job<'s>)>> {
     let h = cfg.hidden_size;
-    let v = cfg.vocab_size;
-    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
     let mut jobs: Vec<(String, Job<'s>)> = Vec::new();
 
     // A tensor copied as stored: ggml dims [cols, rows].
@@ -424,220 +470,67 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
         Ok(x)
     }
 
-    jobs.push((
-        "embed".into(),
-        copy("token_embd.weight".into(), "embed".into(), v, h),
-    ));
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        let g = |s: &str| format!("blk.{l}.{s}");
-        let o = |s: &str| format!("layers.{l}.{s}");
-        jobs.push((
-            o("input_norm"),
-            vector(g("attn_norm.weight"), o("input_norm"), h, ident, None),
-        ));
-        match kind {
-            LayerKind::FullAttention => {
-                let hd = cfg.head_dim;
-                let qr = cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
-                let kvr = cfg.num_key_value_heads * hd;
-                let oc = cfg.num_attention_heads * hd;
-                jobs.push((
-                    o("attn.q_proj"),
-                    copy(g("attn_q.weight"), o("attn.q_proj"), qr, h),
-                ));
-                jobs.push((
-                    o("attn.k_proj"),
-                    copy(g("attn_k.weight"), o("attn.k_proj"), kvr, h),
-                ));
-                jobs.push((
-                    o("attn.v_proj"),
-                    copy(g("attn_v.weight"), o("attn.v_proj"), kvr, h),
-                ));
-                jobs.push((
-                    o("attn.o_proj"),
-                    copy(g("attn_output.weight"), o("attn.o_proj"), h, oc),
-                ));
-                jobs.push((
-                    o("attn.q_norm"),
-                    vector(g("attn_q_norm.weight"), o("attn.q_norm"), hd, ident, None),
-                ));
-                jobs.push((
-                    o("attn.k_norm"),
-                    vector(g("attn_k_norm.weight"), o("attn.k_norm"), hd, ident, None),
-                ));
-            }
-            LayerKind::LinearAttention => {
-                let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
-                let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
-                // qwen35moe GGUFs hold value heads in tiled order (see module doc).
-                let r = nv / nk;
-                let conv_dim = cfg.linear_conv_dim();
-                let qk = 2 * nk * dk;
-                let vd = nv * dv;
-                let kk = cfg.linear_conv_kernel;
-                jobs.push((
-                    o("gdn.in_proj_qkv"),
-                    rows_perm(
-                        g("attn_qkv.weight"),
-                        o("gdn.in_proj_qkv"),
-                        conv_dim,
-                        h,
-                        head_rows(conv_dim, qk, nk, r, dv),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.in_proj_z"),
-                    rows_perm(
-                        g("attn_gate.weight"),
-                        o("gdn.in_proj_z"),
-                        vd,
-                        h,
-                        head_rows(vd, 0, nk, r, dv),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.in_proj_b"),
-                    rows_perm(
-                        g("ssm_beta.weight"),
-                        o("gdn.in_proj_b"),
-                        nv,
-                        h,
-                        head_rows(nv, 0, nk, r, 1),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.in_proj_a"),
-                    rows_perm(
-                        g("ssm_alpha.weight"),
-                        o("gdn.in_proj_a"),
-                        nv,
-                        h,
-                        head_rows(nv, 0, nk, r, 1),
-                    ),
-                ));
-                // Conv: ggml [K, conv_dim] = our [conv_dim, K]; always f32.
-                {
-                    let gname = g("ssm_conv1d.weight");
-                    let out = o("gdn.conv");
-                    let perm = head_rows(conv_dim, qk, nk, r, dv);
-                    jobs.push((
-                        out.clone(),
-                        Box::new(move || {
-                            let vals = src.floats(&gname, &[kk, conv_dim])?;
-                            let b = f32_bytes(&vals);
-                            Ok(Dense {
-                                name: out.clone(),
-                                qtype: QuantType::F32,
-                                shape: [conv_dim, kk],
-                                bytes: permute_rows(&b, 4 * kk, &perm),
-                                bytes_in: src.tensor(&gname)?.nbytes,
-                            })
-                        }),
-                    ));
+    fn a_log(a: Vec<f32>) -> Result<Vec<f32>> {
+        a.iter()
+            .map(|&x| {
+                if x < 0.0 {
+                    Ok((-(x as f64)).ln() as f32)
+                } else {
+                    Err(RepackError::UnexpectedTensor {
+                        name: "ssm_a".into(),
+                        message: format!("value {x} is not negative (ssm_a = -exp(A_log))"),
+                    })
                 }
-                fn a_log(a: Vec<f32>) -> Result<Vec<f32>> {
-                    a.iter()
-                        .map(|&x| {
-                            if x < 0.0 {
-                                Ok((-(x as f64)).ln() as f32)
-                            } else {
-                                Err(RepackError::UnexpectedTensor {
-                                    name: "ssm_a".into(),
-                                    message: format!(
-                                        "value {x} is not negative (ssm_a = -exp(A_log))"
-                                    ),
-                                })
-                            }
-                        })
-                        .collect()
-                }
-                jobs.push((
-                    o("gdn.A_log"),
-                    vector(
-                        g("ssm_a"),
-                        o("gdn.A_log"),
-                        nv,
-                        a_log,
-                        Some(untile_heads(nk, r)),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.dt_bias"),
-                    vector(
-                        g("ssm_dt.bias"),
-                        o("gdn.dt_bias"),
-                        nv,
-                        ident,
-                        Some(untile_heads(nk, r)),
-                    ),
-                ));
-                jobs.push((
-                    o("gdn.norm"),
-                    vector(g("ssm_norm.weight"), o("gdn.norm"), dv, ident, None),
-                ));
-                {
-                    let gname = g("ssm_out.weight");
-                    let out = o("gdn.out_proj");
-                    jobs.push((
-                        out.clone(),
-                        Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv)),
-                    ));
-                }
-            }
-        }
-        let post = if qwen35 {
-            "post_attention_norm.weight"
-        } else {
-            "ffn_norm.weight"
-        };
-        jobs.push((
-            o("post_attn_norm"),
-            vector(g(post), o("post_attn_norm"), h, ident, None),
-        ));
-        jobs.push((
-            o("moe.router"),
-            copy(
-                g("ffn_gate_inp.weight"),
-                o("moe.router"),
-                cfg.num_experts,
-                h,
-            ),
-        ));
-        if qwen35 {
-            let is = cfg.shared_expert_intermediate_size;
-            jobs.push((
-                o("moe.shared_gate"),
-                copy(g("ffn_gate_inp_shexp.weight"), o("moe.shared_gate"), 1, h),
-            ));
-            jobs.push((
-                o("moe.shared.gate_proj"),
-                copy(g("ffn_gate_shexp.weight"), o("moe.shared.gate_proj"), is, h),
-            ));
-            jobs.push((
-                o("moe.shared.up_proj"),
-                copy(g("ffn_up_shexp.weight"), o("moe.shared.up_proj"), is, h),
-            ));
-            jobs.push((
-                o("moe.shared.down_proj"),
-                copy(g("ffn_down_shexp.weight"), o("moe.shared.down_proj"), h, is),
-            ));
-        }
+            })
+            .collect()
     }
-    jobs.push((
-        "final_norm".into(),
-        vector(
-            "output_norm.weight".into(),
-            "final_norm".into(),
-            h,
-            ident,
-            None,
-        ),
-    ));
-    if !cfg.tie_word_embeddings {
-        jobs.push((
-            "lm_head".into(),
-            copy("output.weight".into(), "lm_head".into(), v, h),
-        ));
+
+    let (nk, nv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+    let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
+    // qwen35moe GGUFs hold value heads in tiled order (see module doc); `r`
+    // value heads per key head (only read in Gated DeltaNet layers, where
+    // the config guarantees nk > 0).
+    let r = nv.checked_div(nk).unwrap_or(0);
+    let qk = 2 * nk * dk;
+    for spec in schema::dense_tensors(cfg) {
+        let gname = gguf_tensor_name(cfg, &spec).ok_or_else(|| {
+            RepackError::Unsupported(format!(
+                "no GGUF tensor is known for canonical {}",
+                spec.name
+            ))
+        })?;
+        let out = spec.name.clone();
+        let [rows, cols] = spec.shape;
+        let job: Job<'s> = match spec.key {
+            "gdn.in_proj_qkv" => rows_perm(gname, out, rows, cols, head_rows(rows, qk, nk, r, dv)),
+            "gdn.in_proj_z" => rows_perm(gname, out, rows, cols, head_rows(rows, 0, nk, r, dv)),
+            "gdn.in_proj_b" | "gdn.in_proj_a" => {
+                rows_perm(gname, out, rows, cols, head_rows(rows, 0, nk, r, 1))
+            }
+            // Conv: ggml [K, conv_dim] = our [conv_dim, K]; always f32.
+            "gdn.conv" => {
+                let (conv_dim, kk) = (rows, cols);
+                let perm = head_rows(conv_dim, qk, nk, r, dv);
+                Box::new(move || {
+                    let vals = src.floats(&gname, &[kk, conv_dim])?;
+                    let b = f32_bytes(&vals);
+                    Ok(Dense {
+                        name: out.clone(),
+                        qtype: QuantType::F32,
+                        shape: [conv_dim, kk],
+                        bytes: permute_rows(&b, 4 * kk, &perm),
+                        bytes_in: src.tensor(&gname)?.nbytes,
+                    })
+                })
+            }
+            "gdn.A_log" => vector(gname, out, cols, a_log, Some(untile_heads(nk, r))),
+            "gdn.dt_bias" => vector(gname, out, cols, ident, Some(untile_heads(nk, r))),
+            "gdn.out_proj" => Box::new(move || out_proj(src, &gname, &out, h, nk, r, dv)),
+            // Everything else as stored; norms as f32.
+            _ if spec.kind == TensorKind::Norm => vector(gname, out, cols, ident, None),
+            _ => copy(gname, out, rows, cols),
+        };
+        jobs.push((spec.name, job));
     }
     Ok(jobs)
 }
@@ -878,7 +771,7 @@ pub(crate) fn repack_gguf(
         read: Default::default(),
     };
     let cfg = model_config(&src)?;
-    let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
+    let e_count = cfg.num_experts;
     let n_layers = cfg.num_layers();
     // Before any tensor work: the tokenizer must build.
     let tok = tokenizer(&f);
@@ -887,17 +780,20 @@ pub(crate) fn repack_gguf(
     }
 
     // Expert tensors: one layout for the whole pool.
+    // ggml dims of a stacked expert tensor: [cols, rows, E].
+    let parts = schema::expert_parts(&cfg);
     let mut exps = Vec::with_capacity(n_layers);
     for l in 0..n_layers {
-        let gate = src.shaped(&format!("blk.{l}.ffn_gate_exps.weight"), &[h, i, e_count])?;
-        let up = src.shaped(&format!("blk.{l}.ffn_up_exps.weight"), &[h, i, e_count])?;
-        let down = src.shaped(&format!("blk.{l}.ffn_down_exps.weight"), &[i, h, e_count])?;
-        exps.push([gate, up, down]);
+        let part = |k: usize| {
+            let [rows, cols] = parts[k].shape;
+            let gname = gguf_experts_name(l, &parts[k]);
+            src.shaped(&gname, &[cols, rows, e_count])
+        };
+        exps.push([part(0)?, part(1)?, part(2)?]);
     }
-    let shapes = [[i, h], [i, h], [h, i]];
-    let names = ["gate", "up", "down"];
+    let names = parts.map(|p| p.name);
     let layout: Vec<(String, QuantType, [usize; 2])> = (0..3)
-        .map(|k| (names[k].to_string(), exps[0][k].1, shapes[k]))
+        .map(|k| (names[k].to_string(), exps[0][k].1, parts[k].shape))
         .collect();
     for (l, parts) in exps.iter().enumerate() {
         for k in 0..3 {

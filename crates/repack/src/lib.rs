@@ -51,6 +51,8 @@ mod finite;
 mod gguf_source;
 mod source;
 
+pub use gguf_source::{gguf_experts_name, gguf_tensor_name};
+
 use std::cell::RefCell;
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -60,7 +62,7 @@ use std::time::Instant;
 use rayon::prelude::*;
 use safetensors::Dtype;
 use serde_json::Value;
-use slipstream_core::config::LayerKind;
+use slipstream_core::schema::{self, PartSpec, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType, ScaleType};
 use slipstream_format::{
     ExpertPoolLayout, FormatError, ManifestInfo, Overwrite, SlipWriter, SourceInfo,
@@ -588,222 +590,111 @@ fn ignorable(name: &str) -> bool {
         || name.ends_with("rotary_emb.inv_freq")
 }
 
+/// Where a canonical layer tensor (by [`TensorSpec::key`]) lives in a HF or
+/// MLX checkpoint, under `layers.{l}.`: a `.weight`-less module path for
+/// matrices (quantized MLX adds `.scales`/`.biases`), the full name otherwise.
+fn hf_layer_name(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "input_norm" => "input_layernorm.weight",
+        "post_attn_norm" => "post_attention_layernorm.weight",
+        "attn.q_proj" => "self_attn.q_proj",
+        "attn.k_proj" => "self_attn.k_proj",
+        "attn.v_proj" => "self_attn.v_proj",
+        "attn.o_proj" => "self_attn.o_proj",
+        "attn.q_norm" => "self_attn.q_norm.weight",
+        "attn.k_norm" => "self_attn.k_norm.weight",
+        "gdn.in_proj_qkv" => "linear_attn.in_proj_qkv",
+        "gdn.in_proj_z" => "linear_attn.in_proj_z",
+        "gdn.in_proj_b" => "linear_attn.in_proj_b",
+        "gdn.in_proj_a" => "linear_attn.in_proj_a",
+        "gdn.conv" => "linear_attn.conv1d.weight",
+        "gdn.A_log" => "linear_attn.A_log",
+        "gdn.dt_bias" => "linear_attn.dt_bias",
+        "gdn.norm" => "linear_attn.norm.weight",
+        "gdn.out_proj" => "linear_attn.out_proj",
+        "moe.router" => "mlp.gate",
+        "moe.shared_gate" => "mlp.shared_expert_gate",
+        "moe.shared.gate_proj" => "mlp.shared_expert.gate_proj",
+        "moe.shared.up_proj" => "mlp.shared_expert.up_proj",
+        "moe.shared.down_proj" => "mlp.shared_expert.down_proj",
+        _ => return None,
+    })
+}
+
 fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Plan<'a>> {
     let ck = ctx.ck;
     let p = find_prefix(ck, cfg.architecture)?;
     let h = cfg.hidden_size;
-    let v = cfg.vocab_size;
-    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
     let norm = Role::Norm { shift: hf_shift };
     let mat = Role::Matrix { router: false };
     let router = Role::Matrix { router: true };
 
-    let mut head = Vec::new();
-    head.push(ctx.job(
-        "embed".into(),
-        v,
-        h,
-        ctx.linear(&format!("{p}embed_tokens"), v, h)?,
+    let job = |s: &TensorSpec, src: PartSrc<'a>, role: Role| {
+        ctx.job(s.name.clone(), s.shape[0], s.shape[1], src, role)
+    };
+    let e = schema::embed_tensor(cfg);
+    let head = vec![job(
+        &e,
+        ctx.linear(&format!("{p}embed_tokens"), e.shape[0], e.shape[1])?,
         mat,
-    ));
+    )];
 
+    let [gate_part, up_part, down_part] = schema::expert_parts(cfg);
     let e_count = cfg.num_experts;
     let inter = cfg.moe_intermediate_size;
     let mut layers = Vec::new();
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
+    for l in 0..cfg.num_layers() {
         let lp = format!("{p}layers.{l}.");
-        let out = |s: &str| format!("layers.{l}.{s}");
         let mut dense = Vec::new();
-        dense.push(ctx.job(
-            out("input_norm"),
-            1,
-            h,
-            ctx.vector(&format!("{lp}input_layernorm.weight"), h)?,
-            norm,
-        ));
-        match kind {
-            LayerKind::FullAttention => {
-                let hd = cfg.head_dim;
-                let q_rows =
-                    cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
-                let kv_rows = cfg.num_key_value_heads * hd;
-                let o_cols = cfg.num_attention_heads * hd;
-                let a = format!("{lp}self_attn.");
-                dense.push(ctx.job(
-                    out("attn.q_proj"),
-                    q_rows,
-                    h,
-                    ctx.linear(&format!("{a}q_proj"), q_rows, h)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("attn.k_proj"),
-                    kv_rows,
-                    h,
-                    ctx.linear(&format!("{a}k_proj"), kv_rows, h)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("attn.v_proj"),
-                    kv_rows,
-                    h,
-                    ctx.linear(&format!("{a}v_proj"), kv_rows, h)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("attn.o_proj"),
-                    h,
-                    o_cols,
-                    ctx.linear(&format!("{a}o_proj"), h, o_cols)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("attn.q_norm"),
-                    1,
-                    hd,
-                    ctx.vector(&format!("{a}q_norm.weight"), hd)?,
-                    norm,
-                ));
-                dense.push(ctx.job(
-                    out("attn.k_norm"),
-                    1,
-                    hd,
-                    ctx.vector(&format!("{a}k_norm.weight"), hd)?,
-                    norm,
-                ));
-            }
-            LayerKind::LinearAttention => {
-                let conv_dim = cfg.linear_conv_dim();
-                let nv = cfg.linear_num_value_heads;
-                let vd = nv * cfg.linear_value_head_dim;
-                let k = cfg.linear_conv_kernel;
-                let g = format!("{lp}linear_attn.");
-                dense.push(ctx.job(
-                    out("gdn.in_proj_qkv"),
-                    conv_dim,
-                    h,
-                    ctx.linear(&format!("{g}in_proj_qkv"), conv_dim, h)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("gdn.in_proj_z"),
-                    vd,
-                    h,
-                    ctx.linear(&format!("{g}in_proj_z"), vd, h)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("gdn.in_proj_b"),
-                    nv,
-                    h,
-                    ctx.linear(&format!("{g}in_proj_b"), nv, h)?,
-                    mat,
-                ));
-                dense.push(ctx.job(
-                    out("gdn.in_proj_a"),
-                    nv,
-                    h,
-                    ctx.linear(&format!("{g}in_proj_a"), nv, h)?,
-                    mat,
-                ));
+        for spec in schema::layer_tensors(cfg, l) {
+            let hf = hf_layer_name(spec.key).ok_or_else(|| {
+                RepackError::Unsupported(format!(
+                    "no checkpoint tensor is known for canonical {}",
+                    spec.name
+                ))
+            })?;
+            let hf = format!("{lp}{hf}");
+            let [rows, cols] = spec.shape;
+            let (src, role) = match spec.kind {
+                TensorKind::Matrix => (ctx.linear(&hf, rows, cols)?, mat),
+                TensorKind::Router => (ctx.linear(&hf, rows, cols)?, router),
+                // The gated `gdn.norm` is plain `w` even where the other
+                // HF norms are zero-centred.
+                TensorKind::Norm => (
+                    ctx.vector(&hf, cols)?,
+                    Role::Norm {
+                        shift: hf_shift && spec.key != "gdn.norm",
+                    },
+                ),
                 // HF [C, 1, K], MLX [C, K, 1]: the same bytes as [C, K].
-                let cname = format!("{g}conv1d.weight");
-                let ct = ctx.float(&cname)?;
-                if ct.shape != [conv_dim, 1, k] && ct.shape != [conv_dim, k, 1] {
-                    return Err(shape_err(&cname, &[conv_dim, 1, k], ct.shape));
+                TensorKind::Small if spec.key == "gdn.conv" => {
+                    let ct = ctx.float(&hf)?;
+                    if ct.shape != [rows, 1, cols] && ct.shape != [rows, cols, 1] {
+                        return Err(shape_err(&hf, &[rows, 1, cols], ct.shape));
+                    }
+                    let conv = PartSrc::Float {
+                        dtype: ct.dtype,
+                        data: ct.data,
+                    };
+                    (conv, Role::Small)
                 }
-                let conv = PartSrc::Float {
-                    dtype: ct.dtype,
-                    data: ct.data,
-                };
-                dense.push(ctx.job(out("gdn.conv"), conv_dim, k, conv, Role::Small));
-                dense.push(ctx.job(
-                    out("gdn.A_log"),
-                    1,
-                    nv,
-                    ctx.vector(&format!("{g}A_log"), nv)?,
-                    Role::Small,
-                ));
-                dense.push(ctx.job(
-                    out("gdn.dt_bias"),
-                    1,
-                    nv,
-                    ctx.vector(&format!("{g}dt_bias"), nv)?,
-                    Role::Small,
-                ));
-                let dv = cfg.linear_value_head_dim;
-                dense.push(ctx.job(
-                    out("gdn.norm"),
-                    1,
-                    dv,
-                    ctx.vector(&format!("{g}norm.weight"), dv)?,
-                    Role::Norm { shift: false },
-                ));
-                dense.push(ctx.job(
-                    out("gdn.out_proj"),
-                    h,
-                    vd,
-                    ctx.linear(&format!("{g}out_proj"), h, vd)?,
-                    mat,
-                ));
-            }
+                TensorKind::Small => (ctx.vector(&hf, cols)?, Role::Small),
+            };
+            dense.push(job(&spec, src, role));
         }
-        dense.push(ctx.job(
-            out("post_attn_norm"),
-            1,
-            h,
-            ctx.vector(&format!("{lp}post_attention_layernorm.weight"), h)?,
-            norm,
-        ));
         let m = format!("{lp}mlp.");
-        dense.push(ctx.job(
-            out("moe.router"),
-            e_count,
-            h,
-            ctx.linear(&format!("{m}gate"), e_count, h)?,
-            router,
-        ));
-        if qwen35 {
-            let is = cfg.shared_expert_intermediate_size;
-            dense.push(ctx.job(
-                out("moe.shared_gate"),
-                1,
-                h,
-                ctx.linear(&format!("{m}shared_expert_gate"), 1, h)?,
-                router,
-            ));
-            let s = format!("{m}shared_expert.");
-            dense.push(ctx.job(
-                out("moe.shared.gate_proj"),
-                is,
-                h,
-                ctx.linear(&format!("{s}gate_proj"), is, h)?,
-                mat,
-            ));
-            dense.push(ctx.job(
-                out("moe.shared.up_proj"),
-                is,
-                h,
-                ctx.linear(&format!("{s}up_proj"), is, h)?,
-                mat,
-            ));
-            dense.push(ctx.job(
-                out("moe.shared.down_proj"),
-                h,
-                is,
-                ctx.linear(&format!("{s}down_proj"), h, is)?,
-                mat,
-            ));
-        }
 
         // Routed experts, in whichever layout the checkpoint has.
         let experts: Vec<[PartSrc<'a>; 3]> = if ck
             .contains(&format!("{m}switch_mlp.gate_proj.weight"))
         {
             let sw = format!("{m}switch_mlp.");
-            let g = ctx.stacked(&format!("{sw}gate_proj"), e_count, inter, h)?;
-            let u = ctx.stacked(&format!("{sw}up_proj"), e_count, inter, h)?;
-            let d = ctx.stacked(&format!("{sw}down_proj"), e_count, h, inter)?;
+            let [gr, gc] = gate_part.shape;
+            let [ur, uc] = up_part.shape;
+            let [dr, dc] = down_part.shape;
+            let g = ctx.stacked(&format!("{sw}gate_proj"), e_count, gr, gc)?;
+            let u = ctx.stacked(&format!("{sw}up_proj"), e_count, ur, uc)?;
+            let d = ctx.stacked(&format!("{sw}down_proj"), e_count, dr, dc)?;
             (0..e_count).map(|i| [g[i], u[i], d[i]]).collect()
         } else if ck.contains(&format!("{m}experts.gate_up_proj")) {
             let gu_name = format!("{m}experts.gate_up_proj");
@@ -853,10 +744,13 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
             let mut v = Vec::with_capacity(e_count);
             for i in 0..e_count {
                 let x = format!("{m}experts.{i}.");
+                let part = |name: &str, s: &PartSpec| {
+                    ctx.linear(&format!("{x}{name}"), s.shape[0], s.shape[1])
+                };
                 v.push([
-                    ctx.linear(&format!("{x}gate_proj"), inter, h)?,
-                    ctx.linear(&format!("{x}up_proj"), inter, h)?,
-                    ctx.linear(&format!("{x}down_proj"), h, inter)?,
+                    part("gate_proj", &gate_part)?,
+                    part("up_proj", &up_part)?,
+                    part("down_proj", &down_part)?,
                 ]);
             }
             v
@@ -864,19 +758,20 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
         layers.push(LayerPlan { dense, experts });
     }
 
-    let mut tail = Vec::new();
-    tail.push(ctx.job(
-        "final_norm".into(),
-        1,
-        h,
-        ctx.vector(&format!("{p}norm.weight"), h)?,
+    let fnorm = schema::final_norm_tensor(cfg);
+    let mut tail = vec![job(
+        &fnorm,
+        ctx.vector(&format!("{p}norm.weight"), fnorm.shape[1])?,
         norm,
-    ));
+    )];
     let lm_base = ["lm_head", "language_model.lm_head", "model.lm_head"]
         .into_iter()
         .find(|b| ck.contains(&format!("{b}.weight")));
     match lm_base {
-        Some(b) => tail.push(ctx.job("lm_head".into(), v, h, ctx.linear(b, v, h)?, mat)),
+        Some(b) => {
+            let lm = schema::lm_head_tensor(cfg);
+            tail.push(job(&lm, ctx.linear(b, lm.shape[0], lm.shape[1])?, mat))
+        }
         None if cfg.tie_word_embeddings => {}
         None => {
             return Err(RepackError::MissingTensor {
@@ -887,15 +782,16 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
     }
 
     // One record layout for the whole pool.
-    let shapes = [[inter, h], [inter, h], [h, inter]];
-    let names = ["gate", "up", "down"];
+    let part_specs = [gate_part, up_part, down_part];
     let layout_of = |parts: &[PartSrc; 3]| -> Vec<(String, QuantType, [usize; 2])> {
-        (0..3)
-            .map(|k| {
+        part_specs
+            .iter()
+            .zip(parts)
+            .map(|(spec, part)| {
                 (
-                    names[k].to_string(),
-                    ctx.qtype_of(&parts[k], Role::Matrix { router: false }, shapes[k][1]),
-                    shapes[k],
+                    spec.name.to_string(),
+                    ctx.qtype_of(part, Role::Matrix { router: false }, spec.shape[1]),
+                    spec.shape,
                 )
             })
             .collect()
@@ -1247,55 +1143,8 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
 /// (`lm_head` listed only when untied; a tied checkpoint that still has an
 /// `lm_head` tensor gets it too). Useful to loaders and tests.
 pub fn canonical_dense_names(cfg: &ModelConfig) -> Vec<String> {
-    let mut v = vec!["embed".to_string()];
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        let mut push = |s: &str| v.push(format!("layers.{l}.{s}"));
-        push("input_norm");
-        match kind {
-            LayerKind::FullAttention => {
-                for s in [
-                    "attn.q_proj",
-                    "attn.k_proj",
-                    "attn.v_proj",
-                    "attn.o_proj",
-                    "attn.q_norm",
-                    "attn.k_norm",
-                ] {
-                    push(s);
-                }
-            }
-            LayerKind::LinearAttention => {
-                for s in [
-                    "gdn.in_proj_qkv",
-                    "gdn.in_proj_z",
-                    "gdn.in_proj_b",
-                    "gdn.in_proj_a",
-                    "gdn.conv",
-                    "gdn.A_log",
-                    "gdn.dt_bias",
-                    "gdn.norm",
-                    "gdn.out_proj",
-                ] {
-                    push(s);
-                }
-            }
-        }
-        push("post_attn_norm");
-        push("moe.router");
-        if cfg.shared_expert_intermediate_size > 0 {
-            for s in [
-                "moe.shared_gate",
-                "moe.shared.gate_proj",
-                "moe.shared.up_proj",
-                "moe.shared.down_proj",
-            ] {
-                push(s);
-            }
-        }
-    }
-    v.push("final_norm".into());
-    if !cfg.tie_word_embeddings {
-        v.push("lm_head".into());
-    }
-    v
+    schema::dense_tensors(cfg)
+        .into_iter()
+        .map(|s| s.name)
+        .collect()
 }

@@ -25,6 +25,7 @@ use std::time::Instant;
 use half::f16;
 use rayon::prelude::*;
 use slipstream_core::config::LayerKind;
+use slipstream_core::schema::{self, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType};
 use slipstream_gguf::{GgmlType, GgufWriter, TensorDecl, Value, ValueType};
 
@@ -166,52 +167,24 @@ fn ggml(q: QuantType) -> GgmlType {
     }
 }
 
-/// GGUF name and ggml dims of a canonical dense tensor.
-fn gguf_name(cfg: &ModelConfig, canonical: &str, shape: [usize; 2]) -> (String, Vec<u64>) {
-    let [rows, cols] = shape.map(|x| x as u64);
-    let two = vec![cols, rows];
-    let one = vec![cols];
-    let (base, layer) = match canonical.strip_prefix("layers.") {
-        Some(rest) => {
-            let (l, name) = rest.split_once('.').unwrap_or((rest, ""));
-            (name, Some(l))
-        }
-        None => (canonical, None),
-    };
-    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
-    let (g, dims) = match base {
-        "embed" => ("token_embd.weight", two),
-        "lm_head" => ("output.weight", two),
-        "final_norm" => ("output_norm.weight", one),
-        "input_norm" => ("attn_norm.weight", one),
-        "post_attn_norm" if qwen35 => ("post_attention_norm.weight", one),
-        "post_attn_norm" => ("ffn_norm.weight", one),
-        "attn.q_proj" => ("attn_q.weight", two),
-        "attn.k_proj" => ("attn_k.weight", two),
-        "attn.v_proj" => ("attn_v.weight", two),
-        "attn.o_proj" => ("attn_output.weight", two),
-        "attn.q_norm" => ("attn_q_norm.weight", one),
-        "attn.k_norm" => ("attn_k_norm.weight", one),
-        "gdn.in_proj_qkv" => ("attn_qkv.weight", two),
-        "gdn.in_proj_z" => ("attn_gate.weight", two),
-        "gdn.in_proj_b" => ("ssm_beta.weight", two),
-        "gdn.in_proj_a" => ("ssm_alpha.weight", two),
-        "gdn.conv" => ("ssm_conv1d.weight", two),
-        "gdn.A_log" => ("ssm_a", one),
-        "gdn.dt_bias" => ("ssm_dt.bias", one),
-        "gdn.norm" => ("ssm_norm.weight", one),
-        "gdn.out_proj" => ("ssm_out.weight", two),
-        "moe.router" => ("ffn_gate_inp.weight", two),
-        "moe.shared_gate" => ("ffn_gate_inp_shexp.weight", one),
-        "moe.shared.gate_proj" => ("ffn_gate_shexp.weight", two),
-        "moe.shared.up_proj" => ("ffn_up_shexp.weight", two),
-        "moe.shared.down_proj" => ("ffn_down_shexp.weight", two),
-        other => unreachable!("no GGUF name for canonical tensor {other}"),
-    };
-    match layer {
-        Some(l) => (format!("blk.{l}.{g}"), dims),
-        None => (g.to_string(), dims),
-    }
+/// GGUF name (the importer's, [`slipstream_repack::gguf_tensor_name`])
+/// and ggml dims of a canonical dense tensor: `[cols, rows]`, or `[n]` for
+/// a vector.
+fn gguf_name(cfg: &ModelConfig, t: &TensorSpec) -> crate::Result<(String, Vec<u64>)> {
+    let name = slipstream_repack::gguf_tensor_name(cfg, t).ok_or_else(|| {
+        SynthError::Invalid(format!("no GGUF name for canonical tensor {}", t.name))
+    })?;
+    let [rows, cols] = t.shape.map(|x| x as u64);
+    let one_dim = matches!(t.key, "moe.shared_gate" | "gdn.A_log" | "gdn.dt_bias")
+        || t.kind == TensorKind::Norm;
+    Ok((
+        name,
+        if one_dim {
+            vec![cols]
+        } else {
+            vec![cols, rows]
+        },
+    ))
 }
 
 /// Applies the converter's value changes to one canonical tensor.
@@ -437,65 +410,33 @@ pub fn synthesize_gguf(
         quant: SynthQuant::Q4_0,
     };
     let n_layers = cfg.num_layers();
-    let (h, i, e_count) = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts);
+    let e_count = cfg.num_experts;
 
-    // Dense tensor shapes per layer kind, from one generated layer of each
-    // kind (shapes never depend on the layer index).
-    type Shapes = Vec<(String, QuantType, [usize; 2])>;
-    let mut kind_shapes: Vec<(LayerKind, Shapes)> = Vec::new();
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        if kind_shapes.iter().all(|(k, _)| k != kind) {
-            let prefix = format!("layers.{l}.");
-            let v = g
-                .layer(l)
-                .into_iter()
-                .map(|d| {
-                    (
-                        d.name.trim_start_matches(&prefix).to_string(),
-                        d.qtype,
-                        d.shape,
-                    )
-                })
-                .collect();
-            kind_shapes.push((*kind, v));
-        }
-    }
+    // Declared in the order written: embed, per layer its dense tensors
+    // then its stacked experts (ggml dims [cols, rows, E]), the output.
     let mut decls = Vec::new();
-    let declare = |decls: &mut Vec<TensorDecl>, name: &str, q: QuantType, shape: [usize; 2]| {
-        let (n, dims) = gguf_name(cfg, name, shape);
-        decls.push(TensorDecl::new(n, &dims, ggml(q)));
+    let declare = |decls: &mut Vec<TensorDecl>, t: &TensorSpec| -> crate::Result<()> {
+        let (n, dims) = gguf_name(cfg, t)?;
+        decls.push(TensorDecl::new(n, &dims, ggml(g.quant.qtype_of(t.kind))));
+        Ok(())
     };
-    let q = QuantType::Q4_0;
-    declare(&mut decls, "embed", q, [cfg.vocab_size, h]);
-    for (l, kind) in cfg.layer_types.iter().enumerate() {
-        let shapes = &kind_shapes
-            .iter()
-            .find(|(k, _)| k == kind)
-            .expect("shapes")
-            .1;
-        for (n, qt, shape) in shapes {
-            declare(&mut decls, &format!("layers.{l}.{n}"), *qt, *shape);
+    declare(&mut decls, &schema::embed_tensor(cfg))?;
+    let parts = schema::expert_parts(cfg);
+    for l in 0..n_layers {
+        for t in schema::layer_tensors(cfg, l) {
+            declare(&mut decls, &t)?;
         }
-        let e = e_count as u64;
-        decls.push(TensorDecl::new(
-            format!("blk.{l}.ffn_gate_exps.weight"),
-            &[h as u64, i as u64, e],
-            GgmlType::Q4_0,
-        ));
-        decls.push(TensorDecl::new(
-            format!("blk.{l}.ffn_up_exps.weight"),
-            &[h as u64, i as u64, e],
-            GgmlType::Q4_0,
-        ));
-        decls.push(TensorDecl::new(
-            format!("blk.{l}.ffn_down_exps.weight"),
-            &[i as u64, h as u64, e],
-            GgmlType::Q4_0,
-        ));
+        for p in &parts {
+            let [rows, cols] = p.shape.map(|x| x as u64);
+            decls.push(TensorDecl::new(
+                slipstream_repack::gguf_experts_name(l, p),
+                &[cols, rows, e_count as u64],
+                ggml(g.quant.qtype(4)),
+            ));
+        }
     }
-    for d in g.head_tail() {
-        // head_tail is small (a norm and the lm_head's shape): regenerated below.
-        declare(&mut decls, &d.name, d.qtype, d.shape);
+    for t in schema::output_tensors(cfg) {
+        declare(&mut decls, &t)?;
     }
     let total: u64 = decls
         .iter()
@@ -518,7 +459,7 @@ pub fn synthesize_gguf(
     put(&mut w, g.embed())?;
     let batch = opts.batch.max(1);
     for l in 0..n_layers {
-        for d in g.layer(l) {
+        for d in g.layer(l)? {
             put(&mut w, d)?;
         }
         for k in 0..3 {

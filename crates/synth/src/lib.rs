@@ -39,6 +39,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use slipstream_core::config::LayerKind;
+use slipstream_core::schema::{self, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType};
 use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
 
@@ -232,6 +233,16 @@ impl SynthQuant {
         }
     }
 
+    /// Storage type of a dense tensor of `kind`: matrices at 4 bits,
+    /// routers at 8, norms and small parameters f32.
+    pub fn qtype_of(&self, kind: TensorKind) -> QuantType {
+        match kind {
+            TensorKind::Matrix => self.qtype(4),
+            TensorKind::Router => self.qtype(8),
+            TensorKind::Norm | TensorKind::Small => QuantType::F32,
+        }
+    }
+
     /// Storage type of a matrix generated at `bits` (4, or 8 for the router).
     pub fn qtype(&self, bits: u8) -> QuantType {
         match (self, bits) {
@@ -282,16 +293,14 @@ pub fn expert_layout(cfg: &ModelConfig) -> ExpertPoolLayout {
 
 /// The expert record layout of a config at `quant`.
 pub fn expert_layout_q(cfg: &ModelConfig, quant: SynthQuant) -> ExpertPoolLayout {
-    let (h, i) = (cfg.hidden_size, cfg.moe_intermediate_size);
     let q = quant.qtype(4);
     ExpertPoolLayout {
         num_layers: cfg.num_layers(),
         num_experts: cfg.num_experts,
-        parts: vec![
-            ("gate".into(), q, [i, h]),
-            ("up".into(), q, [i, h]),
-            ("down".into(), q, [h, i]),
-        ],
+        parts: schema::expert_parts(cfg)
+            .iter()
+            .map(|p| (p.name.to_string(), q, p.shape))
+            .collect(),
     }
 }
 
@@ -310,6 +319,16 @@ pub(crate) struct Dense {
     pub bytes: Vec<u8>,
 }
 
+/// The canonical tensors of one layer, looked up by key.
+pub(crate) struct Specs(Vec<TensorSpec>);
+
+impl Specs {
+    fn get(&self, key: &str) -> Result<&TensorSpec> {
+        schema::find(&self.0, key)
+            .ok_or_else(|| SynthError::Invalid(format!("this layer kind has no tensor {key}")))
+    }
+}
+
 pub(crate) struct Gen<'a> {
     pub cfg: &'a ModelConfig,
     pub seed: u64,
@@ -322,19 +341,13 @@ impl Gen<'_> {
         derive_seed(self.seed, name, 0, 0)
     }
 
-    fn q(
-        &self,
-        name: String,
-        bits: u8,
-        rows: usize,
-        cols: usize,
-        spec: &(dyn Fn(usize, usize) -> Group + Sync),
-    ) -> Dense {
-        let bytes = self.matrix(rows, cols, bits, self.s(&name), true, spec);
+    fn q(&self, t: &TensorSpec, bits: u8, spec: &(dyn Fn(usize, usize) -> Group + Sync)) -> Dense {
+        let [rows, cols] = t.shape;
+        let bytes = self.matrix(rows, cols, bits, self.s(&t.name), true, spec);
         Dense {
-            name,
+            name: t.name.clone(),
             qtype: self.quant.qtype(bits),
-            shape: [rows, cols],
+            shape: t.shape,
             bytes,
         }
     }
@@ -356,12 +369,12 @@ impl Gen<'_> {
         }
     }
 
-    fn f(&self, name: String, rows: usize, cols: usize, v: Vec<f32>) -> Dense {
-        assert_eq!(v.len(), rows * cols);
+    fn f(&self, t: &TensorSpec, v: Vec<f32>) -> Dense {
+        assert_eq!(v.len(), t.shape[0] * t.shape[1]);
         Dense {
-            name,
+            name: t.name.clone(),
             qtype: QuantType::F32,
-            shape: [rows, cols],
+            shape: t.shape,
             bytes: f32_bytes(&v),
         }
     }
@@ -371,10 +384,10 @@ impl Gen<'_> {
     }
 
     /// A matrix reading the residual stream: random, group 0 zero.
-    fn reader(&self, name: String, bits: u8, rows: usize) -> Dense {
-        let h = self.cfg.hidden_size;
+    fn reader(&self, t: &TensorSpec, bits: u8) -> Dense {
+        let h = t.shape[1];
         let std = 1.0 / (h as f32).sqrt();
-        self.q(name, bits, rows, h, &|_, g| {
+        self.q(t, bits, &|_, g| {
             if g == 0 {
                 Group::Zero
             } else {
@@ -385,10 +398,9 @@ impl Gen<'_> {
 
     /// A matrix writing the residual stream: rows 0..64 zero; column group
     /// `g` scaled by `gain(g)`.
-    fn writer(&self, name: String, cols: usize, gain: &(dyn Fn(usize) -> f32 + Sync)) -> Dense {
-        let h = self.cfg.hidden_size;
-        let std = 1.0 / (cols as f32).sqrt();
-        self.q(name, 4, h, cols, &|r, g| {
+    fn writer(&self, t: &TensorSpec, gain: &(dyn Fn(usize) -> f32 + Sync)) -> Dense {
+        let std = 1.0 / (t.shape[1] as f32).sqrt();
+        self.q(t, 4, &|r, g| {
             let k = gain(g);
             if r < GROUP || k == 0.0 {
                 Group::Zero
@@ -398,15 +410,14 @@ impl Gen<'_> {
         })
     }
 
-    fn norm(&self, name: String, n: usize, c0: f32) -> Dense {
-        let mut v = vec![1.0f32; n];
+    fn norm(&self, t: &TensorSpec, c0: f32) -> Dense {
+        let mut v = vec![1.0f32; t.shape[1]];
         v[0] = c0;
-        self.f(name, 1, n, v)
+        self.f(t, v)
     }
 
     pub(crate) fn embed(&self) -> Dense {
-        let (v, h) = (self.cfg.vocab_size, self.cfg.hidden_size);
-        self.q("embed".into(), 4, v, h, &|_, g| {
+        self.q(&schema::embed_tensor(self.cfg), 4, &|_, g| {
             if g == 0 {
                 Group::First(C0)
             } else {
@@ -415,7 +426,7 @@ impl Gen<'_> {
         })
     }
 
-    fn attention(&self, l: usize) -> Vec<Dense> {
+    fn attention(&self, t: &Specs) -> Result<Vec<Dense>> {
         let c = self.cfg;
         let h = c.hidden_size;
         let (nh, nkv, hd, rd) = (
@@ -428,10 +439,9 @@ impl Gen<'_> {
         let q_per_kv = nh / nkv;
         let ctx = self.context();
         let std = 1.0 / (h as f32).sqrt();
-        let p = |s: &str| format!("layers.{l}.attn.{s}");
         // Context heads: query heads of KV head 0 read only channel 0 in
         // their rotary dims; so does KV head 0's key.
-        let q = self.q(p("q_proj"), 4, nh * per_head, h, &|r, g| {
+        let q = self.q(t.get("attn.q_proj")?, 4, &|r, g| {
             let (head, within) = (r / per_head, r % per_head);
             if ctx && head < q_per_kv && within < hd {
                 match (within < rd, g) {
@@ -444,7 +454,7 @@ impl Gen<'_> {
                 Group::Rand(std)
             }
         });
-        let k = self.q(p("k_proj"), 4, nkv * hd, h, &|r, g| {
+        let k = self.q(t.get("attn.k_proj")?, 4, &|r, g| {
             if ctx && r < hd {
                 match (r < rd, g) {
                     (true, 0) => Group::First(1.0),
@@ -456,9 +466,9 @@ impl Gen<'_> {
                 Group::Rand(std)
             }
         });
-        let v = self.reader(p("v_proj"), 4, nkv * hd);
+        let v = self.reader(t.get("attn.v_proj")?, 4);
         let pers = self.skew.persistence;
-        let o = self.writer(p("o_proj"), nh * hd, &|g| {
+        let o = self.writer(t.get("attn.o_proj")?, &|g| {
             if ctx && g * GROUP < q_per_kv * hd {
                 pers
             } else {
@@ -474,17 +484,17 @@ impl Gen<'_> {
         if ctx {
             qn[..rd].fill(w);
         }
-        vec![
+        Ok(vec![
             q,
             k,
             v,
             o,
-            self.f(p("q_norm"), 1, hd, qn.clone()),
-            self.f(p("k_norm"), 1, hd, qn),
-        ]
+            self.f(t.get("attn.q_norm")?, qn.clone()),
+            self.f(t.get("attn.k_norm")?, qn),
+        ])
     }
 
-    fn gdn(&self, l: usize) -> Vec<Dense> {
+    fn gdn(&self, l: usize, t: &Specs) -> Result<Vec<Dense>> {
         let c = self.cfg;
         let h = c.hidden_size;
         let (nk, dk, nv, dv, kk) = (
@@ -513,7 +523,7 @@ impl Gen<'_> {
         };
         let v_ctx = |r: usize| r >= 2 * nk * dk && (r - 2 * nk * dk) / dv < ctx_v;
         let conv_dim = c.linear_conv_dim();
-        let qkv = self.q(p("in_proj_qkv"), 4, conv_dim, h, &|r, g| {
+        let qkv = self.q(t.get("gdn.in_proj_qkv")?, 4, &|r, g| {
             if qk_ctx(r) {
                 if g == 0 {
                     Group::First(1.0)
@@ -533,21 +543,21 @@ impl Gen<'_> {
                 None
             }
         };
-        let z = self.q(p("in_proj_z"), 4, nv * dv, h, &|r, g| {
+        let z = self.q(t.get("gdn.in_proj_z")?, 4, &|r, g| {
             head_const(r / dv, g, CONTEXT_Z).unwrap_or(if g == 0 {
                 Group::Zero
             } else {
                 Group::Rand(std)
             })
         });
-        let b = self.q(p("in_proj_b"), 4, nv, h, &|r, g| {
+        let b = self.q(t.get("gdn.in_proj_b")?, 4, &|r, g| {
             head_const(r, g, CONTEXT_BETA_LOGIT).unwrap_or(if g == 0 {
                 Group::Zero
             } else {
                 Group::Rand(std)
             })
         });
-        let a = self.q(p("in_proj_a"), 4, nv, h, &|r, g| {
+        let a = self.q(t.get("gdn.in_proj_a")?, 4, &|r, g| {
             if r < ctx_v || g == 0 {
                 Group::Zero
             } else {
@@ -587,39 +597,40 @@ impl Gen<'_> {
             })
             .collect();
         let pers = self.skew.persistence;
-        let out = self.writer(p("out_proj"), nv * dv, &|g| {
+        let out = self.writer(t.get("gdn.out_proj")?, &|g| {
             if g * GROUP < ctx_v * dv {
                 pers
             } else {
                 1.0
             }
         });
-        vec![
+        Ok(vec![
             qkv,
             z,
             b,
             a,
-            self.f(p("conv"), conv_dim, kk, conv),
-            self.f(p("A_log"), 1, nv, a_log),
-            self.f(p("dt_bias"), 1, nv, dt_bias),
-            self.f(p("norm"), 1, dv, vec![1.0; dv]),
+            self.f(t.get("gdn.conv")?, conv),
+            self.f(t.get("gdn.A_log")?, a_log),
+            self.f(t.get("gdn.dt_bias")?, dt_bias),
+            self.f(t.get("gdn.norm")?, vec![1.0; dv]),
             out,
-        ]
+        ])
     }
 
-    pub(crate) fn layer(&self, l: usize) -> Vec<Dense> {
+    pub(crate) fn layer(&self, l: usize) -> Result<Vec<Dense>> {
         let c = self.cfg;
         let h = c.hidden_size;
         let mut v = Vec::new();
         // Normed channel 0 ≈ 1 at the mixer and at the MoE.
         let in_c0 = rms_estimate(c, 2 * l) / C0;
         let post_c0 = rms_estimate(c, 2 * l + 1) / C0;
-        v.push(self.norm(format!("layers.{l}.input_norm"), h, in_c0));
+        let t = Specs(schema::layer_tensors(c, l));
+        v.push(self.norm(t.get("input_norm")?, in_c0));
         match c.layer_types[l] {
-            LayerKind::FullAttention => v.extend(self.attention(l)),
-            LayerKind::LinearAttention => v.extend(self.gdn(l)),
+            LayerKind::FullAttention => v.extend(self.attention(&t)?),
+            LayerKind::LinearAttention => v.extend(self.gdn(l, &t)?),
         }
-        v.push(self.norm(format!("layers.{l}.post_attn_norm"), h, post_c0));
+        v.push(self.norm(t.get("post_attn_norm")?, post_c0));
         // Router: popularity bias on channel 0.
         let e = c.num_experts;
         let mut rng = Rng::new(self.s(&format!("layers.{l}.popularity")));
@@ -627,7 +638,7 @@ impl Gen<'_> {
             .map(|_| self.skew.popularity * rng.normal())
             .collect();
         let std = 1.0 / (h as f32).sqrt();
-        v.push(self.q(format!("layers.{l}.moe.router"), 8, e, h, &|r, g| {
+        v.push(self.q(t.get("moe.router")?, 8, &|r, g| {
             if g == 0 {
                 if bias[r] == 0.0 {
                     Group::Zero
@@ -638,21 +649,19 @@ impl Gen<'_> {
                 Group::Rand(std)
             }
         }));
-        let is = c.shared_expert_intermediate_size;
-        if is > 0 {
-            v.push(self.reader(format!("layers.{l}.moe.shared_gate"), 8, 1));
-            v.push(self.reader(format!("layers.{l}.moe.shared.gate_proj"), 4, is));
-            v.push(self.reader(format!("layers.{l}.moe.shared.up_proj"), 4, is));
-            v.push(self.writer(format!("layers.{l}.moe.shared.down_proj"), is, &|_| 1.0));
+        if c.shared_expert_intermediate_size > 0 {
+            v.push(self.reader(t.get("moe.shared_gate")?, 8));
+            v.push(self.reader(t.get("moe.shared.gate_proj")?, 4));
+            v.push(self.reader(t.get("moe.shared.up_proj")?, 4));
+            v.push(self.writer(t.get("moe.shared.down_proj")?, &|_| 1.0));
         }
-        v
+        Ok(v)
     }
 
     pub(crate) fn head_tail(&self) -> Vec<Dense> {
-        let h = self.cfg.hidden_size;
-        let mut v = vec![self.norm("final_norm".into(), h, 0.0)];
+        let mut v = vec![self.norm(&schema::final_norm_tensor(self.cfg), 0.0)];
         if !self.cfg.tie_word_embeddings {
-            v.push(self.reader("lm_head".into(), 4, self.cfg.vocab_size));
+            v.push(self.reader(&schema::lm_head_tensor(self.cfg), 4));
         }
         v
     }
@@ -664,7 +673,8 @@ impl Gen<'_> {
 
     /// Part `k` (0 gate, 1 up, 2 down) of one expert; each part has its own stream.
     pub(crate) fn expert_part(&self, layer: usize, expert: usize, k: usize) -> Vec<u8> {
-        let (h, i) = (self.cfg.hidden_size, self.cfg.moe_intermediate_size);
+        let [_, up, down] = schema::expert_parts(self.cfg);
+        let [i, h] = up.shape;
         let base = derive_seed(self.seed, "expert", layer as u64, expert as u64);
         let sh = 1.0 / (h as f32).sqrt();
         let si = 1.0 / (i as f32).sqrt();
@@ -676,9 +686,8 @@ impl Gen<'_> {
             }
         };
         match k {
-            0 => self.matrix(i, h, 4, base ^ 1, false, &read),
-            1 => self.matrix(i, h, 4, base ^ 2, false, &read),
-            _ => self.matrix(h, i, 4, base ^ 3, false, &|r, _| {
+            0 | 1 => self.matrix(i, h, 4, base ^ (k as u64 + 1), false, &read),
+            _ => self.matrix(down.shape[0], down.shape[1], 4, base ^ 3, false, &|r, _| {
                 if r < GROUP {
                     Group::Zero
                 } else {
@@ -752,7 +761,7 @@ pub fn synthesize_q(
     };
     put(&mut w, g.embed())?;
     for l in 0..n_layers {
-        for d in g.layer(l) {
+        for d in g.layer(l)? {
             put(&mut w, d)?;
         }
     }
@@ -834,44 +843,10 @@ pub fn dense_bytes_estimate(cfg: &ModelConfig) -> u64 {
 
 /// Bytes of the dense tensors of `cfg` stored as `quant`.
 pub fn dense_bytes_estimate_q(cfg: &ModelConfig, quant: SynthQuant) -> u64 {
-    let h = cfg.hidden_size;
-    let q4 = |r: usize, c: usize| quant.qtype(4).nbytes(r, c) as u64;
-    let q8 = |r: usize, c: usize| quant.qtype(8).nbytes(r, c) as u64;
-    let f = |n: usize| 4 * n as u64;
-    let mut t = q4(cfg.vocab_size, h) + f(h);
-    if !cfg.tie_word_embeddings {
-        t += q4(cfg.vocab_size, h);
-    }
-    for kind in &cfg.layer_types {
-        t += 2 * f(h) + q8(cfg.num_experts, h);
-        t += match kind {
-            LayerKind::FullAttention => {
-                let hd = cfg.head_dim;
-                let qr = cfg.num_attention_heads * hd * if cfg.attn_output_gate { 2 } else { 1 };
-                q4(qr, h)
-                    + 2 * q4(cfg.num_key_value_heads * hd, h)
-                    + q4(h, cfg.num_attention_heads * hd)
-                    + 2 * f(hd)
-            }
-            LayerKind::LinearAttention => {
-                let nv = cfg.linear_num_value_heads;
-                let vd = nv * cfg.linear_value_head_dim;
-                let cd = cfg.linear_conv_dim();
-                q4(cd, h)
-                    + q4(vd, h)
-                    + 2 * q4(nv, h)
-                    + f(cd * cfg.linear_conv_kernel)
-                    + 2 * f(nv)
-                    + f(cfg.linear_value_head_dim)
-                    + q4(h, vd)
-            }
-        };
-        let is = cfg.shared_expert_intermediate_size;
-        if is > 0 {
-            t += q8(1, h) + 2 * q4(is, h) + q4(h, is);
-        }
-    }
-    t
+    schema::dense_tensors(cfg)
+        .iter()
+        .map(|t| quant.qtype_of(t.kind).nbytes(t.shape[0], t.shape[1]) as u64)
+        .sum()
 }
 
 /// Convenience: writes `preset` with `layers` to `output`.
