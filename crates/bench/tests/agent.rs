@@ -36,6 +36,7 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
             ..Default::default()
         },
         BackendSpec::Model {
+            backend: slipstream_engine::BackendChoice::Cpu,
             path: model.to_path_buf(),
             engine: EngineConfig {
                 prefill_chunk: 16,

@@ -8,12 +8,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
+use slipstream_cli::store_args::{parse_size_arg, StoreArgs};
 use slipstream_engine::npy;
-use slipstream_engine::{
-    Engine, EngineConfig, GenerateRequest, RestoreOutcome, StoreChoice, StreamDecoder, WarmReport,
-};
+use slipstream_engine::{Engine, GenerateRequest, RestoreOutcome, StreamDecoder, WarmReport};
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
-use slipstream_store::{PolicyKind, Readahead, StreamConfig};
 
 #[derive(Parser)]
 #[command(
@@ -150,60 +148,8 @@ struct RunArgs {
     /// token, latency ms, tokens/s) to this file.
     #[arg(long)]
     decode_curve: Option<PathBuf>,
-    /// Where the model runs: cpu, cuda, or auto (cuda when a GPU is usable).
-    /// With cuda the expert store flags set the host tier (RAM or SSD) and
-    /// --vram-slots / --vram-budget the VRAM expert cache above it.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "auto"])]
-    backend: String,
-    /// VRAM expert slots per layer (cuda; default: every expert).
-    #[arg(long, conflicts_with = "vram_budget")]
-    vram_slots: Option<usize>,
-    /// VRAM for the expert cache, e.g. 4G, split evenly over the layers (cuda).
-    #[arg(long, value_parser = parse_size_arg)]
-    vram_budget: Option<u64>,
-    /// Pinned host-RAM expert slots per layer between VRAM and the expert
-    /// store (cuda; e.g. 256 keeps every expert of a 256-expert model pinned).
-    #[arg(long)]
-    ram_cache_slots: Option<usize>,
     #[command(flatten)]
     store: StoreArgs,
-}
-
-/// Where routed experts live and how they are read.
-#[derive(Args, Default)]
-struct StoreArgs {
-    /// Expert slots per layer (the cache size).
-    #[arg(long, conflicts_with_all = ["memory_budget", "resident"])]
-    expert_cache_slots: Option<usize>,
-    /// Derive the slots from a memory budget, e.g. 8G (the choice is printed).
-    #[arg(long, value_parser = parse_size_arg, conflicts_with = "resident")]
-    memory_budget: Option<u64>,
-    /// Replacement policy: aging (LFU halved every 32 tokens), lfu, lru.
-    #[arg(long, default_value = "aging")]
-    expert_cache_policy: PolicyKind,
-    /// Reader threads for expert reads (default: what `slipstream hwbench`
-    /// found best on this machine, else 4).
-    #[arg(long)]
-    io_threads: Option<usize>,
-    /// Read experts with O_DIRECT so the page cache holds no second copy:
-    /// auto (default: on when every expert has a slot or the memory beside
-    /// the slots cannot cache half the expert file), on (also plain
-    /// `--direct-io`), off.
-    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
-    direct_io: slipstream_store::DirectIo,
-    /// Read-ahead advice on the expert file: default, off, random.
-    #[arg(long, default_value = "default")]
-    readahead: Readahead,
-    /// With at least as many slots as experts, do not read the experts
-    /// nobody asked for yet into the free slots in the background.
-    #[arg(long)]
-    no_background_fill: bool,
-    /// Read every expert into memory at start (no streaming).
-    #[arg(long)]
-    resident: bool,
-    /// Record every layer's expert requests to this file (for `slipstream replay`).
-    #[arg(long)]
-    route_trace: Option<PathBuf>,
 }
 
 fn warm_note(w: &Option<WarmReport>) -> String {
@@ -216,10 +162,6 @@ fn warm_note(w: &Option<WarmReport>) -> String {
         ),
         None => ", expert cache cold".into(),
     }
-}
-
-fn parse_size_arg(s: &str) -> Result<u64, String> {
-    slipstream_engine::parse_size(s)
 }
 
 #[derive(Args)]
@@ -422,64 +364,11 @@ fn run(args: RunArgs) -> Result<()> {
             path.context("preparing the embedded demo model")?
         }
     };
-    let prefill_chunk = args.prefill_chunk.max(1);
-    let store = if args.store.resident {
-        StoreChoice::Resident
-    } else {
-        let slots = match (args.store.expert_cache_slots, args.store.memory_budget) {
-            (Some(n), _) => n,
-            (None, Some(budget)) => {
-                let file = slipstream_format::SlipModel::open(&model_path)
-                    .with_context(|| format!("opening model {}", model_path.display()))?;
-                let context = args.max_new + 4096;
-                let n = slipstream_engine::slots_for_budget(&file, budget, context, prefill_chunk)
-                    .map_err(anyhow::Error::msg)?;
-                let p = slipstream_engine::predict_footprint(&file, n, context, prefill_chunk);
-                eprintln!(
-                    "[memory] budget {:.2} GB -> {n} expert slots per layer (predicted footprint {:.2} GB: dense {:.2}, slots {:.2}, state {:.2}, buffers {:.2})",
-                    budget as f64 / 1e9,
-                    p.total() as f64 / 1e9,
-                    p.dense as f64 / 1e9,
-                    p.slots as f64 / 1e9,
-                    p.state as f64 / 1e9,
-                    (p.scratch + p.activations + p.baseline) as f64 / 1e9
-                );
-                n
-            }
-            (None, None) => 64,
-        };
-        if slots == 0 {
-            bail!("--expert-cache-slots must be at least 1");
-        }
-        StoreChoice::Streaming(StreamConfig {
-            slots,
-            policy: args.store.expert_cache_policy,
-            io_threads: args
-                .store
-                .io_threads
-                .unwrap_or_else(slipstream_cli::default_io_threads)
-                .max(1),
-            direct_io: slipstream_cli::settle_direct_io(
-                args.store.direct_io,
-                &model_path,
-                slots,
-                args.max_new + 4096,
-                prefill_chunk,
-                args.store.memory_budget,
-            )?,
-            readahead: args.store.readahead,
-            background_fill: !args.store.no_background_fill,
-        })
-    };
-    let mut engine = Engine::open(
-        &model_path,
-        EngineConfig {
-            prefill_chunk,
-            store,
-            route_trace: args.store.route_trace.clone(),
-        },
-    )
-    .with_context(|| format!("opening model {}", model_path.display()))?;
+    let plan = args
+        .store
+        .plan(&model_path, args.max_new + 4096, args.prefill_chunk)?;
+    let mut engine = Engine::open(&model_path, plan.engine)
+        .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
     if args.activations == "int16" {
@@ -487,34 +376,8 @@ fn run(args: RunArgs) -> Result<()> {
             .model
             .set_activations(slipstream_kernels::Activations::Int16);
     }
-    if args.backend != "cpu" {
-        let c = engine.model_config();
-        let vram_slots = match (args.vram_slots, args.vram_budget) {
-            (Some(n), _) => Some(n.max(1)),
-            (None, Some(b)) => {
-                let file = slipstream_format::SlipModel::open(&model_path)
-                    .with_context(|| format!("opening model {}", model_path.display()))?;
-                let rec = file.manifest.experts.record_bytes.max(1);
-                let per_layer = b / (c.num_layers().max(1) as u64);
-                Some(((per_layer / rec) as usize).clamp(1, c.num_experts))
-            }
-            (None, None) => None,
-        };
-        let opts = slipstream_cuda::CudaOptions {
-            device: 0,
-            vram_slots,
-            ram_slots: args.ram_cache_slots,
-            policy: args.store.expert_cache_policy,
-            // The CUDA backend's tuning switches, for measuring (the
-            // library reads no environment).
-            tuning: slipstream_cuda::CudaTuning::from_vars(|name| std::env::var(name).ok()),
-        };
-        let choice = if args.backend == "cuda" {
-            slipstream_engine::BackendChoice::Cuda(opts)
-        } else {
-            slipstream_engine::BackendChoice::Auto(opts)
-        };
-        eprintln!("[backend] {}", engine.set_backend(&choice)?);
+    if !matches!(plan.backend, slipstream_engine::BackendChoice::Cpu) {
+        eprintln!("[backend] {}", engine.set_backend(&plan.backend)?);
     }
 
     // A prompt leaves room for at least one generated token.

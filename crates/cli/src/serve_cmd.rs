@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use slipstream_engine::{EngineConfig, StoreChoice};
 use slipstream_server::{BackendSpec, ServerConfig};
-use slipstream_store::{PolicyKind, StreamConfig};
+
+use crate::store_args::{parse_size_arg, StoreArgs};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -49,23 +49,9 @@ pub struct ServeArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// Expert slots per layer (the cache size).
-    #[arg(long, conflicts_with = "resident")]
-    pub expert_cache_slots: Option<usize>,
-    /// Replacement policy: aging, lfu, lru.
-    #[arg(long, default_value = "aging")]
-    pub expert_cache_policy: PolicyKind,
-    /// Reader threads for expert reads (default: what `slipstream hwbench`
-    /// found best on this machine, else 4).
-    #[arg(long)]
-    pub io_threads: Option<usize>,
-    /// Read experts with O_DIRECT: auto (default; see `slipstream run
-    /// --help`), on (also plain `--direct-io`), off.
-    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
-    pub direct_io: slipstream_store::DirectIo,
-    /// Read every expert into memory at start.
-    #[arg(long)]
-    pub resident: bool,
+    /// The expert store and backend, as for `slipstream run`.
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// Persist conversation prefixes in this directory (snapshots at prefill
     /// chunk boundaries), so a restarted server prefills only new tokens.
     #[arg(long)]
@@ -130,10 +116,6 @@ pub struct ServeArgs {
     pub test_script: Option<PathBuf>,
 }
 
-fn parse_size_arg(s: &str) -> Result<u64, String> {
-    slipstream_engine::parse_size(s)
-}
-
 /// Builds the server's settings from the arguments (no I/O but the model
 /// path check, the chat template file and the test script).
 pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig, BackendSpec)> {
@@ -158,36 +140,12 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
             n => n,
         },
     };
-    let store = if args.resident {
-        StoreChoice::Resident
-    } else {
-        let slots = args.expert_cache_slots.unwrap_or(64);
-        if slots == 0 {
-            bail!("--expert-cache-slots must be at least 1");
-        }
-        StoreChoice::Streaming(StreamConfig {
-            slots,
-            policy: args.expert_cache_policy,
-            io_threads: args
-                .io_threads
-                .unwrap_or_else(crate::default_io_threads)
-                .max(1),
-            direct_io: crate::settle_direct_io(
-                args.direct_io,
-                &model,
-                slots,
-                args.max_context.unwrap_or(32768),
-                args.prefill_chunk.max(1),
-                None,
-            )?,
-            ..StreamConfig::default()
-        })
-    };
-    let engine = EngineConfig {
-        prefill_chunk: args.prefill_chunk.max(1),
-        store,
-        route_trace: None,
-    };
+    let plan = args.store.plan(
+        &model,
+        args.max_context.unwrap_or(32768),
+        args.prefill_chunk,
+    )?;
+    let engine = plan.engine;
     let model_id = args.model_name.clone().unwrap_or_else(|| {
         let stem = model
             .file_stem()
@@ -245,6 +203,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         None => BackendSpec::Model {
             path: model,
             engine,
+            backend: plan.backend,
             prompt_cache: args
                 .prompt_cache
                 .clone()

@@ -41,7 +41,7 @@ use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use slipstream_engine::{Engine, EngineConfig, StateCache, TextCodec};
+use slipstream_engine::{BackendChoice, Engine, EngineConfig, StateCache, TextCodec};
 
 use crate::error::{ApiError, Flavor};
 use crate::worker::{Backend, Info, Worker};
@@ -122,6 +122,8 @@ pub enum BackendSpec {
     Model {
         path: PathBuf,
         engine: EngineConfig,
+        /// Where the model runs once open (`Engine::set_backend`).
+        backend: BackendChoice,
         prompt_cache: Option<(PathBuf, u64)>,
         /// The RAM tier of conversation states above the prompt cache.
         state_cache: StateCacheSpec,
@@ -254,21 +256,34 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
 }
 
 fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
-    let (path, engine_config, script, prompt_cache, state_cache) = match spec {
+    let (path, engine_config, backend, script, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
             engine,
+            backend,
             prompt_cache,
             state_cache,
-        } => (path, engine, None, prompt_cache, state_cache),
+        } => (path, engine, backend, None, prompt_cache, state_cache),
         BackendSpec::Script {
             path,
             engine,
             script,
-        } => (path, engine, Some(script), None, StateCacheSpec::default()),
+        } => (
+            path,
+            engine,
+            BackendChoice::Cpu,
+            Some(script),
+            None,
+            StateCacheSpec::default(),
+        ),
     };
     let mut engine = Engine::open(&path, engine_config)
         .with_context(|| format!("opening model {}", path.display()))?;
+    // The CPU needs no set-up; another backend is named beside the store.
+    let backend_note = match backend {
+        BackendChoice::Cpu => None,
+        _ => Some(engine.set_backend(&backend)?),
+    };
     let codec = Arc::new(
         engine
             .codec
@@ -280,7 +295,10 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, I
         max_position: engine.model_config().max_position_embeddings,
         template: engine.template.take().map(Arc::new),
         template_source: engine.file.manifest.chat_template.clone(),
-        store: engine.store_description(),
+        store: match &backend_note {
+            Some(b) => format!("{}, {b}", engine.store_description()),
+            None => engine.store_description(),
+        },
         vocab_size: engine.model_config().vocab_size,
         generation: engine.generation_defaults(),
     };

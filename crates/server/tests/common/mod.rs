@@ -60,6 +60,7 @@ pub fn server_with_states(config: ServerConfig, states: StateCacheSpec) -> Runni
     start(
         config,
         BackendSpec::Model {
+            backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             engine: engine(),
             prompt_cache: None,

@@ -1,0 +1,175 @@
+//! The expert store and backend flags `run` and `serve` share, and the one
+//! place they become the engine's configuration.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use slipstream_engine::{BackendChoice, EngineConfig, StoreChoice};
+use slipstream_store::{PolicyKind, Readahead, StreamConfig};
+
+/// Where routed experts live, how they are read, and where the model runs.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct StoreArgs {
+    /// Expert slots per layer (the cache size).
+    #[arg(long, conflicts_with_all = ["memory_budget", "resident"])]
+    pub expert_cache_slots: Option<usize>,
+    /// Derive the slots from a memory budget, e.g. 8G (the choice is printed).
+    #[arg(long, value_parser = parse_size_arg, conflicts_with = "resident")]
+    pub memory_budget: Option<u64>,
+    /// Replacement policy: aging (LFU halved every 32 tokens), lfu, lru.
+    #[arg(long, default_value = "aging")]
+    pub expert_cache_policy: PolicyKind,
+    /// Reader threads for expert reads (default: what `slipstream hwbench`
+    /// found best on this machine, else 4).
+    #[arg(long)]
+    pub io_threads: Option<usize>,
+    /// Read experts with O_DIRECT so the page cache holds no second copy:
+    /// auto (default: on when every expert has a slot or the memory beside
+    /// the slots cannot cache half the expert file), on (also plain
+    /// `--direct-io`), off.
+    #[arg(long, default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    pub direct_io: slipstream_store::DirectIo,
+    /// Read-ahead advice on the expert file: default, off, random.
+    #[arg(long, default_value = "default")]
+    pub readahead: Readahead,
+    /// With at least as many slots as experts, do not read the experts
+    /// nobody asked for yet into the free slots in the background.
+    #[arg(long)]
+    pub no_background_fill: bool,
+    /// Read every expert into memory at start (no streaming).
+    #[arg(long)]
+    pub resident: bool,
+    /// Record every layer's expert requests to this file (for `slipstream replay`).
+    #[arg(long)]
+    pub route_trace: Option<PathBuf>,
+    /// Where the model runs: cpu, cuda, or auto (cuda when a GPU is usable).
+    /// With cuda the expert store flags set the host tier (RAM or SSD) and
+    /// --vram-slots / --vram-budget the VRAM expert cache above it.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda", "auto"])]
+    pub backend: String,
+    /// VRAM expert slots per layer (cuda; default: every expert).
+    #[arg(long, conflicts_with = "vram_budget")]
+    pub vram_slots: Option<usize>,
+    /// VRAM for the expert cache, e.g. 4G, split evenly over the layers (cuda).
+    #[arg(long, value_parser = parse_size_arg)]
+    pub vram_budget: Option<u64>,
+    /// Pinned host-RAM expert slots per layer between VRAM and the expert
+    /// store (cuda; e.g. 256 keeps every expert of a 256-expert model pinned).
+    #[arg(long)]
+    pub ram_cache_slots: Option<usize>,
+}
+
+/// What [`StoreArgs::plan`] settles: the engine to open and the backend to
+/// put it on once open.
+#[derive(Debug, Clone)]
+pub struct StorePlan {
+    pub engine: EngineConfig,
+    pub backend: BackendChoice,
+}
+
+/// Sizes like `8G`, `512M`, `1.5G` in bytes, for clap.
+pub fn parse_size_arg(s: &str) -> Result<u64, String> {
+    slipstream_engine::parse_size(s)
+}
+
+impl StoreArgs {
+    /// The engine configuration and backend for the model at `model`, with
+    /// sequences of at most `context` tokens (positions) prefilled
+    /// `prefill_chunk` tokens at a time. A `--memory-budget` is turned into
+    /// slots here (the choice printed to stderr); `--direct-io auto` is
+    /// settled against this machine's memory.
+    pub fn plan(&self, model: &Path, context: usize, prefill_chunk: usize) -> Result<StorePlan> {
+        let prefill_chunk = prefill_chunk.max(1);
+        let store = if self.resident {
+            StoreChoice::Resident
+        } else {
+            let slots = match (self.expert_cache_slots, self.memory_budget) {
+                (Some(n), _) => n,
+                (None, Some(budget)) => {
+                    let file = slipstream_format::SlipModel::open(model)
+                        .with_context(|| format!("opening model {}", model.display()))?;
+                    let n =
+                        slipstream_engine::slots_for_budget(&file, budget, context, prefill_chunk)
+                            .map_err(anyhow::Error::msg)?;
+                    let p = slipstream_engine::predict_footprint(&file, n, context, prefill_chunk);
+                    eprintln!(
+                        "[memory] budget {:.2} GB -> {n} expert slots per layer (predicted footprint {:.2} GB: dense {:.2}, slots {:.2}, state {:.2}, buffers {:.2})",
+                        budget as f64 / 1e9,
+                        p.total() as f64 / 1e9,
+                        p.dense as f64 / 1e9,
+                        p.slots as f64 / 1e9,
+                        p.state as f64 / 1e9,
+                        (p.scratch + p.activations + p.baseline) as f64 / 1e9
+                    );
+                    n
+                }
+                (None, None) => 64,
+            };
+            if slots == 0 {
+                bail!("--expert-cache-slots must be at least 1");
+            }
+            StoreChoice::Streaming(StreamConfig {
+                slots,
+                policy: self.expert_cache_policy,
+                io_threads: self
+                    .io_threads
+                    .unwrap_or_else(crate::default_io_threads)
+                    .max(1),
+                direct_io: crate::settle_direct_io(
+                    self.direct_io,
+                    model,
+                    slots,
+                    context,
+                    prefill_chunk,
+                    self.memory_budget,
+                )?,
+                readahead: self.readahead,
+                background_fill: !self.no_background_fill,
+            })
+        };
+        Ok(StorePlan {
+            engine: EngineConfig {
+                prefill_chunk,
+                store,
+                route_trace: self.route_trace.clone(),
+            },
+            backend: self.backend_choice(model)?,
+        })
+    }
+
+    /// `--backend` with the CUDA options (`--vram-slots`, `--vram-budget`,
+    /// `--ram-cache-slots`, the expert cache policy).
+    fn backend_choice(&self, model: &Path) -> Result<BackendChoice> {
+        if self.backend == "cpu" {
+            return Ok(BackendChoice::Cpu);
+        }
+        let vram_slots = match (self.vram_slots, self.vram_budget) {
+            (Some(n), _) => Some(n.max(1)),
+            (None, Some(b)) => {
+                let file = slipstream_format::SlipModel::open(model)
+                    .with_context(|| format!("opening model {}", model.display()))?;
+                let c = &file.manifest.config;
+                let rec = file.manifest.experts.record_bytes.max(1);
+                let per_layer = b / (c.num_layers().max(1) as u64);
+                Some(((per_layer / rec) as usize).clamp(1, c.num_experts))
+            }
+            (None, None) => None,
+        };
+        let opts = slipstream_cuda::CudaOptions {
+            device: 0,
+            vram_slots,
+            ram_slots: self.ram_cache_slots,
+            policy: self.expert_cache_policy,
+            // The CUDA backend's tuning switches, for measuring (the
+            // library reads no environment).
+            tuning: slipstream_cuda::CudaTuning::from_vars(|name| std::env::var(name).ok()),
+        };
+        // clap admits only cpu, cuda and auto; the bare `slipstream` demo
+        // run builds its arguments by `Default`, whose empty name has always
+        // meant auto.
+        Ok(match self.backend.as_str() {
+            "cuda" => BackendChoice::Cuda(opts),
+            _ => BackendChoice::Auto(opts),
+        })
+    }
+}
