@@ -59,6 +59,7 @@ pub fn all(work: &Path) -> Result<Vec<Target>, String> {
         route_trace(work).map_err(|e| s(&e))?,
         openai_request()?,
         anthropic_request()?,
+        responses_request()?,
     ])
 }
 
@@ -399,6 +400,47 @@ fn anthropic_request() -> Result<Target, String> {
                 let _ = thinking(&req);
                 if let Ok(mapped) = conversation(&req) {
                     let _ = slipstream_server::prompt::render(&mapped.conv, Some(&template));
+                }
+            }
+            Ok(())
+        }),
+    })
+}
+
+/// The Responses API's input items and tools as the server maps them onto a
+/// chat conversation (`instructions`, `input` as a string or items, `tools`
+/// with namespaces), then the mapped messages through the OpenAI conversion
+/// and the template.
+fn responses_request() -> Result<Target, String> {
+    use slipstream_server::responses::input::{messages, tools};
+    let template = demo_template()?;
+    let mut seeds = request_seeds()?;
+    seeds.push(
+        br#"{"model":"m","instructions":"be brief","input":[{"type":"message","role":"developer","content":[{"type":"input_text","text":"rules"}]},{"type":"message","role":"user","content":[{"type":"input_text","text":"hi"}]},{"type":"reasoning","summary":[],"content":[{"type":"reasoning_text","text":"hm"}]},{"type":"function_call","call_id":"c1","name":"f","arguments":"{\"a\":1}"},{"type":"function_call_output","call_id":"c1","output":"ok"}],"tools":[{"type":"function","name":"f","parameters":{"type":"object"}},{"type":"namespace","name":"ns","tools":[{"type":"function","name":"g","parameters":{"type":"object"}}]},{"type":"web_search"}]}"#
+            .to_vec(),
+    );
+    Ok(Target {
+        name: "responses_request",
+        seeds,
+        text: true,
+        focus: usize::MAX,
+        run: Box::new(move |bytes| {
+            let Ok(req) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+                return Ok(());
+            };
+            if let Some(list) = req.get("tools").and_then(|t| t.as_array()) {
+                let _ = tools(list);
+            }
+            let instructions = req.get("instructions").and_then(|i| i.as_str());
+            let input = req.get("input").cloned().unwrap_or_default();
+            if let Ok(msgs) = messages(instructions, &input) {
+                let chat = serde_json::json!({"model": "m", "messages": msgs});
+                if let Ok(chat) =
+                    serde_json::from_value::<slipstream_server::openai::ChatRequest>(chat)
+                {
+                    if let Ok(conv) = slipstream_server::openai::conversation(&chat) {
+                        let _ = slipstream_server::prompt::render(&conv, Some(&template));
+                    }
                 }
             }
             Ok(())

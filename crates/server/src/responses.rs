@@ -8,7 +8,7 @@
 //! named) are enforced by constrained decoding (`constrain.rs`).
 
 mod events;
-mod input;
+pub mod input;
 
 use std::sync::Arc;
 
