@@ -7,7 +7,7 @@
 //! computed by one fixed sequence of IEEE operations ([`exp_nonpositive`])
 //! and truncated to a multiple of 2^-44 ([`WEIGHT_ONE`] is the most likely
 //! token's weight), and from there on every sum is an integer sum, whose
-//! value no order changes. The CUDA kernels (`samp_*` in decode.cu) and
+//! value no order changes. The CUDA kernels (`samp_*` in crates/cuda/src/kernels/sample.cu) and
 //! [`draw`] therefore pick the same token for the same logits and `u`.
 //!
 //! The kept set follows the host sampler (`slipstream_engine::Sampler`):
@@ -59,7 +59,7 @@ pub fn logit_of_key(k: u32) -> f32 {
 }
 
 // Taylor coefficients 1/n! (n = 2..=13), ln 2 in two parts and log2(e), as
-// bit patterns so that decode.cu holds exactly the same constants.
+// bit patterns so that the CUDA sampling kernels hold exactly the same constants.
 const INV_FACT: [u64; 12] = [
     0x3fe0_0000_0000_0000,
     0x3fc5_5555_5555_5555,
