@@ -3,21 +3,18 @@
 //! bit flips, boundary bytes and integers, truncation, deleted, repeated
 //! and spliced runs, and for text, boundary numbers and broken tokens.
 
-/// splitmix64: small, fast, and the same sequence for the same seed.
+/// The engine's SplitMix64 generator (the same sequence for the same seed)
+/// with the draws the mutator needs.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng(slipstream_engine::sampler::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed)
+        Rng(slipstream_engine::sampler::Rng::new(seed))
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// Uniform in `0..n` (`n > 0`).
