@@ -150,7 +150,7 @@ impl<'a> Cursor<'a> {
                     return Err(GgufError::Truncated {
                         path: self.path.to_string(),
                         what: format!("{} ({n} array items)", what()),
-                        need: self.pos as u64 + n,
+                        need: (self.pos as u64).saturating_add(n),
                         len: self.bytes.len() as u64,
                     });
                 }
