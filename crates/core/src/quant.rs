@@ -99,22 +99,31 @@ impl QuantType {
 
     /// Bytes needed for a `[rows, cols]` tensor of this type (for GGML block
     /// types `cols` must be a multiple of the block, see [`Self::check_cols`]).
+    /// Saturates at `usize::MAX` for shapes no memory or file can hold, so a
+    /// size read from an untrusted header compares unequal instead of
+    /// wrapping; see [`Self::checked_nbytes`].
     pub fn nbytes(&self, rows: usize, cols: usize) -> usize {
+        self.checked_nbytes(rows, cols).unwrap_or(usize::MAX)
+    }
+
+    /// [`Self::nbytes`], or `None` where the size overflows `usize`.
+    pub fn checked_nbytes(&self, rows: usize, cols: usize) -> Option<usize> {
+        let elems = rows.checked_mul(cols)?;
         match *self {
-            QuantType::F32 => rows * cols * 4,
-            QuantType::F16 | QuantType::Bf16 => rows * cols * 2,
+            QuantType::F32 => elems.checked_mul(4),
+            QuantType::F16 | QuantType::Bf16 => elems.checked_mul(2),
             QuantType::Affine { bits, group, .. } => {
-                let codes = rows * cols * bits as usize / 8;
-                let groups = rows * (cols / group as usize);
-                codes + 2 * groups * 2
+                let codes = elems.checked_mul(bits as usize)? / 8;
+                let groups = rows.checked_mul(cols.checked_div(group as usize)?)?;
+                codes.checked_add(groups.checked_mul(4)?)
             }
             QuantType::Q4_0
             | QuantType::Q8_0
             | QuantType::Q4K
             | QuantType::Q5K
             | QuantType::Q6K => {
-                let (be, bb) = self.ggml_block().unwrap_or((1, 0));
-                rows * (cols / be) * bb
+                let (be, bb) = self.ggml_block()?;
+                rows.checked_mul(cols / be)?.checked_mul(bb)
             }
         }
     }
@@ -163,6 +172,21 @@ impl QuantType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_past_usize_are_none_not_a_wrap() {
+        for q in [QuantType::F32, QuantType::Q4, QuantType::Q4K] {
+            assert_eq!(q.checked_nbytes(usize::MAX / 2, 512), None);
+            assert_eq!(q.nbytes(usize::MAX / 2, 512), usize::MAX);
+            assert_eq!(q.checked_nbytes(3, 256), Some(q.nbytes(3, 256)));
+        }
+        let no_group = QuantType::Affine {
+            bits: 4,
+            group: 0,
+            scale: ScaleType::F16,
+        };
+        assert_eq!(no_group.checked_nbytes(2, 64), None);
+    }
 
     #[test]
     fn serde_names_and_sizes() {

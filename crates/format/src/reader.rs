@@ -123,7 +123,11 @@ impl SlipModel {
         for entry in &manifest.dense {
             let end = entry.offset.checked_add(entry.nbytes);
             if end.is_none_or(|end| end > dense.len() as u64)
-                || entry.qtype.nbytes(entry.shape[0], entry.shape[1]) as u64 != entry.nbytes
+                || entry
+                    .qtype
+                    .checked_nbytes(entry.shape[0], entry.shape[1])
+                    .map(|n| n as u64)
+                    != Some(entry.nbytes)
                 || entry.offset % crate::DENSE_ALIGN as u64 != 0
             {
                 return Err(bad(format!("tensor {} has an invalid extent", entry.name)));
@@ -280,7 +284,12 @@ fn check_pool_against_config(m: &Manifest) -> std::result::Result<(), String> {
         part.qtype
             .check_cols(shape[1])
             .map_err(|e| format!("expert part {name}: {e}"))?;
-        if part.qtype.nbytes(shape[0], shape[1]) as u64 != part.nbytes {
+        if part
+            .qtype
+            .checked_nbytes(shape[0], shape[1])
+            .map(|n| n as u64)
+            != Some(part.nbytes)
+        {
             return Err(format!(
                 "expert part {name}: {} bytes do not fit {} {shape:?}",
                 part.nbytes,

@@ -11,7 +11,8 @@
 //! and feeds mutants (see [`mutate`]) to the reader for `--seconds`. A
 //! panic is a finding: the input is written to `--out` (default
 //! `target/fuzz-findings`), its path printed, and the run exits 1 after the
-//! other targets. Replay one with `--replay FILE --target NAME`.
+//! other targets. Replay one with `--replay FILE --target NAME`; commit it
+//! as `crates/fuzz/regressions/TARGET-WHAT.bin` and every run replays it first.
 
 mod mutate;
 mod targets;
@@ -66,6 +67,27 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     Ok(a)
+}
+
+/// The committed inputs of past findings for `target`
+/// (`crates/fuzz/regressions/TARGET-*.bin`), replayed on every run.
+fn regressions(target: &str) -> Result<Vec<Vec<u8>>, String> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("regressions");
+    let prefix = format!("{target}-");
+    let entries = std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut paths: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".bin"))
+        })
+        .collect();
+    paths.sort();
+    paths
+        .iter()
+        .map(|p| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display())))
+        .collect()
 }
 
 /// The message of the last panic on this thread, from the hook.
@@ -200,8 +222,15 @@ fn main() -> ExitCode {
         println!("{}: fuzzing for {:.0} s", t.name, args.seconds);
         let t0 = Instant::now();
         let (mut runs, mut found) = (0u64, 0usize);
-        // The seeds themselves first: they must pass.
+        // The seeds and every committed regression first: they must pass.
         let mut queue: Vec<Vec<u8>> = t.seeds.clone();
+        match regressions(t.name) {
+            Ok(found) => queue.extend(found),
+            Err(e) => {
+                eprintln!("error: {}: {e}", t.name);
+                return ExitCode::from(2);
+            }
+        }
         while t0.elapsed() < budget {
             let input = queue.pop().unwrap_or_else(|| {
                 let i = rng.below(t.seeds.len());
