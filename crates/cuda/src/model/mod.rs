@@ -27,6 +27,7 @@ mod graph;
 mod mixer;
 mod readback;
 mod routing;
+mod state;
 mod weights;
 
 use std::time::Instant;
