@@ -1,4 +1,6 @@
-//! Quick kernel timing: `cargo run --release -p slipstream-kernels --example kbench -- [threads] [exact|int16]`.
+//! Quick kernel timing: `cargo run --release -p slipstream-kernels --example kbench -- [threads] [exact|int16] [q4|q4_0|q8_0|q4_k|q5_k|q6_k]`
+//! (weight type last: `q4`, the affine 4-bit group-64 layout, by default;
+//! the others are GGML block types, with f32 activations).
 //! Decode attention of one KV head's 8 query heads (hd 256) at several
 //! context lengths: `... --example kbench -- attn`.
 use rand::{Rng, SeedableRng};
@@ -22,6 +24,15 @@ fn main() {
         Some("int16") => Activations::Int16,
         _ => Activations::Exact,
     };
+    let q = match std::env::args().nth(3).as_deref() {
+        None | Some("q4") => QuantType::Q4,
+        Some("q4_0") => QuantType::Q4_0,
+        Some("q8_0") => QuantType::Q8_0,
+        Some("q4_k") => QuantType::Q4K,
+        Some("q5_k") => QuantType::Q5K,
+        Some("q6_k") => QuantType::Q6K,
+        Some(o) => panic!("unknown weight type {o}"),
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     for &(rows, cols, n) in &[
         (64usize, 2048usize, 1usize),
@@ -31,14 +42,18 @@ fn main() {
         (512, 2048, 64),
         (65536, 2048, 1),
     ] {
-        let q = QuantType::Q4;
-        let mut data = vec![0u8; q.nbytes(rows, cols)];
-        rng.fill(&mut data[..]);
-        let code_bytes = rows * cols / 2;
-        for p in data[code_bytes..].chunks_exact_mut(2) {
-            let v = half::f16::from_f32(rng.random_range(-0.01f32..0.01));
-            p.copy_from_slice(&v.to_le_bytes());
-        }
+        let data = if q.is_ggml() {
+            ggml_weights(&mut rng, q, rows, cols)
+        } else {
+            let mut data = vec![0u8; q.nbytes(rows, cols)];
+            rng.fill(&mut data[..]);
+            let code_bytes = rows * cols / 2;
+            for p in data[code_bytes..].chunks_exact_mut(2) {
+                let v = half::f16::from_f32(rng.random_range(-0.01f32..0.01));
+                p.copy_from_slice(&v.to_le_bytes());
+            }
+            data
+        };
         let w = TensorView::new(q, rows, cols, &data).unwrap();
         let x: Vec<f32> = (0..n * cols)
             .map(|_| rng.random_range(-1.0f32..1.0))
@@ -62,13 +77,31 @@ fn main() {
                 println!("   cpu-time: {:.1} us, {:.2} GB/s weights/cpu-s, {:.2} GFLOP/cpu-s", best_cpu * 1e6, bytes / best_cpu / 1e9, 2.0 * (rows * cols * n) as f64 / best_cpu / 1e9);
             }
             println!(
-                "[{rows}x{cols}] n={n} threads={threads}: {:.1} us, {:.2} GB/s weights, {:.2} GFLOP/s",
+                "{} [{rows}x{cols}] n={n} threads={threads}: {:.1} us, {:.2} GB/s weights, {:.2} GFLOP/s",
+                q.name(),
                 best * 1e6,
                 bytes / best / 1e9,
                 2.0 * (rows * cols * n) as f64 / best / 1e9
             );
         });
     }
+}
+
+/// `[rows, cols]` GGML blocks of `q`: 256 random rows quantized, repeated
+/// (quantizing every row of the largest shape would take longer than the
+/// timing).
+fn ggml_weights(rng: &mut rand::rngs::StdRng, q: QuantType, rows: usize, cols: usize) -> Vec<u8> {
+    let base = rows.min(256);
+    let values: Vec<f32> = (0..base * cols)
+        .map(|_| rng.random_range(-0.05f32..0.05))
+        .collect();
+    let block = ggml::quantize(&values, q);
+    let mut data = Vec::with_capacity(q.nbytes(rows, cols));
+    while data.len() < q.nbytes(rows, cols) {
+        let n = block.len().min(q.nbytes(rows, cols) - data.len());
+        data.extend_from_slice(&block[..n]);
+    }
+    data
 }
 
 /// `attention::attend_group` at the 35B model's shape (8 query heads per KV
