@@ -1084,7 +1084,17 @@ fn gated_delta_rule_cases(g: &Gpu) {
                 q.iter_mut().for_each(|x| *x *= qs);
                 let beta = ops::sigmoid(b[t * nv + j]);
                 let gg = -a_log[j].exp() * ops::softplus(a[t * nv + j] + dt_bias[j]);
-                ops::delta_rule_step(sj, &key, &q, v, gg.exp(), beta, &mut delta, &mut o);
+                ops::delta_rule_step(
+                    slipstream_kernels::Isa::detect(),
+                    sj,
+                    &key,
+                    &q,
+                    v,
+                    gg.exp(),
+                    beta,
+                    &mut delta,
+                    &mut o,
+                );
                 let inv = ops::inv_rms(&o, eps);
                 for d in 0..dv {
                     want[t * nv * dv + j * dv + d] =

@@ -129,6 +129,7 @@ fn attention() {
             let t0 = std::time::Instant::now();
             for _ in 0..iters {
                 attention::attend_group(
+                    Isa::detect(),
                     &q,
                     &k,
                     &v,

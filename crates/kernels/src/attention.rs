@@ -11,12 +11,16 @@
 //! Nothing depends on how many tokens or heads a call handles, so prefill
 //! chunking and decode agree bit for bit.
 
+use crate::Isa;
+
 /// Keys per score tile.
 const KEYS: usize = 2;
 /// Output columns per pass of the weighted sum (4 vectors of 8).
 const COLS: usize = 32;
 
-/// Attention of `group` query heads over `keys` positions of one KV head.
+/// Attention of `group` query heads over `keys` positions of one KV head,
+/// with the kernels of `isa` (the AVX2 + FMA build for [`Isa::Avx2`] and
+/// [`Isa::Avx512`], the portable one otherwise; the same bits either way).
 ///
 /// * `q`: `[group, hd]` (already normed, rotated).
 /// * `k`, `v`: position `j`'s row at `[j * stride..][..hd]` (`stride >= hd`,
@@ -26,6 +30,7 @@ const COLS: usize = 32;
 /// * `out`: `[group, hd]`, overwritten.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(
+    isa: Isa,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -37,7 +42,7 @@ pub fn attend_group(
     out: &mut [f32],
 ) {
     let kv = KvRows { k, v, stride, hd };
-    attend_tokens(q, &kv, 1, keys, scale, scores, out)
+    attend_tokens(isa, q, &kv, 1, keys, scale, scores, out)
 }
 
 /// One KV head's cached keys and values: position `j`'s rows at
@@ -55,13 +60,15 @@ pub struct KvRows<'a> {
 /// the first `first_keys + g` positions (causal prefill). Each key block is
 /// read from memory once for all the tokens' heads instead of once per
 /// token; every output is bit-identical to [`attend_group`] of its token
-/// alone.
+/// alone. Panics if the CPU lacks `isa`.
 ///
 /// * `q`: `[tokens, group, hd]`.
 /// * `scores`: scratch of at least `tokens * group * (first_keys + tokens - 1)`.
 /// * `out`: `[tokens, group, hd]`, overwritten (zeros for a token that sees
 ///   no keys).
+#[allow(clippy::too_many_arguments)]
 pub fn attend_tokens(
+    isa: Isa,
     q: &[f32],
     kv: &KvRows,
     tokens: usize,
@@ -70,9 +77,11 @@ pub fn attend_tokens(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports AVX2 and FMA (checked above).
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // SAFETY: both ISAs include AVX2 and FMA, and the CPU supports
+        // `isa` (checked above).
         return unsafe { attend_tokens_avx2(q, kv, tokens, first_keys, scale, scores, out) };
     }
     attend_tokens_impl(q, kv, tokens, first_keys, scale, scores, out)
@@ -622,7 +631,18 @@ mod tests {
         let mut s2 = vec![0f32; group * keys];
         let mut o1 = vec![0f32; group * hd];
         let mut o2 = vec![7f32; group * hd];
-        attend_group(&q, &k, &v, stride, keys, hd, 0.0625, &mut s1, &mut o1);
+        attend_group(
+            Isa::detect(),
+            &q,
+            &k,
+            &v,
+            stride,
+            keys,
+            hd,
+            0.0625,
+            &mut s1,
+            &mut o1,
+        );
         attend_group_impl(&q, &k, &v, stride, keys, hd, 0.0625, &mut s2, &mut o2);
         let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&o1), bits(&o2));
@@ -655,7 +675,16 @@ mod tests {
         let mut scores = vec![0f32; tokens * group * keys];
         let mut fast = vec![9f32; tokens * group * hd];
         let mut portable = vec![9f32; tokens * group * hd];
-        attend_tokens(&q, &kv, tokens, first_keys, scale, &mut scores, &mut fast);
+        attend_tokens(
+            Isa::detect(),
+            &q,
+            &kv,
+            tokens,
+            first_keys,
+            scale,
+            &mut scores,
+            &mut fast,
+        );
         attend_tokens_impl(
             &q,
             &kv,
@@ -671,7 +700,18 @@ mod tests {
             let qg = &q[g * group * hd..][..group * hd];
             let mut s1 = vec![0f32; group * kg];
             let mut alone = vec![5f32; group * hd];
-            attend_group(qg, &k, &v, stride, kg, hd, scale, &mut s1, &mut alone);
+            attend_group(
+                Isa::detect(),
+                qg,
+                &k,
+                &v,
+                stride,
+                kg,
+                hd,
+                scale,
+                &mut s1,
+                &mut alone,
+            );
             prop_assert_eq!(
                 bits(&fast[g * group * hd..][..group * hd]),
                 bits(&alone),
@@ -715,7 +755,7 @@ mod tests {
             let mut s2 = vec![0f32; group * keys];
             let mut o1 = vec![0f32; group * hd];
             let mut o2 = vec![7f32; group * hd];
-            attend_group(&q, &k, &v, stride, keys, hd, scale, &mut s1, &mut o1);
+            attend_group(Isa::detect(), &q, &k, &v, stride, keys, hd, scale, &mut s1, &mut o1);
             attend_group_impl(&q, &k, &v, stride, keys, hd, scale, &mut s2, &mut o2);
             prop_assert_eq!(
                 o1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),

@@ -1,6 +1,7 @@
 //! AVX-512 (F + VL) forms of the 4-bit affine products (the GEMM path and
-//! the matrix-vector blocks), used in place of [`crate::avx2`]'s when the CPU
-//! has it: bit-identical results, fewer instructions.
+//! the matrix-vector blocks), the kernels of [`crate::Isa::Avx512`] for the
+//! layouts [`handles`] accepts (every other layout runs [`crate::avx2`]'s
+//! kernels): bit-identical results to the AVX2 forms, fewer instructions.
 //!
 //! The AVX2 path keeps, per (row, token) and group, two 8-lane FMA chains:
 //! `a0` over the panel's low-nibble vectors times the input's even elements,
@@ -24,13 +25,13 @@
 
 use std::arch::x86_64::*;
 
-use crate::avx2::{
-    bias_term, block_loop, decode_q4_panel, q4_finish, q4_group_walk, q4_rows_one_by_one, scales8,
-    GEMM_COLS, GEMM_ROWS, ROW_GROUPS,
-};
 use crate::scalar::AffineRow;
+use crate::x86::{
+    bias_term, block_loop, decode_q4_panel, q4_finish, q4_group_walk, q4_rows_one_by_one, scales8,
+    GEMM_COLS, GEMM_MIN_TOKENS, GEMM_ROWS,
+};
 use crate::Token;
-use slipstream_core::TensorView;
+use slipstream_core::{QuantType, ScaleType, TensorView};
 
 /// Rows per tile.
 const TILE_ROWS: usize = 4;
@@ -40,12 +41,42 @@ const TILE_TOKENS: usize = 3;
 /// 24 KiB) stay in L1 while every row quad passes over them.
 const BLOCK_TOKENS: usize = 4 * TILE_TOKENS;
 
-/// Whether this CPU runs [`q4_gemm_rows`] (AVX-512 F and VL on top of AVX2,
-/// FMA and F16C).
-pub(crate) fn supported() -> bool {
-    crate::Isa::Avx2.is_supported()
-        && is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512vl")
+/// Whether the AVX-512 forms cover products of `qtype`: 4-bit affine weights
+/// with groups of a multiple of 16.
+pub(crate) fn handles(qtype: QuantType) -> bool {
+    matches!(qtype, QuantType::Affine { bits: 4, group, .. } if group.is_multiple_of(16))
+}
+
+/// Rows `r0..r1` of `w` (a layout [`handles`] accepts) for all tokens into
+/// `out` (`[r1 - r0, toks.len()]`): the GEMM path from
+/// [`GEMM_MIN_TOKENS`] tokens, the matrix-vector blocks below. Panics if the
+/// CPU lacks AVX-512 F + VL, AVX2, FMA or F16C.
+pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    assert!(crate::Isa::Avx512.is_supported(), "CPU lacks AVX-512 F/VL");
+    let QuantType::Affine {
+        bits: 4,
+        group,
+        scale,
+    } = w.qtype
+    else {
+        panic!("no AVX-512 form for {}", w.qtype.name())
+    };
+    let (group, bf16) = (group as usize, scale == ScaleType::Bf16);
+    assert!(
+        group.is_multiple_of(16),
+        "no AVX-512 form for group {group}"
+    );
+    assert!(r0 <= r1 && r1 <= w.rows);
+    assert_eq!(out.len(), (r1 - r0) * toks.len());
+    // SAFETY: the CPU supports the features both kernels need (checked
+    // above).
+    unsafe {
+        if toks.len() >= GEMM_MIN_TOKENS {
+            q4_gemm_rows(w, r0, r1, toks, out, bf16, group)
+        } else {
+            q4_rows(w, r0, r1, toks, out, bf16, group)
+        }
+    }
 }
 
 /// Same contract and results as `avx2::q4_gemm_rows`: rows `r0..r1` of a
@@ -53,7 +84,7 @@ pub(crate) fn supported() -> bool {
 /// (`[r1 - r0, toks.len()]`).
 ///
 /// # Safety
-/// The CPU must support the features [`supported`] checks.
+/// The CPU must support [`crate::Isa::Avx512`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 pub(crate) unsafe fn q4_gemm_rows(
     w: &TensorView,
@@ -257,7 +288,7 @@ impl Tile<'_, '_> {
 /// instead of two, 8 rows per block keep 8 FMA chains in flight.
 ///
 /// # Safety
-/// The CPU must support the features [`supported`] checks.
+/// The CPU must support [`crate::Isa::Avx512`].
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 pub(crate) unsafe fn q4_rows(
     w: &TensorView,
@@ -285,9 +316,10 @@ pub(crate) unsafe fn q4_rows(
     q4_rows_one_by_one!(r0, r1, toks, out, row, bf16, group, cols);
 }
 
-/// One row of [`q4_block`] for one token, with [`ROW_GROUPS`] groups' chains
-/// in flight instead of several rows': the same per-group chains, folded into
-/// the accumulator in group order, so the bits are [`q4_block`]'s.
+/// One row of [`q4_block`] for one token, with
+/// [`ROW_GROUPS`](crate::x86::ROW_GROUPS) groups' chains in flight instead of
+/// several rows': the same per-group chains, folded into the accumulator in
+/// group order, so the bits are [`q4_block`]'s.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
 #[inline]
 fn q4_row(row: &AffineRow, x: &[f32], gsum: &[f32], bf16: bool, group: usize, cols: usize) -> f32 {

@@ -4,9 +4,12 @@
 //!
 //! # Dispatch
 //! The public entry points ([`matvec`], [`matmul`]) pick the best instruction
-//! set at run time ([`Isa::detect`]): AVX2+FMA+F16C on x86-64, NEON on
-//! aarch64, the portable scalar code everywhere else. [`matvec_with`] / [`matmul_with`] force one.
-//! The scalar code ([`scalar`]) is also the test oracle.
+//! set at run time ([`Isa::detect`]): AVX-512 (F + VL) or AVX2+FMA+F16C on
+//! x86-64, NEON on aarch64, the portable scalar code everywhere else.
+//! [`matvec_with`] / [`matmul_with`] force one (callers choose an [`Isa`]
+//! once and pass it down; every kernel dispatches on the one it is given,
+//! [`attention`] and [`recurrence`] included). The scalar code ([`scalar`])
+//! is also the test oracle.
 //!
 //! # Determinism
 //! For a given [`Isa`], every output element is computed by one fixed
@@ -38,6 +41,8 @@ pub mod sample;
 pub mod scalar;
 #[cfg(test)]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// Instruction set a kernel runs with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -46,6 +51,10 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// x86-64 AVX-512 F + VL on top of [`Isa::Avx2`]: 4-bit affine products
+    /// (group a multiple of 16) in 16-lane forms, every other kernel the
+    /// AVX2 code (same results as [`Isa::Avx2`] everywhere).
+    Avx512,
     /// aarch64 NEON (4-bit affine and f32/bf16 products; other layouts run
     /// the scalar code).
     Neon,
@@ -54,7 +63,9 @@ pub enum Isa {
 impl Isa {
     /// The fastest instruction set supported by this CPU.
     pub fn detect() -> Isa {
-        if Isa::Avx2.is_supported() {
+        if Isa::Avx512.is_supported() {
+            Isa::Avx512
+        } else if Isa::Avx2.is_supported() {
             Isa::Avx2
         } else if Isa::Neon.is_supported() {
             Isa::Neon
@@ -63,14 +74,15 @@ impl Isa {
         }
     }
 
-    /// What the kernels of this instruction set run on this CPU, for
-    /// reports: the AVX2 set takes its 4-bit paths on AVX-512 (F + VL) where
-    /// the CPU has it, with the same results.
+    /// What the kernels of this instruction set run, for reports.
     pub fn describe(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
-            Isa::Avx2 if avx512_supported() => "AVX2+FMA+F16C, 4-bit products on AVX-512",
             Isa::Avx2 => "AVX2+FMA+F16C",
+            Isa::Avx512 => {
+                "AVX-512 (F+VL) 4-bit affine products, AVX2+FMA+F16C for the rest \
+                 (GGML blocks, 8-bit, float, int16 inputs, attention, recurrence)"
+            }
             Isa::Neon => "NEON",
         }
     }
@@ -80,13 +92,14 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             Isa::Avx2 => avx2_supported(),
+            Isa::Avx512 => avx2_supported() && avx512_supported(),
             Isa::Neon => cfg!(target_arch = "aarch64"),
         }
     }
 
     /// All instruction sets this CPU supports (scalar first).
     pub fn available() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Neon]
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon]
             .into_iter()
             .filter(|i| i.is_supported())
             .collect()
@@ -107,7 +120,7 @@ fn avx2_supported() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn avx512_supported() -> bool {
-    avx512::supported()
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -358,10 +371,11 @@ fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], o
     if toks.first().is_some_and(|t| t.qx.is_some()) {
         match isa {
             Isa::Scalar => q4i16::scalar_rows(w, r0, r1, toks, out),
+            // Int16 inputs have no AVX-512 form: the AVX2 code.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => q4i16::avx2_rows(w, r0, r1, toks, out),
+            Isa::Avx2 | Isa::Avx512 => q4i16::avx2_rows(w, r0, r1, toks, out),
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 => unreachable!("AVX2 requested on a non-x86-64 CPU"),
+            Isa::Avx2 | Isa::Avx512 => unreachable!("x86-64 ISA requested on another CPU"),
             // Int16 inputs have no NEON kernel yet: the scalar reference.
             Isa::Neon => q4i16::scalar_rows(w, r0, r1, toks, out),
         }
@@ -370,9 +384,12 @@ fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], o
     match isa {
         Isa::Scalar => scalar::rows(w, r0, r1, toks, out),
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::rows(w, r0, r1, toks, out),
+        Isa::Avx512 if avx512::handles(w.qtype) => avx512::rows(w, r0, r1, toks, out),
+        // Layouts with no AVX-512 form run the AVX2 code.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2::rows(w, r0, r1, toks, out),
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!("AVX2 requested on a non-x86-64 CPU"),
+        Isa::Avx2 | Isa::Avx512 => unreachable!("x86-64 ISA requested on another CPU"),
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => neon::rows(w, r0, r1, toks, out),
         #[cfg(not(target_arch = "aarch64"))]

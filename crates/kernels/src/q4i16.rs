@@ -154,7 +154,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{AffineRow, QuantizedInput, MAX_GROUP};
-    use crate::avx2::{bias_term, hsum, params8};
+    use crate::x86::{bias_term, hsum, params8};
     use crate::Token;
     use slipstream_core::{QuantType, ScaleType, TensorView};
 

@@ -1,6 +1,8 @@
 //! The Gated DeltaNet recurrence, one token on one head (SIMD by
 //! recompilation: the AVX2 build runs the same per-element arithmetic).
 
+use crate::Isa;
+
 /// One token of the gated delta rule on one head's state `s` (`[dk, dv]`
 /// row-major, `dk = k.len()`, `dv = v.len()`), in two passes over `s`:
 ///
@@ -10,9 +12,12 @@
 ///
 /// Every element sees the same operations in the same order as the
 /// four-pass form (decay all, `S^T k`, `S += k delta^T`, `o = S^T q`), so
-/// results are bit-identical to it; `o` is overwritten.
+/// results are bit-identical to it; `o` is overwritten. Runs the AVX2 build
+/// for [`Isa::Avx2`] and [`Isa::Avx512`], the portable one otherwise (the
+/// same bits); panics if the CPU lacks `isa`.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule_step(
+    isa: Isa,
     s: &mut [f32],
     k: &[f32],
     q: &[f32],
@@ -22,9 +27,11 @@ pub fn delta_rule_step(
     delta: &mut [f32],
     o: &mut [f32],
 ) {
+    assert!(isa.is_supported(), "{isa:?} is not supported by this CPU");
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU supports AVX2 (checked above).
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // SAFETY: both ISAs include AVX2, and the CPU supports `isa`
+        // (checked above).
         return unsafe { delta_rule_step_avx2(s, k, q, v, decay, beta, delta, o) };
     }
     delta_rule_step_impl(s, k, q, v, decay, beta, delta, o)

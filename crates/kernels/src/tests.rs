@@ -53,7 +53,7 @@ fn avx512_and_avx2(
     n: usize,
     seed: u64,
 ) -> (Vec<u32>, Vec<u32>) {
-    if !crate::avx512::supported() {
+    if !Isa::Avx512.is_supported() {
         return (Vec::new(), Vec::new());
     }
     let q = QuantType::Affine {
@@ -74,8 +74,7 @@ fn avx512_and_avx2(
     let g = group as usize;
     let mut want = vec![0f32; (rows - r0) * n];
     let mut got = vec![1f32; (rows - r0) * n];
-    // SAFETY: AVX2, FMA and F16C are implied by `avx512::supported`, which
-    // was checked above.
+    // SAFETY: `Isa::Avx512` (checked above) includes AVX2, FMA and F16C.
     unsafe {
         if gemm {
             crate::avx2::q4_gemm_rows(&w, r0, rows, &toks, &mut want, bf16, g);
@@ -368,7 +367,7 @@ fn bench_matvec() {
         let mut best = f64::MAX;
         for _ in 0..40 {
             let t0 = std::time::Instant::now();
-            pool.install(|| matmul_with(Isa::Avx2, &w, &x, n, &mut y));
+            pool.install(|| matmul_with(Isa::detect(), &w, &x, n, &mut y));
             best = best.min(t0.elapsed().as_secs_f64());
         }
         let gflops = 2.0 * (rows * cols * n) as f64 / best * 1e-9;
@@ -404,7 +403,7 @@ fn bench_matvec() {
             let it = iters * 4;
             let t0 = thread_cpu_ns();
             for _ in 0..it {
-                matvec_with(Isa::Avx2, &w, &x, &mut y);
+                matvec_with(Isa::detect(), &w, &x, &mut y);
             }
             let dt = (thread_cpu_ns() - t0) as f64 * 1e-9 / it as f64;
             println!("quick matvec: {} iters, {:.1} us CPU", it, dt * 1e6);
@@ -413,7 +412,7 @@ fn bench_matvec() {
             let mut yb = vec![0f32; 8 * rows];
             let t0 = thread_cpu_ns();
             for _ in 0..it {
-                matmul_with(Isa::Avx2, &w, &xb, 8, &mut yb);
+                matmul_with(Isa::detect(), &w, &xb, 8, &mut yb);
             }
             let dt = (thread_cpu_ns() - t0) as f64 * 1e-9 / it as f64;
             println!("quick matmul n=8: {} iters, {:.1} us CPU", it, dt * 1e6);
@@ -480,6 +479,16 @@ fn isa_description_names_the_paths_this_cpu_takes() {
     assert_eq!(Isa::Scalar.describe(), "scalar");
     let avx2 = Isa::Avx2.describe();
     assert!(avx2.starts_with("AVX2+FMA+F16C"));
-    // The AVX-512 note appears exactly when the 4-bit paths would take it.
-    assert_eq!(avx2.contains("AVX-512"), crate::avx512_supported());
+    // `Isa::Avx2` runs the AVX2 code whatever the CPU; `Isa::Avx512` names
+    // its 16-lane paths and the AVX2 code it falls back to.
+    assert!(!avx2.contains("AVX-512"));
+    let avx512 = Isa::Avx512.describe();
+    assert!(avx512.contains("AVX-512") && avx512.contains("AVX2"));
+    // Detection picks the widest supported set, and only supported ones.
+    let best = Isa::detect();
+    assert!(best.is_supported() && Isa::available().contains(&best));
+    assert_eq!(best == Isa::Avx512, Isa::Avx512.is_supported());
+    if Isa::Avx512.is_supported() {
+        assert!(Isa::Avx2.is_supported());
+    }
 }

@@ -213,6 +213,7 @@ impl Attention {
                         let keys = first_keys + tokens - 1;
                         let mut scores = vec![0.0f32; tokens * group * keys];
                         k::attention::attend_tokens(
+                            k::Isa::detect(),
                             qb,
                             &kv,
                             tokens,
@@ -328,7 +329,17 @@ impl GatedDeltaNet {
                     let beta = ops::sigmoid(b[t * nv + j]);
                     let g = decay_rate * ops::softplus(a[t * nv + j] + self.dt_bias[j]);
                     let decay = g.exp();
-                    ops::delta_rule_step(s, &key, &q, v, decay, beta, &mut delta, &mut o);
+                    ops::delta_rule_step(
+                        k::Isa::detect(),
+                        s,
+                        &key,
+                        &q,
+                        v,
+                        decay,
+                        beta,
+                        &mut delta,
+                        &mut o,
+                    );
                     let inv = ops::inv_rms(&o, self.eps);
                     let zrow = &z[t * nv * dv + j * dv..][..dv];
                     let dst = &mut head_out[t * dv..][..dv];

@@ -150,7 +150,17 @@ mod tests {
             let mut s2 = s0.clone();
             let mut d2 = vec![0.0f32; dv];
             let mut o2 = vec![1.0f32; dv];
-            delta_rule_step(&mut s2, &k, &q, &v, decay, beta, &mut d2, &mut o2);
+            delta_rule_step(
+                slipstream_kernels::Isa::detect(),
+                &mut s2,
+                &k,
+                &q,
+                &v,
+                decay,
+                beta,
+                &mut d2,
+                &mut o2,
+            );
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&s2), bits(&s));
             assert_eq!(bits(&d2), bits(&delta));

@@ -35,6 +35,7 @@
 use std::arch::x86_64::*;
 
 use super::{row_bytes, scale_min_k4, QK_K};
+use crate::x86::hsum;
 use crate::Token;
 use slipstream_core::{QuantType, TensorView};
 
@@ -170,18 +171,6 @@ fn call<const K: u8>(w: &TensorView, rows: &[usize], ins: &[Input], res: &mut [f
         (1, 1) => res[0] = kernel::<K, 1, 1>([row(rows[0])], [ins[0]], w.cols)[0][0],
         (r, t) => unreachable!("no kernel for {r} rows x {t} tokens"),
     }
-}
-
-/// Fixed-order horizontal sum of 8 lanes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn hsum(v: __m256) -> f32 {
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps::<1>(v);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    _mm_cvtss_f32(s)
 }
 
 /// The little-endian f16 at `b[i..i + 2]` as f32 (exact, F16C).
