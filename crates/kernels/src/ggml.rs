@@ -33,6 +33,8 @@ use slipstream_core::{QuantType, TensorView};
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 pub mod check;
+#[cfg(target_arch = "x86_64")]
+mod gemm;
 #[cfg(test)]
 mod tests;
 

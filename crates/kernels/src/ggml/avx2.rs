@@ -28,22 +28,25 @@
 //! (without it, streaming 18-byte blocks from DRAM ran at half the affine
 //! kernel's rate; see docs/BENCHMARKS.md).
 //!
-//! Blocking: with 4 or more tokens one row for 4 tokens at a time (codes
-//! decoded once per 4 tokens; 2 for `Q6_K`), in blocks of [`TOKEN_BLOCK`]
-//! tokens; otherwise 2 rows at a time per token. Leftovers go one by one.
+//! Blocking: from [`GEMM_MIN_TOKENS`] tokens the GEMM path of
+//! [`super::gemm`] (rows decoded once into a panel, the same arithmetic);
+//! with 4 or more tokens one row for 4 tokens at a time (codes decoded once
+//! per 4 tokens; 2 for `Q6_K`), in blocks of [`TOKEN_BLOCK`] tokens;
+//! otherwise 2 rows at a time per token. Leftovers go one by one.
 
 use std::arch::x86_64::*;
 
+use super::gemm::GEMM_MIN_TOKENS;
 use super::{row_bytes, scale_min_k4, QK_K};
 use crate::x86::hsum;
 use crate::Token;
 use slipstream_core::{QuantType, TensorView};
 
-const K_Q4_0: u8 = 0;
-const K_Q8_0: u8 = 1;
-const K_Q4K: u8 = 2;
-const K_Q5K: u8 = 3;
-const K_Q6K: u8 = 4;
+pub(super) const K_Q4_0: u8 = 0;
+pub(super) const K_Q8_0: u8 = 1;
+pub(super) const K_Q4K: u8 = 2;
+pub(super) const K_Q5K: u8 = 3;
+pub(super) const K_Q6K: u8 = 4;
 
 /// Tokens per block of a batch: 32 inputs of 2048 f32 are 256 KiB (L2).
 const TOKEN_BLOCK: usize = 32;
@@ -56,6 +59,9 @@ pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &m
     super::check_blocks(w);
     assert!(r0 <= r1 && r1 <= w.rows);
     assert_eq!(out.len(), (r1 - r0) * toks.len());
+    if toks.len() >= GEMM_MIN_TOKENS {
+        return super::gemm::rows(w, r0, r1, toks, out);
+    }
     match w.qtype {
         QuantType::Q4_0 => drive::<K_Q4_0, 4>(w, r0, r1, toks, out),
         QuantType::Q8_0 => drive::<K_Q8_0, 4>(w, r0, r1, toks, out),
@@ -70,7 +76,7 @@ pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &m
 /// one fixed sequence (8-lane adds, then [`hsum`]), zero-padded to a
 /// multiple of 8 entries.
 #[target_feature(enable = "avx2,fma,f16c")]
-fn chunk_sums<const N: usize>(x: &[f32]) -> Vec<f32> {
+pub(super) fn chunk_sums<const N: usize>(x: &[f32]) -> Vec<f32> {
     let mut out: Vec<f32> = x
         .chunks_exact(N)
         .map(|c| {
@@ -176,7 +182,7 @@ fn call<const K: u8>(w: &TensorView, rows: &[usize], ins: &[Input], res: &mut [f
 /// The little-endian f16 at `b[i..i + 2]` as f32 (exact, F16C).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn f16(b: &[u8], i: usize) -> f32 {
+pub(super) fn f16(b: &[u8], i: usize) -> f32 {
     let h = u16::from_le_bytes([b[i], b[i + 1]]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
@@ -206,7 +212,7 @@ fn f16x8(b: &[u8], off: usize, stride: usize, n: usize) -> [f32; 8] {
 /// `p` must be valid for reading 8 f32.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn ldx(p: *const f32) -> __m256 {
+pub(super) unsafe fn ldx(p: *const f32) -> __m256 {
     // SAFETY: the caller guarantees 32 readable bytes; loadu is unaligned.
     unsafe { _mm256_loadu_ps(p) }
 }
@@ -217,7 +223,7 @@ unsafe fn ldx(p: *const f32) -> __m256 {
 /// `p` must be valid for reading 8 bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn zx8(p: *const u8) -> __m256i {
+pub(super) unsafe fn zx8(p: *const u8) -> __m256i {
     // SAFETY: 8 readable bytes at `p` (caller).
     unsafe { _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.cast())) }
 }
@@ -228,19 +234,19 @@ unsafe fn zx8(p: *const u8) -> __m256i {
 /// `p` must be valid for reading 8 bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn sx8(p: *const u8) -> __m256i {
+pub(super) unsafe fn sx8(p: *const u8) -> __m256i {
     // SAFETY: 8 readable bytes at `p` (caller).
     unsafe { _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())) }
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn cvt(v: __m256i) -> __m256 {
+pub(super) fn cvt(v: __m256i) -> __m256 {
     _mm256_cvtepi32_ps(v)
 }
 
 /// Expected lengths: (elements, bytes) per block of kind `K`.
-const fn block_size(k: u8) -> (usize, usize) {
+pub(super) const fn block_size(k: u8) -> (usize, usize) {
     match k {
         K_Q4_0 => (32, 18),
         K_Q8_0 => (32, 34),

@@ -121,6 +121,73 @@ proptest! {
     }
 }
 
+/// A prompt-sized case: type, rows (ragged across the GEMM path's 32-row
+/// panels and 2-row tiles), columns (up to 3 of its 256-column blocks),
+/// tokens 1..=17, seed, extreme scales.
+fn gemm_case() -> impl Strategy<Value = (QuantType, usize, usize, usize, u64, bool)> {
+    (
+        proptest::sample::select(GGML_TYPES.to_vec()),
+        1usize..75,
+        1usize..25,
+        1usize..18,
+        any::<u64>(),
+        any::<bool>(),
+    )
+        .prop_map(|(q, rows, nb, n, seed, extreme)| {
+            let (be, _) = q.ggml_block().unwrap();
+            let nb = if be == QK_K { nb % 3 + 1 } else { nb };
+            (q, rows, nb * be, n, seed, extreme)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// The GEMM path, for every token count (each tile shape, ragged token
+    /// blocks) and a ragged row range, gives each token's matvec bits.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn gemm_is_matvec_per_token((q, rows, cols, n, seed, extreme) in gemm_case()) {
+        if !Isa::Avx2.is_supported() {
+            return Ok(());
+        }
+        let data = random_blocks(q, rows, cols, seed, extreme);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let mut rng = SplitMix(seed ^ 0x6e33);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-2.0, 2.0)).collect();
+        let toks: Vec<crate::Token> = (0..n)
+            .map(|t| crate::Token::new(&w, &x[t * cols..(t + 1) * cols], crate::Activations::Exact))
+            .collect();
+        let r0 = rows / 3;
+        let mut got = vec![f32::NAN; (rows - r0) * n];
+        // SAFETY: the CPU supports AVX2, FMA and F16C (checked above).
+        unsafe { super::gemm::rows(&w, r0, rows, &toks, &mut got) };
+        let mut y = vec![0f32; rows];
+        for t in 0..n {
+            matvec_with(Isa::Avx2, &w, &x[t * cols..(t + 1) * cols], &mut y);
+            for r in r0..rows {
+                prop_assert_eq!(y[r].to_bits(), got[(r - r0) * n + t].to_bits(),
+                    "{} [{}x{}] n={} t={} r={}: matvec {} gemm {}",
+                    q.name(), rows, cols, n, t, r, y[r], got[(r - r0) * n + t]);
+            }
+        }
+    }
+
+    /// Prompt-sized products through the dispatch (the GEMM path from 8
+    /// tokens): within the reference's tolerance, and each token's bits
+    /// those of the token alone, on every ISA.
+    #[test]
+    fn prompt_products_match_reference((q, rows, cols, n, seed, extreme) in gemm_case()) {
+        for isa in Isa::available() {
+            let k = isa_kernel(isa);
+            let r = check_against_reference(&k, q, rows, cols, n, seed, extreme);
+            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+            let r = check_batch_is_single(&k, q, rows, cols, n, seed);
+            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+        }
+    }
+}
+
 #[test]
 fn threaded_equals_inline() {
     let (rows, nb) = (301, 3);
