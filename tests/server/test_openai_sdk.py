@@ -165,3 +165,21 @@ def test_response_format_penalties_and_logprobs_are_honoured(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="demo", messages=msgs, max_tokens=4, logit_bias={"5": 10})
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_second_turn_reuses_the_conversation(server):
+    """The reply and the first turn are not prefilled again: the second
+    request's usage counts them as cached (the server's state cache)."""
+    c = client(server)
+    turn1 = [{"role": "user", "content": "Tell me about the sea and the ships upon it."}]
+    r1 = c.chat.completions.create(model="demo", messages=turn1, max_tokens=12, temperature=0)
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "And the harbour?"},
+    ]
+    r2 = c.chat.completions.create(model="demo", messages=turn2, max_tokens=4, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens <= cached < r2.usage.prompt_tokens, (r1.usage, r2.usage)
+    # The same request again (greedy) gives the same reply from the cache.
+    r3 = c.chat.completions.create(model="demo", messages=turn2, max_tokens=4, temperature=0)
+    assert r3.choices[0].message.content == r2.choices[0].message.content
