@@ -196,22 +196,24 @@ fn threaded_equals_inline() {
         let data = random_blocks(q, rows, cols, 11, false);
         let w = TensorView::new(q, rows, cols, &data).unwrap();
         let mut rng = SplitMix(3);
-        let n = 5;
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
-        for isa in Isa::available() {
-            let mut a = vec![0f32; n * rows];
-            let mut b = vec![0f32; n * rows];
-            let one = rayon::ThreadPoolBuilder::new()
-                .num_threads(1)
-                .build()
-                .unwrap();
-            one.install(|| matmul_with(isa, &w, &x, n, &mut a));
-            let three = rayon::ThreadPoolBuilder::new()
-                .num_threads(3)
-                .build()
-                .unwrap();
-            three.install(|| matmul_with(isa, &w, &x, n, &mut b));
-            assert_eq!(a, b, "{isa:?} {q:?}");
+        // 5: the 4-token blocks; 19: the GEMM path.
+        for n in [5, 19] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
+            for isa in Isa::available() {
+                let mut a = vec![0f32; n * rows];
+                let mut b = vec![0f32; n * rows];
+                let one = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                one.install(|| matmul_with(isa, &w, &x, n, &mut a));
+                let three = rayon::ThreadPoolBuilder::new()
+                    .num_threads(3)
+                    .build()
+                    .unwrap();
+                three.install(|| matmul_with(isa, &w, &x, n, &mut b));
+                assert_eq!(a, b, "{isa:?} {q:?} n={n}");
+            }
         }
     }
 }
