@@ -157,6 +157,10 @@ pub struct Engine {
     phases: Option<PhaseTimes>,
     /// The CUDA backend, when [`Engine::set_backend`] chose it.
     cuda: Option<slipstream_cuda::CudaModel>,
+    /// The tokens of the sequence whose state the CUDA backend's device
+    /// holds (`None`: unknown, after a failed pass). A host state with other
+    /// tokens is uploaded before it runs ([`Engine::state_to_device`]).
+    device_tokens: Option<Vec<u32>>,
     /// Checkpoints being taken for a [`StateCache`] during
     /// [`Engine::generate_cached`].
     checkpoints: Option<CheckpointCollector>,
@@ -334,14 +338,16 @@ impl Engine {
             prefill_hook: None,
             phases: None,
             cuda: None,
+            device_tokens: None,
             checkpoints: None,
             step_hook: None,
         })
     }
 
     /// Chooses where the model runs; returns a line describing the choice.
-    /// The CUDA backend keeps its state on the device, so snapshots and the
-    /// prompt cache need the CPU backend.
+    /// The CUDA backend keeps its state on the device; the engine copies
+    /// it to the host where a snapshot, the prompt cache or the state cache
+    /// takes it, and back when a restored state runs.
     pub fn set_backend(&mut self, choice: &BackendChoice) -> Result<String, EngineError> {
         let opts = match choice {
             BackendChoice::Cpu => {
@@ -392,6 +398,7 @@ impl Engine {
             }
         }
         self.cuda = Some(m);
+        self.device_tokens = None;
         Ok(line)
     }
 
@@ -410,10 +417,11 @@ impl Engine {
         want: Logits,
         prompt: bool,
     ) -> Result<Vec<f32>, slipstream_models::ModelError> {
+        self.state_to_device(state)?;
         match self.cuda.as_mut() {
             Some(c) => {
                 c.set_prompt_pass(prompt);
-                self.model.run(
+                let out = self.model.run(
                     c,
                     state,
                     tokens,
@@ -421,7 +429,9 @@ impl Engine {
                     want,
                     None,
                     self.phases.as_mut(),
-                )
+                );
+                self.device_tokens = out.is_ok().then(|| state.tokens.clone());
+                out
             }
             None => self.model.forward_timed(
                 state,
@@ -449,7 +459,7 @@ impl Engine {
             ));
         };
         c.set_prompt_pass(false);
-        self.model.run(
+        let out = self.model.run(
             c,
             state,
             &[token],
@@ -457,8 +467,48 @@ impl Engine {
             Logits::None,
             None,
             self.phases.as_mut(),
-        )?;
+        );
+        match (&out, self.device_tokens.as_mut()) {
+            (Ok(_), Some(t)) => t.push(token),
+            _ => self.device_tokens = None,
+        }
+        out?;
         c.next_token(&self.model, draw)
+    }
+
+    /// Makes the CUDA backend's device hold `state` before a pass runs from
+    /// it: a state of another sequence (restored from a snapshot, the
+    /// prompt cache or the state cache, or another conversation's) is
+    /// uploaded; a fresh one needs nothing (the pass at position 0 clears
+    /// the device). A no-op on the CPU.
+    fn state_to_device(&mut self, state: &ModelState) -> Result<(), slipstream_models::ModelError> {
+        let Some(c) = self.cuda.as_mut() else {
+            return Ok(());
+        };
+        if state.tokens.is_empty() || self.device_tokens.as_ref() == Some(&state.tokens) {
+            return Ok(());
+        }
+        self.device_tokens = None;
+        c.write_state(state)
+            .map_err(|e| slipstream_models::ModelError::State(format!("CUDA: {e}")))?;
+        self.device_tokens = Some(state.tokens.clone());
+        Ok(())
+    }
+
+    /// Copies the CUDA backend's device state into `state.layers` when the
+    /// device holds `state`'s sequence, so it can be checkpointed, cached or
+    /// saved (the KV rows the host already holds stay; the rest come over).
+    /// A no-op on the CPU, whose passes write `state` itself.
+    fn state_to_host(&mut self, state: &mut ModelState) -> Result<(), EngineError> {
+        let Some(c) = self.cuda.as_mut() else {
+            return Ok(());
+        };
+        if self.device_tokens.as_ref() != Some(&state.tokens) {
+            return Ok(());
+        }
+        c.read_state(state).map_err(|e| {
+            EngineError::Model(slipstream_models::ModelError::State(format!("CUDA: {e}")))
+        })
     }
 
     /// The next token from a row of logits on the host. On the CUDA
@@ -792,6 +842,9 @@ impl Engine {
             } else {
                 state.last_logits = logits[logits.len() - vocab..].to_vec();
             }
+            if checkpoint_here || (chunk_end && hooked) {
+                self.state_to_host(state)?;
+            }
             if checkpoint_here {
                 if let (Some(c), Some(cp)) = (self.checkpoints.as_mut(), Checkpoint::of(state)) {
                     c.taken.push(Arc::new(cp));
@@ -909,8 +962,12 @@ impl Engine {
         req: &GenerateRequest,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Generation, EngineError> {
+        // The state is dropped after: no copy of it back from a device.
         let mut state = self.new_state();
-        self.generate_with_state(&mut state, req, on_token)
+        let mut hook = self.step_hook.take();
+        let result = self.generate_inner(&mut state, req, &mut hook, on_token);
+        self.step_hook = hook;
+        result
     }
 
     /// Generates continuing from `state` when its tokens are a prefix of
@@ -927,6 +984,7 @@ impl Engine {
         let mut hook = self.step_hook.take();
         let result = self.generate_inner(state, req, &mut hook, on_token);
         self.step_hook = hook;
+        let result = result.and_then(|g| self.state_to_host(state).map(|()| g));
         if result.is_err() {
             *state = self.new_state();
         }

@@ -24,7 +24,7 @@ impl Backend for CudaModel {
         } else if position != self.pos {
             return Err(ModelError::State(format!(
                 "the CUDA backend holds {} tokens of state, the pass starts at {position} \
-                 (restoring snapshots needs --backend cpu)",
+                 (a state from elsewhere is written with write_state first)",
                 self.pos
             )));
         }

@@ -5,7 +5,7 @@
 //! so a state moves as plain copies, bit for bit, and a state the CPU
 //! backend wrote resumes here and the other way round.
 
-use slipstream_models::state::{AttnState, LinearState};
+use slipstream_models::state::LinearState;
 use slipstream_models::ModelState;
 
 use super::*;
@@ -16,10 +16,11 @@ impl CudaModel {
         self.pos
     }
 
-    /// Copies the device state into `state.layers` (attention layers get
-    /// their first [`Self::position`] KV rows). `state` must be shaped by
-    /// this model's `Transformer::new_state`; its tokens and logits are the
-    /// caller's.
+    /// Copies the device state into `state.layers`: attention layers end
+    /// up with [`Self::position`] KV rows, of which those the host already
+    /// holds (a prefix of this sequence's, by the caller's word) are kept
+    /// and the rest read. `state` must be shaped by this model's
+    /// `Transformer::new_state`; its tokens and logits are the caller's.
     pub fn read_state(&mut self, state: &mut ModelState) -> Result<()> {
         self.check_shape(state)?;
         self.abort_capture();
@@ -28,12 +29,15 @@ impl CudaModel {
         for (l, host) in self.layers.iter().zip(state.layers.iter_mut()) {
             match (&l.mixer, host) {
                 (DMixer::Attn(a), LayerState::Attn(h)) => {
+                    // The rows the host holds are this sequence's prefix:
+                    // only the rest comes over.
                     let row = a.dims.1 * a.dims.2;
-                    *h = AttnState {
-                        k: self.gpu.read_f32(&a.kc, 0, pos * row)?,
-                        v: self.gpu.read_f32(&a.vc, 0, pos * row)?,
-                        kv_dim: row,
-                    };
+                    let have = h.len().min(pos);
+                    h.k.truncate(have * row);
+                    h.v.truncate(have * row);
+                    let n = (pos - have) * row;
+                    h.k.extend(self.gpu.read_f32(&a.kc, have * row, n)?);
+                    h.v.extend(self.gpu.read_f32(&a.vc, have * row, n)?);
                 }
                 (DMixer::Gdn(g), LayerState::Linear(h)) => {
                     *h = LinearState {
