@@ -3,8 +3,9 @@
 //!
 //! Shapes: a `[64x2048]` that stays in L2 (compute-bound figure), an expert-sized `[512x2048]` cycled over enough distinct matrices
 //! (~384 MiB) that every product reads its weights from DRAM, and a
-//! head-sized `[248320x2048]`; decode (1 token) and a 32-token prefill on the
-//! expert shape. Figures are weight bytes read per wall second, best of 3.
+//! head-sized `[248320x2048]`; decode (1 token) and 8- and 32-token prefill
+//! on the expert shape (a busy expert), and a 256-token prompt chunk on a
+//! dense `[2048x2048]`. Figures are weight bytes read per wall second, best of 3.
 use slipstream_core::{QuantType, TensorView};
 use slipstream_kernels::ggml::check::SplitMix;
 use slipstream_kernels::*;
@@ -31,8 +32,10 @@ fn main() {
     for &(rows, cols, n, total) in &[
         (64usize, 2048usize, 1usize, 0usize),
         (512, 2048, 1, 384 << 20),
+        (512, 2048, 8, 64 << 20),
         (512, 2048, 32, 64 << 20),
         (248320, 2048, 1, 0),
+        (2048, 2048, 256, 0),
     ] {
         for (name, q) in types {
             if only.as_deref().is_some_and(|o| o != name) {
@@ -61,7 +64,7 @@ fn main() {
                     best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
                 }
                 println!(
-                    "{name:<13} [{rows}x{cols}] n={n:<2} x{count:<4} threads={threads}: {:>9.1} us  {:>6.2} GB/s  {:>6.2} GFLOP/s",
+                    "{name:<13} [{rows}x{cols}] n={n:<3} x{count:<4} threads={threads}: {:>9.1} us  {:>6.2} GB/s  {:>6.2} GFLOP/s",
                     best * 1e6,
                     one as f64 / best / 1e9,
                     2.0 * (rows * cols * n) as f64 / best / 1e9

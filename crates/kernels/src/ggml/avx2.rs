@@ -40,7 +40,7 @@
 use std::arch::x86_64::*;
 
 use super::gemm::GEMM_MIN_TOKENS;
-use super::{row_bytes, scale_min_k4, QK_K};
+use super::{row_bytes, QK_K};
 use crate::x86::hsum;
 use crate::Token;
 use slipstream_core::{QuantType, TensorView};
@@ -332,6 +332,31 @@ fn block32_row<const K: u8>(b: &[u8], x: &[f32], xs: &[f32], cols: usize) -> f32
     }
 }
 
+/// The sub-block scales `d * sc_j` and mins `dmin * m_j` (`j < 8`) of a
+/// `Q4_K` / `Q5_K` block `b` (at least 16 bytes), as f32 vectors: the 6-bit
+/// fields of [`super::scale_min_k4`] unpacked four at a time in 32-bit words,
+/// widened and multiplied in 8 lanes (the same products as the scalar
+/// `d * sc as f32`, IEEE in either form).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn k4_scales(b: &[u8]) -> (__m256, __m256) {
+    const LOW6: u32 = 0x3F3F_3F3F;
+    const LOW4: u32 = 0x0F0F_0F0F;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let (d, dmin) = (f16(b, 0), f16(b, 2));
+    let (u0, u1, u2) = (word(4), word(8), word(12));
+    // sc[0..4] = s[0..4] & 63, sc[4..8] = (s[8..12] & 15) | (s[0..4] >> 6) << 4;
+    // m[0..4] = s[4..8] & 63, m[4..8] = (s[8..12] >> 4) | (s[4..8] >> 6) << 4.
+    let sc = (u0 & LOW6) as u64 | (((u2 & LOW4) | (((u0 >> 6) & LOW2) << 4)) as u64) << 32;
+    let m = (u1 & LOW6) as u64 | ((((u2 >> 4) & LOW4) | (((u1 >> 6) & LOW2) << 4)) as u64) << 32;
+    let widen = |v: u64| cvt(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+    (
+        _mm256_mul_ps(_mm256_set1_ps(d), widen(sc)),
+        _mm256_mul_ps(_mm256_set1_ps(dmin), widen(m)),
+    )
+}
+
 /// Expected lengths: (elements, bytes) per block of kind `K`.
 pub(super) const fn block_size(k: u8) -> (usize, usize) {
     match k {
@@ -446,13 +471,12 @@ fn kernel<const K: u8, const R: usize, const T: usize>(
         for i in 0..nb {
             for r in 0..R {
                 let b = &rows[r][i * bb..(i + 1) * bb];
-                let (d, dmin) = (f16(b, 0), f16(b, 2));
-                let (sc, m) = scale_min_k4(&b[4..16]);
-                let ds: [f32; 8] = std::array::from_fn(|j| d * sc[j] as f32);
-                let mv: [f32; 8] = std::array::from_fn(|j| dmin * m[j] as f32);
-                // SAFETY: `mv` is 8 f32; the sums hold 8 per super-block.
+                let (dsv, mv) = k4_scales(b);
+                let mut ds = [0f32; 8];
+                // SAFETY: `ds` is 8 writable f32.
+                unsafe { _mm256_storeu_ps(ds.as_mut_ptr(), dsv) };
+                // SAFETY: the sums hold 8 per super-block.
                 unsafe {
-                    let mv = ldx(mv.as_ptr());
                     for t in 0..T {
                         macc[r][t] = _mm256_fmadd_ps(mv, ldx(sb[t].add(i * 8)), macc[r][t]);
                     }
