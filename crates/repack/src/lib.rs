@@ -188,7 +188,7 @@ pub struct RepackReport {
     /// `bytes_in / seconds`, in MB/s (10^6 bytes).
     pub mb_per_s: f64,
     /// Checkpoint tensors outside the text model that were skipped
-    /// (`mtp.*`, vision tower, ...).
+    /// (vision tower, an `mtp.*` head the config does not announce, ...).
     pub ignored_tensors: Vec<String>,
     /// Record layout of the expert pool: `(part, qtype, shape)`.
     pub expert_layout: Vec<(String, QuantType, [usize; 2])>,
