@@ -34,6 +34,10 @@ pub struct SynthArgs {
     /// Keep only the first N layers (fast experiments).
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Multi-token-prediction layers after the main ones, at the real
+    /// shapes (Qwen3.6-35B-A3B ships 1; qwen3.6 preset only). Default 0.
+    #[arg(long, default_value_t = 0)]
+    pub mtp_layers: usize,
     /// Seed of every weight; the same seed writes the same bytes.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -72,6 +76,7 @@ pub fn synth_command(args: SynthArgs) -> anyhow::Result<()> {
     };
     let mut opts =
         slipstream_synth::options(args.preset, args.layers, args.seed, skew, &args.output);
+    opts.config.mtp_num_layers = args.mtp_layers;
     if args.force {
         opts.overwrite = slipstream_format::Overwrite::Force;
     }

@@ -67,6 +67,18 @@ pub struct ModelConfig {
     pub shared_expert_intermediate_size: usize,
     /// Renormalise the top-k router weights to sum to one.
     pub norm_topk_prob: bool,
+
+    /// Multi-token-prediction (MTP) layers after the main stack (Qwen3.5's
+    /// `mtp_num_hidden_layers`; 0 when the model has none). Each is a gated
+    /// full-attention MoE layer numbered `num_layers() + k` in the schema
+    /// and the expert pool. Left out of manifests when 0, so files of
+    /// models without MTP are unchanged.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mtp_num_layers: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }
 
 /// Largest count a config file may give for anything (layers, heads,
@@ -75,9 +87,10 @@ pub const MAX_CONFIG_COUNT: u64 = 1 << 24;
 
 /// Bounds far above any model this runtime runs, so a corrupted or hostile
 /// config is an error rather than a huge allocation: `(field, value, most)`.
-fn size_bounds(c: &ModelConfig) -> [(&'static str, usize, usize); 16] {
+fn size_bounds(c: &ModelConfig) -> [(&'static str, usize, usize); 17] {
     [
         ("num_hidden_layers", c.layer_types.len(), 1024),
+        ("mtp_num_hidden_layers", c.mtp_num_layers, 16),
         ("vocab_size", c.vocab_size, 1 << 22),
         ("hidden_size", c.hidden_size, 1 << 16),
         (
@@ -105,8 +118,26 @@ fn size_bounds(c: &ModelConfig) -> [(&'static str, usize, usize); 16] {
 }
 
 impl ModelConfig {
+    /// Layers of the main stack (MTP layers not counted).
     pub fn num_layers(&self) -> usize {
         self.layer_types.len()
+    }
+
+    /// Main layers plus MTP layers: the layers the expert pool holds.
+    pub fn total_layers(&self) -> usize {
+        self.num_layers() + self.mtp_num_layers
+    }
+
+    /// The mixer of layer `layer` in `0..total_layers()`: MTP layers are
+    /// full attention. `None` beyond the last layer.
+    pub fn layer_kind(&self, layer: usize) -> Option<LayerKind> {
+        if layer < self.num_layers() {
+            Some(self.layer_types[layer])
+        } else if layer < self.total_layers() {
+            Some(LayerKind::FullAttention)
+        } else {
+            None
+        }
     }
 
     /// Channels of the GDN qkv projection (and its causal conv).
@@ -139,7 +170,14 @@ impl ModelConfig {
                 "max_position_embeddings and moe_intermediate_size must be positive".into(),
             );
         }
-        let has_full = self.layer_types.contains(&LayerKind::FullAttention);
+        if self.mtp_num_layers > 0 && self.architecture != Architecture::Qwen35Moe {
+            return bad(format!(
+                "MTP layers are known only for qwen3_5_moe, not {}",
+                self.architecture.name()
+            ));
+        }
+        let has_full =
+            self.layer_types.contains(&LayerKind::FullAttention) || self.mtp_num_layers > 0;
         if has_full {
             if self.num_attention_heads == 0
                 || self.num_key_value_heads == 0

@@ -97,18 +97,35 @@ pub fn lm_head_tensor(cfg: &ModelConfig) -> TensorSpec {
     )
 }
 
-/// The dense tensors of layer `layer`, in on-disk order: `input_norm`, the
-/// mixer (`attn.*` or `gdn.*`), `post_attn_norm`, `moe.router`, and the
-/// shared expert when the config has one.
+/// The dense tensors of layer `layer` in `0..cfg.total_layers()`, in
+/// on-disk order: `input_norm`, the mixer (`attn.*` or `gdn.*`),
+/// `post_attn_norm`, `moe.router`, and the shared expert when the config
+/// has one. An MTP layer (`layer >= cfg.num_layers()`) is a full-attention
+/// layer framed by its own tensors: `mtp.embed_norm`, `mtp.hidden_norm`,
+/// `mtp.fc` before it and `mtp.final_norm` after it (see [`MTP_KEYS`]).
 ///
 /// # Panics
-/// If `layer >= cfg.num_layers()`.
+/// If `layer >= cfg.total_layers()`.
 pub fn layer_tensors(cfg: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
     use TensorKind::*;
+    let kind = cfg
+        .layer_kind(layer)
+        .unwrap_or_else(|| panic!("layer {layer} is beyond the model's layers"));
+    let is_mtp = layer >= cfg.num_layers();
     let l = Some(layer);
     let h = cfg.hidden_size;
-    let mut v = vec![spec(l, "input_norm", [1, h], Norm)];
-    match cfg.layer_types[layer] {
+    let mut v = Vec::new();
+    if is_mtp {
+        v.extend([
+            spec(l, "mtp.embed_norm", [1, h], Norm),
+            spec(l, "mtp.hidden_norm", [1, h], Norm),
+            // Columns [0, h) take the normed embedding, [h, 2h) the normed
+            // hidden state.
+            spec(l, "mtp.fc", [h, 2 * h], Matrix),
+        ]);
+    }
+    v.push(spec(l, "input_norm", [1, h], Norm));
+    match kind {
         LayerKind::FullAttention => {
             let (nh, nkv, hd) = (
                 cfg.num_attention_heads,
@@ -155,14 +172,27 @@ pub fn layer_tensors(cfg: &ModelConfig, layer: usize) -> Vec<TensorSpec> {
             spec(l, "moe.shared.down_proj", [h, is], Matrix),
         ]);
     }
+    if is_mtp {
+        // Replaces the model's final norm before the shared head.
+        v.push(spec(l, "mtp.final_norm", [1, h], Norm));
+    }
     v
 }
 
+/// The keys only MTP layers have (all multiplicative norms but `mtp.fc`).
+pub const MTP_KEYS: [&str; 4] = [
+    "mtp.embed_norm",
+    "mtp.hidden_norm",
+    "mtp.fc",
+    "mtp.final_norm",
+];
+
 /// Every dense tensor of a model of `cfg`, in on-disk order: `embed`, each
-/// layer's [`layer_tensors`], then [`output_tensors`].
+/// layer's [`layer_tensors`] (main layers, then MTP layers), then
+/// [`output_tensors`].
 pub fn dense_tensors(cfg: &ModelConfig) -> Vec<TensorSpec> {
     let mut v = vec![embed_tensor(cfg)];
-    for l in 0..cfg.num_layers() {
+    for l in 0..cfg.total_layers() {
         v.extend(layer_tensors(cfg, l));
     }
     v.extend(output_tensors(cfg));
@@ -224,6 +254,7 @@ mod tests {
             moe_intermediate_size: 32,
             shared_expert_intermediate_size: 32,
             norm_topk_prob: true,
+            mtp_num_layers: 0,
         }
     }
 
@@ -252,5 +283,30 @@ mod tests {
             expert_parts(&c).map(|p| p.shape),
             [[32, 64], [32, 64], [64, 32]]
         );
+    }
+
+    #[test]
+    fn mtp_layer_follows_the_main_stack_as_full_attention() {
+        let mut c = cfg(false);
+        let plain = dense_tensors(&c);
+        c.mtp_num_layers = 1;
+        let all = dense_tensors(&c);
+        let mtp = layer_tensors(&c, 2);
+        // The main layers keep their names and order; the MTP layer comes
+        // between them and the output tensors.
+        assert_eq!(all.len(), plain.len() + mtp.len());
+        assert_eq!(&all[..all.len() - 2 - mtp.len()], &plain[..plain.len() - 2]);
+        assert_eq!(
+            find(&mtp, "mtp.fc").map(|t| (t.name.as_str(), t.shape)),
+            Some(("layers.2.mtp.fc", [64, 128]))
+        );
+        assert_eq!(find(&mtp, "attn.q_proj").unwrap().shape, [128, 64]);
+        assert!(find(&mtp, "gdn.conv").is_none());
+        for key in MTP_KEYS {
+            assert!(find(&mtp, key).is_some(), "{key}");
+            assert!(find(&layer_tensors(&c, 1), key).is_none(), "{key}");
+        }
+        let names: std::collections::HashSet<_> = all.iter().map(|t| &t.name).collect();
+        assert_eq!(names.len(), all.len());
     }
 }

@@ -1308,7 +1308,8 @@ pub fn predict_footprint(
     let m = &file.manifest;
     let c = &m.config;
     let stride = m.experts.record_stride;
-    let layers = c.num_layers() as u64;
+    // Slots are kept for every layer of the pool, MTP layers included.
+    let layers = m.experts.num_layers as u64;
     let mut state = 0u64;
     for kind in &c.layer_types {
         state += match kind {
@@ -1387,7 +1388,7 @@ pub fn resolve_direct_io(
     let Some(memory) = memory else {
         return choice(false, "auto: memory size unknown, buffered".into());
     };
-    let pool = m.experts.record_stride * (m.config.num_layers() * experts) as u64;
+    let pool = m.experts.record_stride * (m.experts.num_layers * experts) as u64;
     let footprint = predict_footprint(file, slots, context, chunk).total();
     let room = memory.saturating_sub(footprint);
     let gb = |b: u64| b as f64 / 1e9;
@@ -1430,7 +1431,7 @@ pub fn slots_for_budget(
     chunk: usize,
 ) -> Result<usize, String> {
     let fixed = predict_footprint(file, 0, context, chunk);
-    let per_slot = file.manifest.experts.record_stride * file.manifest.config.num_layers() as u64;
+    let per_slot = file.manifest.experts.record_stride * file.manifest.experts.num_layers as u64;
     let room = budget.saturating_sub(fixed.total());
     let slots = (room / per_slot.max(1)) as usize;
     if slots == 0 {

@@ -257,12 +257,13 @@ impl SlipModel {
 /// config, so any disagreement is an open-time error, never a panic later.
 fn check_pool_against_config(m: &Manifest) -> std::result::Result<(), String> {
     let (c, pool) = (&m.config, &m.experts);
-    if pool.num_layers != c.num_layers() || pool.num_experts != c.num_experts {
+    // MTP layers keep their routed experts in the pool after the main ones.
+    if pool.num_layers != c.total_layers() || pool.num_experts != c.num_experts {
         return Err(format!(
             "the expert pool has {} layers of {} experts, the config {} of {}",
             pool.num_layers,
             pool.num_experts,
-            c.num_layers(),
+            c.total_layers(),
             c.num_experts
         ));
     }

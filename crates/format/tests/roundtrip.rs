@@ -32,6 +32,7 @@ fn config() -> ModelConfig {
         moe_intermediate_size: 64,
         shared_expert_intermediate_size: 0,
         norm_topk_prob: true,
+        mtp_num_layers: 0,
     }
 }
 

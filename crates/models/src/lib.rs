@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod blocks;
 pub mod loader;
+pub mod mtp;
 pub mod ops;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
@@ -18,6 +19,7 @@ use slipstream_core::{Architecture, BoxError, ModelConfig, TensorSource};
 
 pub use backend::{Backend, CpuBackend, NormKind};
 pub use blocks::Route;
+pub use mtp::{MtpHead, MtpOutput, MtpState};
 pub use state::ModelState;
 pub use transformer::{Logits, RouteObserver, Transformer};
 

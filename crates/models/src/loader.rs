@@ -166,6 +166,9 @@ pub fn assemble(
             })
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
+    let mtp = (cfg.num_layers()..cfg.total_layers())
+        .map(|l| mtp_head(src, cfg, l))
+        .collect::<Result<Vec<_>, ModelError>>()?;
     Ok(Transformer {
         config: cfg.clone(),
         embed,
@@ -173,5 +176,25 @@ pub fn assemble(
         final_norm,
         lm_head,
         head_act: slipstream_kernels::Activations::default(),
+        mtp,
+    })
+}
+
+/// The MTP layer at pool layer `layer` (`cfg.num_layers()..cfg.total_layers()`).
+pub fn mtp_head(
+    src: &dyn TensorSource,
+    cfg: &ModelConfig,
+    layer: usize,
+) -> Result<crate::mtp::MtpHead, ModelError> {
+    let t = LayerSpecs::new(src, cfg, layer);
+    Ok(crate::mtp::MtpHead {
+        embed_norm: t.vector("mtp.embed_norm")?,
+        hidden_norm: t.vector("mtp.hidden_norm")?,
+        fc: t.linear("mtp.fc")?,
+        input_norm: t.vector("input_norm")?,
+        attn: attention(src, cfg, layer)?,
+        post_attn_norm: t.vector("post_attn_norm")?,
+        moe: moe(src, cfg, layer)?,
+        final_norm: t.vector("mtp.final_norm")?,
     })
 }

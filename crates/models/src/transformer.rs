@@ -7,6 +7,7 @@ use slipstream_core::{ExpertSource, ModelConfig, Tensor};
 
 use crate::backend::{Backend, CpuBackend, NormKind};
 use crate::blocks::{Attention, GatedDeltaNet, Moe, MoeTimes, Route};
+use crate::mtp::MtpHead;
 use crate::state::{AttnState, LayerState, LinearState, ModelState};
 use crate::ModelError;
 
@@ -52,6 +53,34 @@ pub struct Transformer {
     pub lm_head: Tensor,
     /// How inputs enter the head's 4-bit product.
     pub head_act: slipstream_kernels::Activations,
+    /// The multi-token-prediction layers, by depth; empty without a head
+    /// (see [`crate::mtp`]).
+    pub mtp: Vec<MtpHead>,
+}
+
+/// Called once per pass with the pass's final-normed hidden rows
+/// (`[n, hidden]`) and `n`.
+type HiddenSink<'a, A> = &'a mut dyn FnMut(&A, usize) -> Result<(), ModelError>;
+
+fn set_attention_activations(a: &mut Attention, act: slipstream_kernels::Activations) {
+    for l in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+        l.act = act;
+    }
+}
+
+fn set_moe_activations(moe: &mut Moe, act: slipstream_kernels::Activations) {
+    moe.act = act;
+    moe.router.act = act;
+    if let Some((mlp, gate)) = &mut moe.shared {
+        for l in [
+            &mut mlp.gate_proj,
+            &mut mlp.up_proj,
+            &mut mlp.down_proj,
+            gate,
+        ] {
+            l.act = act;
+        }
+    }
 }
 
 impl Transformer {
@@ -64,11 +93,7 @@ impl Transformer {
         self.head_act = act;
         for layer in &mut self.layers {
             match &mut layer.mixer {
-                Mixer::Attention(a) => {
-                    for l in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
-                        l.act = act;
-                    }
-                }
+                Mixer::Attention(a) => set_attention_activations(a, act),
                 Mixer::Linear(g) => {
                     for l in [
                         &mut g.in_proj_qkv,
@@ -81,19 +106,12 @@ impl Transformer {
                     }
                 }
             }
-            let moe = &mut layer.moe;
-            moe.act = act;
-            moe.router.act = act;
-            if let Some((mlp, gate)) = &mut moe.shared {
-                for l in [
-                    &mut mlp.gate_proj,
-                    &mut mlp.up_proj,
-                    &mut mlp.down_proj,
-                    gate,
-                ] {
-                    l.act = act;
-                }
-            }
+            set_moe_activations(&mut layer.moe, act);
+        }
+        for head in &mut self.mtp {
+            head.fc.act = act;
+            set_attention_activations(&mut head.attn, act);
+            set_moe_activations(&mut head.moe, act);
         }
     }
 
@@ -135,6 +153,35 @@ impl Transformer {
         self.forward_timed(state, tokens, experts, want, observer, None)
     }
 
+    /// [`Transformer::forward`] that also returns the hidden state after the
+    /// final norm of every token (`[tokens, hidden]`): the input of the MTP
+    /// head ([`Transformer::mtp_forward`]). The logits are bit-identical
+    /// to `forward`'s.
+    pub fn forward_hidden(
+        &self,
+        state: &mut ModelState,
+        tokens: &[u32],
+        experts: &mut dyn ExpertSource,
+        want: Logits,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let mut hidden = Vec::with_capacity(tokens.len() * self.config.hidden_size);
+        let mut sink = |rows: &Vec<f32>, _n: usize| {
+            hidden.extend_from_slice(rows);
+            Ok(())
+        };
+        let logits = self.run_with_hidden(
+            &mut CpuBackend,
+            state,
+            tokens,
+            experts,
+            want,
+            None,
+            None,
+            Some(&mut sink),
+        )?;
+        Ok((logits, hidden))
+    }
+
     /// [`Transformer::forward`] that adds the time of each phase to
     /// `phases` when given (and counts the tokens). Results are identical
     /// to `forward`'s.
@@ -170,8 +217,27 @@ impl Transformer {
         tokens: &[u32],
         experts: &mut dyn ExpertSource,
         want: Logits,
+        observer: Option<RouteObserver<'_>>,
+        phases: Option<&mut PhaseTimes>,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.run_with_hidden(
+            backend, state, tokens, experts, want, observer, phases, None,
+        )
+    }
+
+    /// [`Transformer::run`] that hands each pass's final-normed hidden rows
+    /// to `hidden` when given.
+    #[allow(clippy::too_many_arguments)]
+    fn run_with_hidden<B: Backend>(
+        &self,
+        backend: &mut B,
+        state: &mut ModelState,
+        tokens: &[u32],
+        experts: &mut dyn ExpertSource,
+        want: Logits,
         mut observer: Option<RouteObserver<'_>>,
         mut phases: Option<&mut PhaseTimes>,
+        mut hidden: Option<HiddenSink<'_, B::Act>>,
     ) -> Result<Vec<f32>, ModelError> {
         let n = tokens.len();
         if n == 0 {
@@ -191,7 +257,9 @@ impl Transformer {
         }
         let step = backend.max_pass_tokens().max(1);
         if n <= step {
-            return self.pass(backend, state, tokens, experts, want, observer, phases);
+            return self.pass(
+                backend, state, tokens, experts, want, observer, phases, hidden,
+            );
         }
         let mut logits = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(step).collect();
@@ -205,6 +273,9 @@ impl Transformer {
             let obs = observer
                 .as_mut()
                 .map(|o| &mut **o as &mut dyn FnMut(usize, &[Route]));
+            let sink = hidden
+                .as_mut()
+                .map(|h| &mut **h as &mut dyn FnMut(&B::Act, usize) -> Result<(), ModelError>);
             let part = self.pass(
                 backend,
                 state,
@@ -213,6 +284,7 @@ impl Transformer {
                 w,
                 obs,
                 phases.as_deref_mut(),
+                sink,
             )?;
             logits.extend_from_slice(&part);
         }
@@ -230,6 +302,7 @@ impl Transformer {
         want: Logits,
         mut observer: Option<RouteObserver<'_>>,
         phases: Option<&mut PhaseTimes>,
+        hidden: Option<HiddenSink<'_, B::Act>>,
     ) -> Result<Vec<f32>, ModelError> {
         let t_total = Instant::now();
         let n = tokens.len();
@@ -277,7 +350,18 @@ impl Transformer {
             Logits::All => n,
         };
         let mut logits = Vec::new();
-        if m > 0 {
+        if let Some(sink) = hidden {
+            // Every row normed (row by row, so the tail's bits are those
+            // of norming the tail alone), then the head on the last m.
+            let xn = backend.norm(self, &x, NormKind::Final, n)?;
+            sink(&xn, n)?;
+            clock.lap(NORMS);
+            if m > 0 {
+                let rows = backend.tail(self, &xn, n, m)?;
+                logits = backend.head(self, &rows, m, m)?;
+                clock.lap(HEAD);
+            }
+        } else if m > 0 {
             let rows = backend.tail(self, &x, n, m)?;
             clock.lap(OTHER);
             let xn = backend.norm(self, &rows, NormKind::Final, m)?;

@@ -358,6 +358,13 @@ impl RawConfig {
             } else {
                 self.bool_or("norm_topk_prob", false)?
             },
+            // The importer drops it back to 0 when the checkpoint carries
+            // no `mtp.*` tensors.
+            mtp_num_layers: if qwen35 {
+                self.usize_or("mtp_num_hidden_layers", 0)?
+            } else {
+                0
+            },
         };
         cfg.validate().map_err(|e| self.bad(e.to_string()))?;
         Ok(cfg)

@@ -347,6 +347,19 @@ fn model_config(src: &Src) -> Result<ModelConfig> {
                 .meta(&k("expert_weights_norm"))
                 .and_then(|v| v.as_bool())
                 .unwrap_or(true),
+        // llama.cpp's converter appends the MTP layers as `blk.{n_layers}..`
+        // with `nextn.*` tensors (none with `--no-mtp`).
+        mtp_num_layers: if qwen35
+            && nextn > 0
+            && src
+                .f
+                .tensor(&format!("blk.{n_layers}.nextn.eh_proj.weight"))
+                .is_some()
+        {
+            nextn
+        } else {
+            0
+        },
     };
     cfg.validate().map_err(|e| RepackError::Config {
         path: src.path.clone(),
@@ -388,6 +401,11 @@ pub fn gguf_tensor_name(cfg: &ModelConfig, spec: &TensorSpec) -> Option<String> 
         "moe.shared.gate_proj" => "ffn_gate_shexp.weight",
         "moe.shared.up_proj" => "ffn_up_shexp.weight",
         "moe.shared.down_proj" => "ffn_down_shexp.weight",
+        // MTP layers (`_QwenMtpMixin` in llama.cpp's conversion/qwen.py).
+        "mtp.fc" => "nextn.eh_proj.weight",
+        "mtp.embed_norm" => "nextn.enorm.weight",
+        "mtp.hidden_norm" => "nextn.hnorm.weight",
+        "mtp.final_norm" => "nextn.shared_head_norm.weight",
         _ => return None,
     };
     Some(match spec.layer {
@@ -772,7 +790,8 @@ pub(crate) fn repack_gguf(
     };
     let cfg = model_config(&src)?;
     let e_count = cfg.num_experts;
-    let n_layers = cfg.num_layers();
+    // The pool holds the MTP layers' experts after the main layers'.
+    let n_layers = cfg.total_layers();
     // Before any tensor work: the tokenizer must build.
     let tok = tokenizer(&f);
     if let Some(json) = &tok.tokenizer_json {
@@ -878,8 +897,8 @@ pub(crate) fn repack_gguf(
         )?;
         li += 1;
     }
-    // Anything we did not read is reported (e.g. MTP blocks beyond the text
-    // layers, rope_freqs): llama.cpp files may carry extras we do not need.
+    // Anything we did not read is reported (e.g. rope_freqs, or nextn
+    // tensors a file has but its metadata does not announce): llama.cpp files may carry extras we do not need.
     let read = src.read.borrow();
     let ignored: Vec<String> = f
         .tensors

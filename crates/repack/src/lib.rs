@@ -188,7 +188,7 @@ pub struct RepackReport {
     /// `bytes_in / seconds`, in MB/s (10^6 bytes).
     pub mb_per_s: f64,
     /// Checkpoint tensors outside the text model that were skipped
-    /// (`mtp.*`, vision tower, ...).
+    /// (vision tower, an `mtp.*` head the config does not announce, ...).
     pub ignored_tensors: Vec<String>,
     /// Record layout of the expert pool: `(part, qtype, shape)`.
     pub expert_layout: Vec<(String, QuantType, [usize; 2])>,
@@ -590,6 +590,26 @@ fn ignorable(name: &str) -> bool {
         || name.ends_with("rotary_emb.inv_freq")
 }
 
+/// Where an official checkpoint keeps its MTP head: `mtp.` (Qwen3.5/3.6),
+/// or `model.mtp.` (accepted by llama.cpp's converter too); `None` without one.
+fn mtp_prefix(ck: &Checkpoint) -> Option<&'static str> {
+    ["mtp.", "model.mtp."]
+        .into_iter()
+        .find(|p| ck.contains(&format!("{p}fc.weight")))
+}
+
+/// The checkpoint name (under [`mtp_prefix`]) of an MTP-only canonical key:
+/// a `.weight`-less module path for `fc`, full names for the norms.
+fn hf_mtp_name(key: &str) -> Option<&'static str> {
+    Some(match key {
+        "mtp.fc" => "fc",
+        "mtp.embed_norm" => "pre_fc_norm_embedding.weight",
+        "mtp.hidden_norm" => "pre_fc_norm_hidden.weight",
+        "mtp.final_norm" => "norm.weight",
+        _ => return None,
+    })
+}
+
 /// Where a canonical layer tensor (by [`TensorSpec::key`]) lives in a HF or
 /// MLX checkpoint, under `layers.{l}.`: a `.weight`-less module path for
 /// matrices (quantized MLX adds `.scales`/`.biases`), the full name otherwise.
@@ -643,17 +663,27 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
     let e_count = cfg.num_experts;
     let inter = cfg.moe_intermediate_size;
     let mut layers = Vec::new();
-    for l in 0..cfg.num_layers() {
-        let lp = format!("{p}layers.{l}.");
+    // MTP layers (after the main ones) live under `mtp.layers.{k}.`.
+    let mp = mtp_prefix(ck).unwrap_or("mtp.");
+    for l in 0..cfg.total_layers() {
+        let lp = match l.checked_sub(cfg.num_layers()) {
+            None => format!("{p}layers.{l}."),
+            Some(k) => format!("{mp}layers.{k}."),
+        };
         let mut dense = Vec::new();
         for spec in schema::layer_tensors(cfg, l) {
-            let hf = hf_layer_name(spec.key).ok_or_else(|| {
-                RepackError::Unsupported(format!(
-                    "no checkpoint tensor is known for canonical {}",
-                    spec.name
-                ))
-            })?;
-            let hf = format!("{lp}{hf}");
+            let hf = match hf_mtp_name(spec.key) {
+                Some(name) => format!("{mp}{name}"),
+                None => {
+                    let hf = hf_layer_name(spec.key).ok_or_else(|| {
+                        RepackError::Unsupported(format!(
+                            "no checkpoint tensor is known for canonical {}",
+                            spec.name
+                        ))
+                    })?;
+                    format!("{lp}{hf}")
+                }
+            };
             let [rows, cols] = spec.shape;
             let (src, role) = match spec.kind {
                 TensorKind::Matrix => (ctx.linear(&hf, rows, cols)?, mat),
@@ -906,8 +936,13 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
             ),
         });
     }
-    let cfg = raw.model_config()?;
+    let mut cfg = raw.model_config()?;
     let ck = Checkpoint::open(&opts.input)?;
+    // A config may announce an MTP head its checkpoint does not carry
+    // (e.g. converters that drop `mtp.*`): the model is imported without it.
+    if mtp_prefix(&ck).is_none() {
+        cfg.mtp_num_layers = 0;
+    }
     let is_mlx = raw.mlx_quantization().is_some() || ck.names().any(|n| n.ends_with(".scales"));
     let kind = if is_mlx {
         SourceKind::Mlx

@@ -205,6 +205,44 @@ fn tmp() -> tempfile::TempDir {
 
 // ------------------------------------------------------------ qwen3_5_moe
 
+/// A config may announce an MTP head the checkpoint does not carry: the
+/// model is imported without one. A head that is there but incomplete is
+/// an error naming the missing tensor.
+#[test]
+fn qwen35_mtp_head_absent_or_incomplete() {
+    let d = tmp();
+    let t = Tiny::qwen35();
+    let prefix = "model.language_model.";
+    let src = hf_tensors(&t, true, prefix, true, true);
+    let mut config = t.qwen35_config();
+    config["text_config"]["mtp_num_hidden_layers"] = json!(1);
+
+    let absent = d.path().join("absent");
+    save(&absent, &floats_to_raw(&src, Dtype::F32), 1);
+    write_json(&absent.join("config.json"), &config);
+    let out = d.path().join("absent.slip");
+    let report = run(&absent, &out, QuantChoice::F32).unwrap();
+    assert_eq!(report.config.mtp_num_layers, 0);
+    let m = SlipModel::open(&out).unwrap();
+    assert_eq!(m.manifest.experts.num_layers, t.full.len());
+
+    let partial = d.path().join("partial");
+    let mut raw = floats_to_raw(&src, Dtype::F32);
+    let mut extra = FloatMap::new();
+    let h = t.hidden;
+    extra.insert(
+        "mtp.fc.weight".into(),
+        (vec![h, 2 * h], values("mtp.fc", 2 * h * h)),
+    );
+    raw.extend(floats_to_raw(&extra, Dtype::F32));
+    save(&partial, &raw, 1);
+    write_json(&partial.join("config.json"), &config);
+    let e = run(&partial, &d.path().join("partial.slip"), QuantChoice::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("mtp."), "{e}");
+}
+
 #[test]
 fn qwen35_fused_f32_is_bit_exact() {
     let d = tmp();

@@ -295,7 +295,11 @@ fn metadata(cfg: &ModelConfig, name: &str) -> Vec<(String, Value)> {
         ("general.name".into(), Value::String(name.into())),
     ];
     let mut k = |key: &str, v: Value| m.push((format!("{a}.{key}"), v));
-    k("block_count", u(cfg.num_layers()));
+    // llama.cpp's converter counts MTP layers as blocks and names how many.
+    k("block_count", u(cfg.total_layers()));
+    if cfg.mtp_num_layers > 0 {
+        k("nextn_predict_layers", u(cfg.mtp_num_layers));
+    }
     k("context_length", u(cfg.max_position_embeddings));
     k("embedding_length", u(cfg.hidden_size));
     k("attention.head_count", u(cfg.num_attention_heads));
@@ -340,10 +344,8 @@ fn metadata(cfg: &ModelConfig, name: &str) -> Vec<(String, Value)> {
             "attention.recurrent_layers",
             Value::Array {
                 ty: ValueType::Bool,
-                items: cfg
-                    .layer_types
-                    .iter()
-                    .map(|t| Value::Bool(*t == LayerKind::LinearAttention))
+                items: (0..cfg.total_layers())
+                    .map(|l| Value::Bool(cfg.layer_kind(l) == Some(LayerKind::LinearAttention)))
                     .collect(),
             },
         );
@@ -409,7 +411,7 @@ pub fn synthesize_gguf(
         skew: opts.skew,
         quant: SynthQuant::Q4_0,
     };
-    let n_layers = cfg.num_layers();
+    let n_layers = cfg.total_layers();
     let e_count = cfg.num_experts;
 
     // Declared in the order written: embed, per layer its dense tensors

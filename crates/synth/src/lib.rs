@@ -142,6 +142,7 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
             moe_intermediate_size: 512,
             shared_expert_intermediate_size: 512,
             norm_topk_prob: true,
+            mtp_num_layers: 0,
         },
         Preset::Qwen3_30bA3b => ModelConfig {
             architecture: Architecture::Qwen3Moe,
@@ -167,6 +168,7 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
             moe_intermediate_size: 768,
             shared_expert_intermediate_size: 0,
             norm_topk_prob: true,
+            mtp_num_layers: 0,
         },
     };
     if let Some(n) = layers {
@@ -295,7 +297,7 @@ pub fn expert_layout(cfg: &ModelConfig) -> ExpertPoolLayout {
 pub fn expert_layout_q(cfg: &ModelConfig, quant: SynthQuant) -> ExpertPoolLayout {
     let q = quant.qtype(4);
     ExpertPoolLayout {
-        num_layers: cfg.num_layers(),
+        num_layers: cfg.total_layers(),
         num_experts: cfg.num_experts,
         parts: schema::expert_parts(cfg)
             .iter()
@@ -625,8 +627,19 @@ impl Gen<'_> {
         let in_c0 = rms_estimate(c, 2 * l) / C0;
         let post_c0 = rms_estimate(c, 2 * l + 1) / C0;
         let t = Specs(schema::layer_tensors(c, l));
+        let kind = c
+            .layer_kind(l)
+            .ok_or_else(|| SynthError::Invalid(format!("layer {l} is beyond the model")))?;
+        let is_mtp = l >= c.num_layers();
+        if is_mtp {
+            // The MTP projection: both normed inputs at unit scale, a
+            // random map of the concatenation into the residual stream.
+            v.push(self.norm(t.get("mtp.embed_norm")?, 1.0));
+            v.push(self.norm(t.get("mtp.hidden_norm")?, 1.0));
+            v.push(self.reader(t.get("mtp.fc")?, 4));
+        }
         v.push(self.norm(t.get("input_norm")?, in_c0));
-        match c.layer_types[l] {
+        match kind {
             LayerKind::FullAttention => v.extend(self.attention(&t)?),
             LayerKind::LinearAttention => v.extend(self.gdn(l, &t)?),
         }
@@ -654,6 +667,9 @@ impl Gen<'_> {
             v.push(self.reader(t.get("moe.shared.gate_proj")?, 4));
             v.push(self.reader(t.get("moe.shared.up_proj")?, 4));
             v.push(self.writer(t.get("moe.shared.down_proj")?, &|_| 1.0));
+        }
+        if is_mtp {
+            v.push(self.norm(t.get("mtp.final_norm")?, 0.0));
         }
         Ok(v)
     }
@@ -744,7 +760,8 @@ pub fn synthesize_q(
     let layout = expert_layout_q(cfg, quant);
     let mut w = SlipWriter::create(&opts.output, layout, opts.overwrite)?;
     let record_bytes = w.pool().record_bytes;
-    let n_layers = cfg.num_layers();
+    // MTP layers (dense and experts) follow the main ones.
+    let n_layers = cfg.total_layers();
     let expert_total = record_bytes * (n_layers * cfg.num_experts) as u64;
 
     // Dense byte count up front (for the progress bar): from the shapes.
@@ -806,9 +823,14 @@ pub fn synthesize_q(
     let source = SourceInfo {
         kind: "synthetic".into(),
         path: format!(
-            "slipstream synth --preset {} --layers {} --seed {} --skew-popularity {} --skew-persistence {}",
+            "slipstream synth --preset {} --layers {}{} --seed {} --skew-popularity {} --skew-persistence {}",
             opts.preset_name,
-            n_layers,
+            cfg.num_layers(),
+            if cfg.mtp_num_layers > 0 {
+                format!(" --mtp-layers {}", cfg.mtp_num_layers)
+            } else {
+                String::new()
+            },
             opts.seed,
             opts.skew.popularity,
             opts.skew.persistence

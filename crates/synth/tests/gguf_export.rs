@@ -44,6 +44,7 @@ fn tiny(arch: Architecture) -> ModelConfig {
         moe_intermediate_size: 128,
         shared_expert_intermediate_size: if qwen35 { 64 } else { 0 },
         norm_topk_prob: true,
+        mtp_num_layers: 0,
     }
 }
 
@@ -63,62 +64,106 @@ fn opts(cfg: &ModelConfig, out: std::path::PathBuf) -> SynthOptions {
 fn gguf_export_imports_back_to_the_q4_0_slip() {
     let dir = tempfile::tempdir().unwrap();
     for arch in [Architecture::Qwen35Moe, Architecture::Qwen3Moe] {
-        let cfg = tiny(arch);
-        let native = dir.path().join(format!("{}-native.slip", arch.name()));
-        let gguf = dir.path().join(format!("{}.gguf", arch.name()));
-        let imported = dir.path().join(format!("{}-imported.slip", arch.name()));
-        synthesize_q(&opts(&cfg, native.clone()), SynthQuant::Q4_0, &|_| {}).unwrap();
-        synthesize_gguf(&opts(&cfg, gguf.clone()), &|_| {}).unwrap();
-        let report = slipstream_repack::repack(
-            &slipstream_repack::RepackOptions {
-                input: gguf.clone(),
-                output: imported.clone(),
-                overwrite: Default::default(),
-                quant: Default::default(),
-            },
-            &|_| {},
-        )
-        .unwrap();
-        assert_eq!(report.config, cfg);
-
-        let a = SlipModel::open(&native).unwrap();
-        let b = SlipModel::open(&imported).unwrap();
-        assert_eq!(a.manifest.experts.parts, b.manifest.experts.parts);
-        assert_eq!(a.manifest.experts.checksums, b.manifest.experts.checksums);
-        assert_eq!(a.manifest.dense.len(), b.manifest.dense.len());
-        for d in &a.manifest.dense {
-            let (x, y) = (a.tensor(&d.name).unwrap(), b.tensor(&d.name).unwrap());
-            assert_eq!(x.qtype, y.qtype, "{}", d.name);
-            assert_eq!([x.rows, x.cols], [y.rows, y.cols], "{}", d.name);
-            if d.name.ends_with("A_log") {
-                let f = |t: &slipstream_core::Tensor| -> Vec<f32> {
-                    t.view()
-                        .data
-                        .chunks(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect()
-                };
-                for (p, q) in f(&x).iter().zip(f(&y)) {
-                    assert!(
-                        (p - q).abs() <= 2.0 * f32::EPSILON * p.abs().max(1.0),
-                        "{p} {q}"
-                    );
-                }
-            } else {
-                assert!(x.view().data == y.view().data, "{} differs", d.name);
-            }
-        }
-        // The GGUF carries a tokenizer and the chat template.
-        assert!(b.manifest.tokenizer.is_some());
-        assert!(b.manifest.chat_template.is_some());
-        assert_eq!(b.manifest.eos_token_ids, vec![511]);
-
-        let prompt = measure::random_prompt(cfg.vocab_size, 30, 3);
-        let ra = measure::run_routes(&native, &prompt, 12).unwrap();
-        let rb = measure::run_routes(&imported, &prompt, 12).unwrap();
-        assert!(ra.all_finite);
-        assert_eq!(ra.tokens, rb.tokens, "{arch:?}: generated tokens differ");
+        roundtrip(&tiny(arch), dir.path(), arch.name());
     }
+}
+
+/// MTP layers travel as llama.cpp's converter writes them: `block_count`
+/// counts them, `nextn_predict_layers` names how many, and the layer after
+/// the main ones carries `nextn.*` beside its attention and experts.
+#[test]
+fn gguf_export_with_an_mtp_layer_imports_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(Architecture::Qwen35Moe);
+    cfg.mtp_num_layers = 1;
+    let gguf = roundtrip(&cfg, dir.path(), "mtp");
+    let f = slipstream_gguf::GgufFile::open(&gguf).unwrap();
+    let l = cfg.num_layers();
+    let meta = |k: &str| {
+        f.metadata
+            .iter()
+            .find(|(name, _)| name == k)
+            .map(|(_, v)| format!("{v:?}"))
+    };
+    assert_eq!(
+        meta("qwen35moe.block_count"),
+        Some(format!("{:?}", slipstream_gguf::Value::U32(l as u32 + 1)))
+    );
+    assert_eq!(
+        meta("qwen35moe.nextn_predict_layers"),
+        Some(format!("{:?}", slipstream_gguf::Value::U32(1)))
+    );
+    for name in [
+        "nextn.eh_proj.weight",
+        "nextn.enorm.weight",
+        "nextn.hnorm.weight",
+        "nextn.shared_head_norm.weight",
+        "attn_q.weight",
+        "ffn_gate_exps.weight",
+    ] {
+        let full = format!("blk.{l}.{name}");
+        assert!(f.tensor(&full).is_some(), "{full} missing");
+    }
+}
+
+/// Writes `cfg` as a Q4_0 .slip and as a GGUF, imports the GGUF and checks
+/// both models are the same; returns the GGUF's path.
+fn roundtrip(cfg: &ModelConfig, dir: &std::path::Path, tag: &str) -> std::path::PathBuf {
+    let native = dir.join(format!("{tag}-native.slip"));
+    let gguf = dir.join(format!("{tag}.gguf"));
+    let imported = dir.join(format!("{tag}-imported.slip"));
+    synthesize_q(&opts(cfg, native.clone()), SynthQuant::Q4_0, &|_| {}).unwrap();
+    synthesize_gguf(&opts(cfg, gguf.clone()), &|_| {}).unwrap();
+    let report = slipstream_repack::repack(
+        &slipstream_repack::RepackOptions {
+            input: gguf.clone(),
+            output: imported.clone(),
+            overwrite: Default::default(),
+            quant: Default::default(),
+        },
+        &|_| {},
+    )
+    .unwrap();
+    assert_eq!(&report.config, cfg);
+
+    let a = SlipModel::open(&native).unwrap();
+    let b = SlipModel::open(&imported).unwrap();
+    assert_eq!(a.manifest.experts.parts, b.manifest.experts.parts);
+    assert_eq!(a.manifest.experts.checksums, b.manifest.experts.checksums);
+    assert_eq!(a.manifest.dense.len(), b.manifest.dense.len());
+    for d in &a.manifest.dense {
+        let (x, y) = (a.tensor(&d.name).unwrap(), b.tensor(&d.name).unwrap());
+        assert_eq!(x.qtype, y.qtype, "{}", d.name);
+        assert_eq!([x.rows, x.cols], [y.rows, y.cols], "{}", d.name);
+        if d.name.ends_with("A_log") {
+            let f = |t: &slipstream_core::Tensor| -> Vec<f32> {
+                t.view()
+                    .data
+                    .chunks(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            };
+            for (p, q) in f(&x).iter().zip(f(&y)) {
+                assert!(
+                    (p - q).abs() <= 2.0 * f32::EPSILON * p.abs().max(1.0),
+                    "{p} {q}"
+                );
+            }
+        } else {
+            assert!(x.view().data == y.view().data, "{} differs", d.name);
+        }
+    }
+    // The GGUF carries a tokenizer and the chat template.
+    assert!(b.manifest.tokenizer.is_some());
+    assert!(b.manifest.chat_template.is_some());
+    assert_eq!(b.manifest.eos_token_ids, vec![511]);
+
+    let prompt = measure::random_prompt(cfg.vocab_size, 30, 3);
+    let ra = measure::run_routes(&native, &prompt, 12).unwrap();
+    let rb = measure::run_routes(&imported, &prompt, 12).unwrap();
+    assert!(ra.all_finite);
+    assert_eq!(ra.tokens, rb.tokens, "{tag}: generated tokens differ");
+    gguf
 }
 
 /// The router skew survives Q4_0: the control channel stays exact (zero

@@ -33,6 +33,7 @@ fn tiny(arch: Architecture) -> ModelConfig {
         moe_intermediate_size: 64,
         shared_expert_intermediate_size: if qwen35 { 64 } else { 0 },
         norm_topk_prob: true,
+        mtp_num_layers: 0,
     }
 }
 
