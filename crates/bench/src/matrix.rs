@@ -259,27 +259,11 @@ pub fn parse_lens(s: &str) -> Result<Vec<usize>> {
 /// `8G`, `512M`, `1.5G`: binary units (K = 1024), as `slipstream run
 /// --memory-limit` reads them.
 pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let value: f64 = num
-        .parse()
-        .map_err(|_| anyhow::anyhow!("bad size {s:?}: expected e.g. 8G or 512M"))?;
-    let mult = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1024.0 * 1024.0,
-        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "t" | "tb" | "tib" => 1024.0_f64.powi(4),
-        _ => bail!("bad size unit in {s:?}: use K, M, G or T"),
-    };
-    let bytes = value * mult;
-    if bytes.is_nan() || bytes < 1.0 {
+    let bytes = slipstream_core::size::parse_size(s).map_err(anyhow::Error::msg)?;
+    if bytes == 0 {
         bail!("size {s:?} is zero");
     }
-    Ok(bytes as u64)
+    Ok(bytes)
 }
 
 /// Which runs go under `--memory-cap`.

@@ -9,45 +9,20 @@ pub mod serve_cmd;
 pub mod store_args;
 pub mod synth_cmd;
 
-/// Settles `--direct-io` for a streaming run of the model at `model` with
-/// `slots` expert slots per layer: `auto` follows
-/// [`slipstream_engine::resolve_direct_io`] against this machine's memory
-/// (and falls back to buffered reads where the filesystem refuses O_DIRECT).
-/// A `--memory-budget` counts the page cache too: `budget` caps the memory
-/// the decision sees. Logs the choice and why (`SLIPSTREAM_LOG=info`); the
-/// store description (`--stats-json`'s `store`) says `direct I/O` when on.
+/// Settles `--direct-io` for a streaming run of `file` with `slots` expert
+/// slots per layer ([`slipstream_engine::settle_direct_io`]: `auto` against
+/// this machine's memory, capped by a `--memory-budget` `budget`) and logs
+/// the choice and why (`SLIPSTREAM_LOG=info`); the store description
+/// (`--stats-json`'s `store`) says `direct I/O` when on.
 pub fn settle_direct_io(
     mode: slipstream_store::DirectIo,
-    model: &std::path::Path,
+    file: &slipstream_format::SlipModel,
     slots: usize,
     context: usize,
     chunk: usize,
     budget: Option<u64>,
-) -> anyhow::Result<bool> {
-    use anyhow::Context;
-    let file = slipstream_format::SlipModel::open(model)
-        .with_context(|| format!("opening model {}", model.display()))?;
-    let mut choice = slipstream_engine::resolve_direct_io(
-        mode,
-        &file,
-        slots,
-        context,
-        chunk,
-        match (slipstream_engine::available_memory(), budget) {
-            (Some(m), Some(b)) => Some(m.min(b)),
-            (m, b) => m.or(b),
-        },
-    );
-    if choice.direct
-        && mode == slipstream_store::DirectIo::Auto
-        && !slipstream_store::supports_direct_io(file.experts_path())
-    {
-        choice.direct = false;
-        choice.reason = format!(
-            "{}; but this filesystem refuses O_DIRECT, so buffered",
-            choice.reason
-        );
-    }
+) -> bool {
+    let choice = slipstream_engine::settle_direct_io(mode, file, slots, context, chunk, budget);
     tracing::info!(
         "expert reads {} ({})",
         if choice.direct {
@@ -57,7 +32,7 @@ pub fn settle_direct_io(
         },
         choice.reason
     );
-    Ok(choice.direct)
+    choice.direct
 }
 
 /// Where `slipstream hwbench` leaves its last full report for other commands.

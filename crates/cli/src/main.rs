@@ -8,8 +8,9 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
-use slipstream_cli::store_args::{parse_size_arg, StoreArgs};
+use slipstream_cli::store_args::StoreArgs;
 use slipstream_engine::npy;
+use slipstream_engine::parse_size;
 use slipstream_engine::{Engine, GenerateRequest, RestoreOutcome, StreamDecoder, WarmReport};
 use slipstream_repack::{repack, ProgressEvent, QuantChoice, RepackOptions};
 
@@ -134,7 +135,7 @@ struct RunArgs {
     #[arg(long)]
     prompt_cache: Option<PathBuf>,
     /// Most bytes the prompt cache holds (least recently used evicted).
-    #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
+    #[arg(long, value_parser = parse_size, default_value = "8G")]
     prompt_cache_size: u64,
     /// Do not warm the expert cache with the experts a snapshot recorded.
     #[arg(long)]
@@ -142,7 +143,7 @@ struct RunArgs {
     /// Refuse a prefill chunk when the footprint plus its predicted growth
     /// would exceed this, e.g. 20G (default: 90% of the smaller of physical
     /// memory and the cgroup limit).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     memory_limit: Option<u64>,
     /// Write per-token decode latency as CSV (token, seconds since the first
     /// token, latency ms, tokens/s) to this file.

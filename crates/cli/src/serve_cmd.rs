@@ -6,7 +6,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use slipstream_server::{BackendSpec, ServerConfig};
 
-use crate::store_args::{parse_size_arg, StoreArgs};
+use crate::store_args::StoreArgs;
+use slipstream_engine::parse_size;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -32,7 +33,7 @@ pub struct ServeArgs {
     pub queue: usize,
     /// Largest request body, e.g. 8M (default: 24 bytes per token of the
     /// context, at least 1M; more text than that cannot fit the context).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     pub max_body: Option<u64>,
     /// Model id listed by /v1/models (default: the model directory's name).
     #[arg(long)]
@@ -57,7 +58,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub prompt_cache: Option<PathBuf>,
     /// Most bytes the prompt cache holds (least recently used evicted).
-    #[arg(long, value_parser = parse_size_arg, default_value = "8G")]
+    #[arg(long, value_parser = parse_size, default_value = "8G")]
     pub prompt_cache_size: u64,
     /// A web origin whose pages may call the API (e.g.
     /// http://localhost:3000; `*` for any); repeat for several. Without
@@ -68,7 +69,7 @@ pub struct ServeArgs {
     /// (0 keeps just one conversation). Agents' turns restore from it and prefill only
     /// their new tokens. Default: a quarter of the available memory, at
     /// most 8G.
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     pub state_cache_ram: Option<u64>,
     /// Tokens between state checkpoints inside a prompt (default: the
     /// model's, where the checkpoints of a long prompt cost at most its KV).

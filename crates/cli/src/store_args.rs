@@ -4,7 +4,8 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
-use slipstream_engine::{BackendChoice, EngineConfig, StoreChoice};
+use slipstream_engine::{parse_size, BackendChoice, EngineConfig, StoreChoice};
+use slipstream_format::SlipModel;
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
 
 /// Where routed experts live, how they are read, and where the model runs.
@@ -14,7 +15,7 @@ pub struct StoreArgs {
     #[arg(long, conflicts_with_all = ["memory_budget", "resident"])]
     pub expert_cache_slots: Option<usize>,
     /// Derive the slots from a memory budget, e.g. 8G (the choice is printed).
-    #[arg(long, value_parser = parse_size_arg, conflicts_with = "resident")]
+    #[arg(long, value_parser = parse_size, conflicts_with = "resident")]
     pub memory_budget: Option<u64>,
     /// Replacement policy: aging (LFU halved every 32 tokens), lfu, lru.
     #[arg(long, default_value = "aging")]
@@ -51,7 +52,7 @@ pub struct StoreArgs {
     #[arg(long, conflicts_with = "vram_budget")]
     pub vram_slots: Option<usize>,
     /// VRAM for the expert cache, e.g. 4G, split evenly over the layers (cuda).
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = parse_size)]
     pub vram_budget: Option<u64>,
     /// Pinned host-RAM expert slots per layer between VRAM and the expert
     /// store (cuda; e.g. 256 keeps every expert of a 256-expert model pinned).
@@ -67,9 +68,15 @@ pub struct StorePlan {
     pub backend: BackendChoice,
 }
 
-/// Sizes like `8G`, `512M`, `1.5G` in bytes, for clap.
-pub fn parse_size_arg(s: &str) -> Result<u64, String> {
-    slipstream_engine::parse_size(s)
+/// The model's manifest, opened on first need and then kept: planning
+/// reads it for several decisions.
+fn opened<'a>(slot: &'a mut Option<SlipModel>, model: &Path) -> Result<&'a SlipModel> {
+    if let Some(file) = slot.take() {
+        return Ok(slot.insert(file));
+    }
+    let file =
+        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))?;
+    Ok(slot.insert(file))
 }
 
 impl StoreArgs {
@@ -80,18 +87,18 @@ impl StoreArgs {
     /// settled against this machine's memory.
     pub fn plan(&self, model: &Path, context: usize, prefill_chunk: usize) -> Result<StorePlan> {
         let prefill_chunk = prefill_chunk.max(1);
+        let mut file = None;
         let store = if self.resident {
             StoreChoice::Resident
         } else {
             let slots = match (self.expert_cache_slots, self.memory_budget) {
                 (Some(n), _) => n,
                 (None, Some(budget)) => {
-                    let file = slipstream_format::SlipModel::open(model)
-                        .with_context(|| format!("opening model {}", model.display()))?;
+                    let file = opened(&mut file, model)?;
                     let n =
-                        slipstream_engine::slots_for_budget(&file, budget, context, prefill_chunk)
+                        slipstream_engine::slots_for_budget(file, budget, context, prefill_chunk)
                             .map_err(anyhow::Error::msg)?;
-                    let p = slipstream_engine::predict_footprint(&file, n, context, prefill_chunk);
+                    let p = slipstream_engine::predict_footprint(file, n, context, prefill_chunk);
                     eprintln!(
                         "[memory] budget {:.2} GB -> {n} expert slots per layer (predicted footprint {:.2} GB: dense {:.2}, slots {:.2}, state {:.2}, buffers {:.2})",
                         budget as f64 / 1e9,
@@ -117,12 +124,12 @@ impl StoreArgs {
                     .max(1),
                 direct_io: crate::settle_direct_io(
                     self.direct_io,
-                    model,
+                    opened(&mut file, model)?,
                     slots,
                     context,
                     prefill_chunk,
                     self.memory_budget,
-                )?,
+                ),
                 readahead: self.readahead,
                 background_fill: !self.no_background_fill,
             })
@@ -133,26 +140,22 @@ impl StoreArgs {
                 store,
                 route_trace: self.route_trace.clone(),
             },
-            backend: self.backend_choice(model)?,
+            backend: self.backend_choice(model, &mut file)?,
         })
     }
 
     /// `--backend` with the CUDA options (`--vram-slots`, `--vram-budget`,
     /// `--ram-cache-slots`, the expert cache policy).
-    fn backend_choice(&self, model: &Path) -> Result<BackendChoice> {
+    fn backend_choice(&self, model: &Path, file: &mut Option<SlipModel>) -> Result<BackendChoice> {
         if self.backend == "cpu" {
             return Ok(BackendChoice::Cpu);
         }
         let vram_slots = match (self.vram_slots, self.vram_budget) {
             (Some(n), _) => Some(n.max(1)),
-            (None, Some(b)) => {
-                let file = slipstream_format::SlipModel::open(model)
-                    .with_context(|| format!("opening model {}", model.display()))?;
-                let c = &file.manifest.config;
-                let rec = file.manifest.experts.record_bytes.max(1);
-                let per_layer = b / (c.num_layers().max(1) as u64);
-                Some(((per_layer / rec) as usize).clamp(1, c.num_experts))
-            }
+            (None, Some(b)) => Some(slipstream_engine::vram_slots_for_budget(
+                opened(file, model)?,
+                b,
+            )),
             (None, None) => None,
         };
         let opts = slipstream_cuda::CudaOptions {

@@ -7,6 +7,7 @@
 pub mod config;
 pub mod quant;
 pub mod schema;
+pub mod size;
 pub mod tensor;
 
 pub use config::{Architecture, ModelConfig};
