@@ -28,7 +28,8 @@
 //! (without it, streaming 18-byte blocks from DRAM ran at half the affine
 //! kernel's rate; see docs/BENCHMARKS.md).
 //!
-//! Blocking: from [`GEMM_MIN_TOKENS`] tokens the GEMM path of
+//! Blocking: from [`super::gemm::min_tokens`] tokens (8 for `Q6_K`, 32
+//! for the others) the GEMM path of
 //! [`super::gemm`] (rows decoded once into a panel, the same arithmetic);
 //! with 4 or more tokens one row for 4 tokens at a time (codes decoded once
 //! per 4 tokens; 2 for `Q6_K`), in blocks of [`TOKEN_BLOCK`] tokens;
@@ -39,7 +40,6 @@
 
 use std::arch::x86_64::*;
 
-use super::gemm::GEMM_MIN_TOKENS;
 use super::{row_bytes, QK_K};
 use crate::x86::hsum;
 use crate::Token;
@@ -62,7 +62,7 @@ pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &m
     super::check_blocks(w);
     assert!(r0 <= r1 && r1 <= w.rows);
     assert_eq!(out.len(), (r1 - r0) * toks.len());
-    if toks.len() >= GEMM_MIN_TOKENS {
+    if toks.len() >= super::gemm::min_tokens(w.qtype) {
         return super::gemm::rows(w, r0, r1, toks, out);
     }
     match w.qtype {

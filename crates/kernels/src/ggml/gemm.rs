@@ -1,5 +1,5 @@
 //! The GEMM path of the GGML block products (AVX2 + FMA + F16C): products of
-//! [`GEMM_MIN_TOKENS`] or more tokens (prefill, busy experts), bit-identical
+//! [`min_tokens`] or more tokens (prefill, busy experts), bit-identical
 //! per (row, token) to the matrix-vector kernel of [`super::avx2`].
 //!
 //! Rows are decoded [`GEMM_ROWS`] at a time into a panel: each row's codes as
@@ -32,9 +32,18 @@ use crate::x86::hsum;
 use crate::Token;
 use slipstream_core::{QuantType, TensorView};
 
-/// Tokens from which GGML products take this path (below it the matvec
-/// kernel's 4-token blocks are as fast).
-pub(crate) const GEMM_MIN_TOKENS: usize = 8;
+/// Tokens from which products of `qtype` take this path. Measured on the
+/// 2-vCPU EPYC VM (docs/BENCHMARKS.md, issue 35): `Q6_K` (a fold per 16
+/// weights, two code sources) gains from 8 tokens; for the others the
+/// matvec kernel's 4-token blocks are as fast or faster up to 16 tokens,
+/// and the panel only breaks even to ~10 % ahead from 64.
+pub(crate) fn min_tokens(qtype: QuantType) -> usize {
+    if qtype == QuantType::Q6K {
+        8
+    } else {
+        32
+    }
+}
 
 /// Rows decoded at a time: 32 rows of 2048 columns are a 256 KiB f32 panel
 /// (L2), decoded once for all tokens.
@@ -87,7 +96,7 @@ fn folded_sub<const K: u8>(f: usize) -> usize {
 }
 
 /// Rows `r0..r1` of a GGML block tensor for all `toks` (at least
-/// [`GEMM_MIN_TOKENS`] for speed; any count gives the matvec kernel's bits)
+/// [`min_tokens`] for speed; any count gives the matvec kernel's bits)
 /// into `out` (`[r1 - r0, toks.len()]`).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn rows(w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {

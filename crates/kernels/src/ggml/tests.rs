@@ -174,7 +174,7 @@ proptest! {
     }
 
     /// Prompt-sized products through the dispatch (the GEMM path from 8
-    /// tokens): within the reference's tolerance, and each token's bits
+    /// tokens for Q6_K; the 4-token blocks below 32 for the others): within the reference's tolerance, and each token's bits
     /// those of the token alone, on every ISA.
     #[test]
     fn prompt_products_match_reference((q, rows, cols, n, seed, extreme) in gemm_case()) {
@@ -196,8 +196,8 @@ fn threaded_equals_inline() {
         let data = random_blocks(q, rows, cols, 11, false);
         let w = TensorView::new(q, rows, cols, &data).unwrap();
         let mut rng = SplitMix(3);
-        // 5: the 4-token blocks; 19: the GEMM path.
-        for n in [5, 19] {
+        // 5: the 4-token blocks; 19: the GEMM path for Q6_K; 33: for all.
+        for n in [5, 19, 33] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
             for isa in Isa::available() {
                 let mut a = vec![0f32; n * rows];
