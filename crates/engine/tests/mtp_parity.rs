@@ -251,4 +251,18 @@ fn mtp_input_errors_are_reported() {
         )
         .is_err());
     assert_eq!(mtp.position(0), 0);
+    // A state of another shape.
+    let mut other = slipstream_models::MtpState {
+        layers: vec![slipstream_models::state::AttnState::new(3)],
+    };
+    assert!(model
+        .mtp_forward(
+            0,
+            &mut other,
+            &hidden[..h],
+            &tokens[..1],
+            &mut store,
+            Logits::All
+        )
+        .is_err());
 }

@@ -123,6 +123,7 @@ impl Transformer {
         let cache = state
             .layers
             .get_mut(depth)
+            .filter(|c| c.kv_dim == head.attn.num_kv_heads * head.attn.head_dim)
             .ok_or_else(|| ModelError::State("MTP state was made for another model".into()))?;
         let (h, n, eps) = (
             self.config.hidden_size,

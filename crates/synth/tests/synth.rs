@@ -99,6 +99,42 @@ fn opens_loads_generates_finite_with_canonical_layout() {
     }
 }
 
+/// `mtp_num_layers` adds the MTP layer after the main ones: its dense
+/// tensors at the real shapes, its experts as one more pool layer.
+#[test]
+fn mtp_layer_is_written_and_loads() {
+    let real = {
+        let mut c = slipstream_synth::preset_config(slipstream_synth::Preset::Qwen36_35bA3b, None);
+        c.mtp_num_layers = 1;
+        c
+    };
+    let mtp = slipstream_core::schema::layer_tensors(&real, 40);
+    let shape = |k: &str| slipstream_core::schema::find(&mtp, k).unwrap().shape;
+    assert_eq!(shape("mtp.fc"), [2048, 4096]);
+    assert_eq!(shape("mtp.embed_norm"), [1, 2048]);
+    assert_eq!(shape("attn.q_proj"), [16 * 256 * 2, 2048]);
+    assert_eq!(shape("moe.router"), [256, 2048]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(Architecture::Qwen35Moe);
+    cfg.mtp_num_layers = 1;
+    let p = write(&cfg, dir.path(), "mtp", 1, Skew::DEFAULT);
+    let m = SlipModel::open(&p).unwrap();
+    assert_eq!(m.manifest.config, cfg);
+    assert_eq!(m.manifest.experts.num_layers, 3);
+    let mut names: Vec<String> = m.manifest.dense.iter().map(|d| d.name.clone()).collect();
+    let mut want = slipstream_repack::canonical_dense_names(&cfg);
+    names.sort();
+    want.sort();
+    assert_eq!(names, want);
+    assert!(names.contains(&"layers.2.mtp.fc".to_string()));
+    let model = slipstream_models::load(&m.manifest.config, &m).unwrap();
+    assert_eq!(model.mtp_depth(), 1);
+    // The main model runs as before.
+    let run = measure::run_routes(&p, &measure::random_prompt(cfg.vocab_size, 20, 3), 4).unwrap();
+    assert!(run.all_finite);
+}
+
 #[test]
 fn same_seed_same_bytes() {
     let dir = tempfile::tempdir().unwrap();
