@@ -5,37 +5,13 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_slipstream"))
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn ok(out: Output) -> (String, String) {
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        out.status.success(),
-        "failed:\nstdout: {stdout}\nstderr: {stderr}"
-    );
-    (stdout, stderr)
-}
+use slipstream_testkit::bin;
+use slipstream_testkit::cli::{self, ok};
 
 fn model(dir: &Path) -> PathBuf {
     let out = dir.join("m.slip");
-    ok(bin()
-        .args(["repack", "--input"])
-        .arg(fixture("qwen3_moe"))
-        .arg("--output")
-        .arg(&out)
-        .output()
-        .unwrap());
+    cli::repack(bin!(), "qwen3_moe", None, &out);
     out
 }
 
@@ -57,7 +33,7 @@ fn tiny_matrix_writes_results_with_drift_check() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path());
     let out = tmp.path().join("out");
-    let (stdout, _) = ok(bin()
+    let (stdout, _) = ok(bin!()
         .args(["bench", "--model"])
         .arg(&m)
         .args(["--slots", "1,all", "--prompt-lens", "8", "--gen", "12"])
@@ -117,7 +93,7 @@ fn timeout_gives_did_not_finish_rows() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path());
     let out = tmp.path().join("out");
-    ok(bin()
+    ok(bin!()
         .args(["bench", "--model"])
         .arg(&m)
         // Enough work that the child is still running when the harness
@@ -148,7 +124,7 @@ fn malformed_flags_are_clear_errors() {
         ("--prompt-lens", "0", "prompt length 0"),
         ("--policy", "fifo", "unknown policy"),
     ] {
-        let out = bin()
+        let out = bin!()
             .args(["bench", "--model"])
             .arg(&m)
             .args([flag, value])
@@ -160,7 +136,7 @@ fn malformed_flags_are_clear_errors() {
         assert!(stderr.contains(expect), "{flag} {value}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
-    let out = bin()
+    let out = bin!()
         .args(["bench", "--model"])
         .arg(tmp.path())
         .output()
@@ -197,7 +173,7 @@ echo "{\"build_commit\": \"0c1e570\", \"load_mode\": \"$lm\", \"n_prompt\": 0, \
     let gguf = tmp.path().join("m.gguf");
     std::fs::write(&gguf, b"GGUF fake").unwrap();
     let out = tmp.path().join("out");
-    let (stdout, _) = ok(bin()
+    let (stdout, _) = ok(bin!()
         .args(["bench", "--model"])
         .arg(&m)
         .arg("--gguf")
@@ -258,7 +234,7 @@ fn memory_cap_runs_in_a_cgroup_where_allowed() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path());
     let out = tmp.path().join("out");
-    ok(bin()
+    ok(bin!()
         .args(["bench", "--model"])
         .arg(&m)
         .args(["--slots", "2", "--prompt-lens", "8", "--gen", "4"])
@@ -295,7 +271,7 @@ fn memory_cap_runs_in_a_cgroup_where_allowed() {
 fn agent_replay_starts_both_servers() {
     let tmp = tempfile::tempdir().unwrap();
     let demo = tmp.path().join("demo.slip");
-    ok(bin()
+    ok(bin!()
         .args(["repack", "--input"])
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo"))
         .arg("--output")
@@ -325,7 +301,7 @@ exec {bin} serve --model {model} --port $port --any-model --threads 1
     let gguf = tmp.path().join("m.gguf");
     std::fs::write(&gguf, b"GGUF placeholder").unwrap();
     let out = tmp.path().join("out");
-    let (stdout, stderr) = ok(bin()
+    let (stdout, stderr) = ok(bin!()
         .args(["bench", "agent", "--model"])
         .arg(&demo)
         .arg("--gguf")
@@ -412,7 +388,7 @@ exec {bin} serve --model {model} --port $port --any-model --threads 1
             "--max-tokens",
         ),
     ] {
-        let o = bin()
+        let o = bin!()
             .args(&args)
             .arg("--out")
             .arg(tmp.path().join("bad"))

@@ -3,65 +3,16 @@
 //! and fail cleanly on bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use slipstream_engine::npy;
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_slipstream"))
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn ok(out: Output) -> (String, String) {
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        out.status.success(),
-        "failed:\nstdout: {stdout}\nstderr: {stderr}"
-    );
-    (stdout, stderr)
-}
-
-fn failed(out: Output) -> String {
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!out.status.success(), "should have failed: {stderr}");
-    assert!(
-        !stderr.contains("panicked"),
-        "panic instead of an error: {stderr}"
-    );
-    assert!(stderr.starts_with("error:"), "unclear error: {stderr}");
-    stderr
-}
+use slipstream_testkit::cli::{self, failed, ok, reference_ids};
+use slipstream_testkit::{bin, fixture};
 
 fn repack_fixture(name: &str, quant: &str, dir: &Path) -> PathBuf {
     let out = dir.join(format!("{name}.slip"));
-    let (_, stderr) = ok(bin()
-        .args(["repack", "--input"])
-        .arg(fixture(name))
-        .arg("--output")
-        .arg(&out)
-        .args(["--quant", quant])
-        .output()
-        .unwrap());
+    let stderr = cli::repack(bin!(), name, Some(quant), &out);
     assert!(stderr.contains("MB/s"), "repack prints its speed: {stderr}");
     out
-}
-
-fn reference_ids(name: &str, key: &str) -> Vec<u32> {
-    let json: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture(name).join("reference.json")).unwrap())
-            .unwrap();
-    json[key]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
 }
 
 #[test]
@@ -74,7 +25,7 @@ fn prompt_tokens_and_dump_logits_match_the_reference() {
     let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let dump = tmp.path().join("logits.npy");
     let stats = tmp.path().join("stats.json");
-    let (stdout, stderr) = ok(bin()
+    let (stdout, stderr) = ok(bin!()
         .args(["run", "--model"])
         .arg(&model)
         .args([
@@ -119,14 +70,14 @@ fn prompt_tokens_and_dump_logits_match_the_reference() {
 fn text_prompt_and_chat_template_run() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_moe", "q4", tmp.path());
-    let (stdout, _) = ok(bin()
+    let (stdout, _) = ok(bin!()
         .args(["run", "--model"])
         .arg(&model)
         .args(["--prompt", "We hold these truths", "--max-new", "6"])
         .output()
         .unwrap());
     assert!(stdout.starts_with("We hold these truths"), "{stdout}");
-    let (stdout, _) = ok(bin()
+    let (stdout, _) = ok(bin!()
         .args(["run", "--model"])
         .arg(&model)
         .args([
@@ -144,7 +95,7 @@ fn text_prompt_and_chat_template_run() {
         .output()
         .unwrap());
     // Same seed, same text.
-    let (again, _) = ok(bin()
+    let (again, _) = ok(bin!()
         .args(["run", "--model"])
         .arg(&model)
         .args([
@@ -168,7 +119,7 @@ fn text_prompt_and_chat_template_run() {
 fn demo_model_runs_with_no_arguments_and_is_cached() {
     let tmp = tempfile::tempdir().unwrap();
     let run = || {
-        bin()
+        bin!()
             .args(["run", "--max-new", "24"])
             .env("SLIPSTREAM_CACHE", tmp.path())
             .output()
@@ -197,7 +148,7 @@ fn bad_inputs_are_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_moe", "f32", tmp.path());
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(&model)
             .args(["--prompt-tokens", "1,2,99999"])
@@ -212,7 +163,7 @@ fn bad_inputs_are_clear_errors() {
         ("--min-p", "-1", "min-p"),
     ] {
         let err = failed(
-            bin()
+            bin!()
                 .args(["run", "--model"])
                 .arg(&model)
                 .args(["--prompt-tokens", "1,2", &format!("{flag}={value}")])
@@ -223,7 +174,7 @@ fn bad_inputs_are_clear_errors() {
     }
 
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(tmp.path().join("missing.slip"))
             .output()
@@ -237,7 +188,7 @@ fn bad_inputs_are_clear_errors() {
     bytes[100] ^= 0x10;
     std::fs::write(&experts, bytes).unwrap();
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(&model)
             .args(["--prompt-tokens", "1,2,3"])
@@ -249,7 +200,7 @@ fn bad_inputs_are_clear_errors() {
     let empty = tmp.path().join("empty");
     std::fs::create_dir(&empty).unwrap();
     let err = failed(
-        bin()
+        bin!()
             .args(["repack", "--input"])
             .arg(&empty)
             .arg("--output")
@@ -265,7 +216,7 @@ fn bad_inputs_are_clear_errors() {
 fn phases_flag_prints_the_per_token_split() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_5_moe_fused", "q4", tmp.path());
-    let (_, stderr) = ok(bin()
+    let (_, stderr) = ok(bin!()
         .args(["run", "--model"])
         .arg(&model)
         .args(["--prompt-tokens", "5,6,7,8", "--max-new", "6", "--phases"])
@@ -292,7 +243,7 @@ fn reader_threads_default_follows_the_last_hwbench() {
     let model = repack_fixture("qwen3_moe", "q4", tmp.path());
     let cache = tmp.path().join("cache");
     let run = || {
-        ok(bin()
+        ok(bin!()
             .args(["run", "--model"])
             .arg(&model)
             .args(["--prompt-tokens", "5,6,7", "--max-new", "2"])
@@ -314,7 +265,7 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
     std::fs::create_dir(&docs).unwrap();
     std::fs::write(docs.join("letter.txt"), b"keep").unwrap();
     let e = failed(
-        bin()
+        bin!()
             .args(["repack", "--force", "--input"])
             .arg(fixture("qwen3_moe"))
             .arg("--output")
@@ -324,7 +275,7 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
     );
     assert!(e.contains("not a slipstream model"), "{e}");
     let e = failed(
-        bin()
+        bin!()
             .args(["synth", "--preset", "35b", "--layers", "1", "--output"])
             .arg(&docs)
             .output()
@@ -332,7 +283,7 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
     );
     assert!(e.contains("not a slipstream model"), "{e}");
     let e = failed(
-        bin()
+        bin!()
             .args([
                 "synth", "--preset", "35b", "--layers", "1", "--format", "gguf", "--output",
             ])
@@ -349,7 +300,7 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
 /// Prompt tokens of a one-token `run` with `args`.
 fn prompt_tokens_of(model: &Path, dir: &Path, args: &[&str]) -> u64 {
     let stats = dir.join("stats.json");
-    ok(bin()
+    ok(bin!()
         .args(["run", "--model"])
         .arg(model)
         .args(["--prompt", "Hello there", "--max-new", "1", "--stats-json"])
@@ -405,7 +356,7 @@ fn chat_template_flags_and_max_context_checks() {
     );
 
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(&model)
             .args(["--chat", "--chat-template-kwargs", "[1]"])
@@ -414,7 +365,7 @@ fn chat_template_flags_and_max_context_checks() {
     );
     assert!(err.contains("--chat-template-kwargs"), "{err}");
     let err = failed(
-        bin()
+        bin!()
             .args(["serve", "--port", "0", "--model"])
             .arg(&model)
             .args(["--max-context", "100000"])
@@ -434,7 +385,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     let ids = |n: usize| vec!["1"; n].join(",");
     // 4096 positions: 4096 prompt tokens leave no room for a reply.
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(&model)
             .args(["--prompt-tokens", &ids(4096)])
@@ -449,7 +400,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     let long = tmp.path().join("long.txt");
     std::fs::write(&long, "many words of text ".repeat(10_000)).unwrap();
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(&model)
             .arg("--prompt-file")
@@ -465,7 +416,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     let huge = tmp.path().join("huge.txt");
     std::fs::write(&huge, "x".repeat(3 << 20)).unwrap();
     let err = failed(
-        bin()
+        bin!()
             .args(["run", "--model"])
             .arg(&model)
             .arg("--prompt-file")
@@ -475,7 +426,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     );
     assert!(err.contains("larger than 1 MiB"), "{err}");
     // Near the end: the reply is cut to the positions left, with a note.
-    let (_, stderr) = ok(bin()
+    let (_, stderr) = ok(bin!()
         .args(["run", "--model"])
         .arg(&model)
         .args(["--prompt-tokens", &ids(4090), "--max-new", "100"])
@@ -488,7 +439,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
 fn a_blank_api_key_is_refused() {
     for key in ["", "   "] {
         let err = failed(
-            bin()
+            bin!()
                 .args(["serve", "--port", "0", "--api-key", key])
                 .output()
                 .unwrap(),

@@ -1,41 +1,19 @@
 //! `slipstream run --kv-snapshot / --prompt-cache / --memory-limit` end to end.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_slipstream"))
-}
-
-fn ok(out: Output) -> (String, String) {
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        out.status.success(),
-        "failed:\nstdout: {stdout}\nstderr: {stderr}"
-    );
-    (stdout, stderr)
-}
+use slipstream_testkit::bin;
+use slipstream_testkit::cli::{self, ok};
 
 fn repack_fixture(name: &str, dir: &Path) -> PathBuf {
     let out = dir.join(format!("{name}.slip"));
-    ok(bin()
-        .args(["repack", "--input"])
-        .arg(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fixtures")
-                .join(name),
-        )
-        .arg("--output")
-        .arg(&out)
-        .args(["--quant", "q4"])
-        .output()
-        .unwrap());
+    cli::repack(bin!(), name, Some("q4"), &out);
     out
 }
 
 fn run(model: &Path, prompt: &str, extra: &[&str]) -> Output {
-    bin()
+    bin!()
         .args(["run", "--model"])
         .arg(model)
         .args([

@@ -2,15 +2,12 @@
 //! f32 run, and still bit-identical across expert-cache sizes and prefill
 //! chunking.
 
-mod common;
-
 use std::path::Path;
 
-use common::{prompt, repacked};
-use slipstream_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice};
+use slipstream_engine::StoreChoice;
 use slipstream_kernels::Activations;
 use slipstream_repack::QuantChoice;
-use slipstream_store::StreamConfig;
+use slipstream_testkit::{greedy, open, prompt, rel_err, repacked, same_bits, streaming};
 
 /// Greedy tokens, all logits and the vocabulary size.
 fn logits(
@@ -19,29 +16,9 @@ fn logits(
     chunk: usize,
     act: Activations,
 ) -> (Vec<u32>, Vec<f32>, usize) {
-    let mut engine = Engine::open(
-        model,
-        EngineConfig {
-            prefill_chunk: chunk,
-            store,
-            route_trace: None,
-        },
-    )
-    .unwrap();
+    let mut engine = open(model, store, chunk);
     engine.model.set_activations(act);
-    let gen = engine
-        .generate(
-            &GenerateRequest {
-                prompt: prompt(),
-                max_new_tokens: 6,
-                sampling: SamplingParams::default(),
-                stop_tokens: vec![],
-                keep_logits: true,
-                cancel: None,
-            },
-            &mut |_| true,
-        )
-        .unwrap();
+    let gen = greedy(&mut engine, &prompt(), 6);
     (gen.tokens, gen.logits, engine.model_config().vocab_size)
 }
 
@@ -54,28 +31,15 @@ fn int16_is_close_to_exact_and_cache_invariant() {
     // The prompt positions (the generated tokens may part after a near tie).
     let rows = prompt().len() * vocab;
     let (a, b) = (&exact[..rows], &int16[..rows]);
-    let scale = a.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let err = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale;
+    let err = rel_err(b, a);
     eprintln!("int16 vs exact: max rel logit error {err:.3e} over the prompt");
     assert!(err > 0.0, "int16 path not taken");
     assert!(err < 1e-2, "int16 error {err}");
     for (slots, chunk) in [(1, 4096), (3, 5), (64, 1)] {
-        let cfg = StreamConfig {
-            slots,
-            ..Default::default()
-        };
-        let (t, l, _) = logits(
-            &model,
-            StoreChoice::Streaming(cfg),
-            chunk,
-            Activations::Int16,
-        );
+        let (t, l, _) = logits(&model, streaming(slots), chunk, Activations::Int16);
         assert_eq!(t, tokens, "slots {slots} chunk {chunk}");
         assert!(
-            l.len() == int16.len()
-                && l.iter()
-                    .zip(&int16)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
+            same_bits(&l, &int16),
             "slots {slots} chunk {chunk}: logits differ"
         );
     }

@@ -2,55 +2,22 @@
 //! clear error and before allocating; the same prompt runs with the limit
 //! raised. (Its own test binary, so no other test moves the footprint.)
 
-use std::path::Path;
-
 use slipstream_engine::guard::current_rss_bytes;
-use slipstream_engine::{
-    Engine, EngineConfig, EngineError, GenerateRequest, SamplingParams, StoreChoice,
-};
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_store::StreamConfig;
+use slipstream_engine::{EngineError, GenerateRequest};
+use slipstream_repack::QuantChoice;
+use slipstream_testkit::{open, repacked, streaming};
 
 #[test]
 fn guard_refuses_an_over_long_prompt_and_accepts_it_with_the_limit_raised() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("m.slip");
-    repack(
-        &RepackOptions {
-            input: Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../tests/fixtures/qwen3_5_moe_fused"),
-            output: model.clone(),
-            overwrite: Default::default(),
-            quant: QuantChoice::Q4,
-        },
-        &|_| {},
-    )
-    .unwrap();
-    let mut e = Engine::open(
-        &model,
-        EngineConfig {
-            prefill_chunk: 512,
-            store: StoreChoice::Streaming(StreamConfig {
-                slots: 4,
-                ..Default::default()
-            }),
-            route_trace: None,
-        },
-    )
-    .unwrap();
+    let model = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
+    let mut e = open(&model, streaming(4), 512);
     assert!(
         e.memory_limit().is_some(),
         "a default limit is set on Linux"
     );
     let long: Vec<u32> = (0..6000u32).map(|i| (i * 7 + 3) % 500).collect();
-    let req = GenerateRequest {
-        prompt: long.clone(),
-        max_new_tokens: 2,
-        sampling: SamplingParams::default(),
-        stop_tokens: vec![],
-        keep_logits: false,
-        cancel: None,
-    };
+    let req = GenerateRequest::new(long.clone(), 2);
     let growth = e.predict_prefill_growth(&e.new_state(), long.len(), false);
     // KV of 6000 tokens in 2 attention layers (64 wide), grown by doubling.
     assert!(growth.state >= 6000 * 64 * 4 * 2 * 2, "{growth:?}");
@@ -79,10 +46,7 @@ fn guard_refuses_an_over_long_prompt_and_accepts_it_with_the_limit_raised() {
     assert_eq!(e.store_counters().misses, 0);
     assert!(state.tokens.is_empty());
     // A short prompt still fits under the same limit.
-    let short = GenerateRequest {
-        prompt: long[..8].to_vec(),
-        ..req.clone()
-    };
+    let short = GenerateRequest::new(long[..8].to_vec(), 2);
     let g = e.generate(&short, &mut |_| true).unwrap();
     assert_eq!(g.tokens.len(), 2);
 

@@ -3,57 +3,26 @@
 //! model, version, corruption, truncation, interrupted write) is a clean
 //! fallback to a fresh prefill.
 
-mod common;
-
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use common::{prompt, repacked};
 use slipstream_engine::snapshot::{write_snapshot, SnapshotError};
 use slipstream_engine::{
-    Engine, EngineConfig, GenerateRequest, PromptCache, RestoreOutcome, SamplingParams, StoreChoice,
+    Engine, GenerateRequest, PromptCache, RestoreOutcome, SamplingParams, StoreChoice,
 };
 use slipstream_models::Logits;
 use slipstream_repack::QuantChoice;
-use slipstream_store::StreamConfig;
-
-fn engine(model: &Path, store: StoreChoice, chunk: usize) -> Engine {
-    Engine::open(
-        model,
-        EngineConfig {
-            prefill_chunk: chunk,
-            store,
-            route_trace: None,
-        },
-    )
-    .unwrap()
-}
-
-fn streaming(slots: usize) -> StoreChoice {
-    StoreChoice::Streaming(StreamConfig {
-        slots,
-        ..Default::default()
-    })
-}
+use slipstream_testkit::{open as engine, prompt, repacked, same_bits, streaming};
 
 fn request(prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest {
-        prompt,
-        max_new_tokens: 10,
-        sampling: SamplingParams {
+    GenerateRequest::new(prompt, 10)
+        .with_sampling(SamplingParams {
             temperature: 0.9,
             top_p: 0.95,
             seed: 7,
             ..Default::default()
-        },
-        stop_tokens: vec![],
-        keep_logits: true,
-        cancel: None,
-    }
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        })
+        .keeping_logits()
 }
 
 /// Fresh run: tokens and logits rows (prompt rows then decode rows).

@@ -4,50 +4,25 @@
 //! prompt bit for bit, at checkpoints inside prefill chunks and on their
 //! boundaries, on a hybrid (Gated DeltaNet) and a pure-attention model.
 
-mod common;
-
 use std::path::Path;
 
-use common::{prompt, repacked};
-use slipstream_engine::{
-    Engine, EngineConfig, GenerateRequest, Generation, SamplingParams, StateCache, StoreChoice,
-};
+use slipstream_engine::{Engine, GenerateRequest, Generation, SamplingParams, StateCache};
 use slipstream_repack::QuantChoice;
-use slipstream_store::StreamConfig;
+use slipstream_testkit::{open, prompt, repacked, same_bits, streaming};
 
 fn engine(model: &Path, chunk: usize) -> Engine {
-    Engine::open(
-        model,
-        EngineConfig {
-            prefill_chunk: chunk,
-            store: StoreChoice::Streaming(StreamConfig {
-                slots: 4,
-                ..Default::default()
-            }),
-            route_trace: None,
-        },
-    )
-    .unwrap()
+    open(model, streaming(4), chunk)
 }
 
 fn request(prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest {
-        prompt,
-        max_new_tokens: 6,
-        sampling: SamplingParams {
+    GenerateRequest::new(prompt, 6)
+        .with_sampling(SamplingParams {
             temperature: 0.9,
             top_p: 0.95,
             seed: 11,
             ..Default::default()
-        },
-        stop_tokens: vec![],
-        keep_logits: true,
-        cancel: None,
-    }
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+        })
+        .keeping_logits()
 }
 
 /// Runs `prompt` through the cache and checks it against a fresh run:

@@ -2,15 +2,11 @@
 //! the draw, its mask decides the token, and it learns each chosen token;
 //! penalties change a greedy generation.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 
-use common::{prompt, repacked};
-use slipstream_engine::{
-    Engine, EngineConfig, GenerateRequest, Penalties, SamplingParams, StepHook, StoreChoice,
-};
+use slipstream_engine::{GenerateRequest, Penalties, SamplingParams, StepHook, StoreChoice};
 use slipstream_repack::QuantChoice;
+use slipstream_testkit::{open, prompt, repacked};
 
 /// Forbids the most likely token at every step; records what it saw.
 struct ForbidTop {
@@ -46,32 +42,19 @@ impl StepHook for Fails {
 }
 
 fn request(penalties: Penalties) -> GenerateRequest {
-    GenerateRequest {
-        prompt: prompt(),
-        max_new_tokens: 10,
-        sampling: SamplingParams {
+    GenerateRequest::new(prompt(), 10)
+        .with_sampling(SamplingParams {
             penalties,
             ..Default::default()
-        },
-        stop_tokens: vec![],
-        keep_logits: true,
-        cancel: None,
-    }
+        })
+        .keeping_logits()
 }
 
 #[test]
 fn the_hook_masks_each_step_and_learns_the_token() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
-    let mut engine = Engine::open(
-        &model,
-        EngineConfig {
-            prefill_chunk: 8,
-            store: StoreChoice::Resident,
-            route_trace: None,
-        },
-    )
-    .unwrap();
+    let mut engine = open(&model, StoreChoice::Resident, 8);
     let greedy = engine
         .generate(&request(Penalties::default()), &mut |_| true)
         .unwrap();

@@ -2,43 +2,24 @@
 //! policy and I/O mode gives tokens and logits bit-identical to the
 //! all-resident run.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 
-use common::{prompt, repacked};
 use slipstream_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice};
 use slipstream_repack::QuantChoice;
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
+use slipstream_testkit::{open, prompt, repacked, same_bits};
 
 fn generate(model: &Path, store: StoreChoice, chunk: usize) -> (Vec<u32>, Vec<f32>, u64) {
-    let mut engine = Engine::open(
-        model,
-        EngineConfig {
-            prefill_chunk: chunk,
-            store,
-            route_trace: None,
-        },
-    )
-    .unwrap();
-    let gen = engine
-        .generate(
-            &GenerateRequest {
-                prompt: prompt(),
-                max_new_tokens: 12,
-                sampling: SamplingParams {
-                    temperature: 0.9,
-                    top_p: 0.95,
-                    seed: 3,
-                    ..Default::default()
-                },
-                stop_tokens: vec![],
-                keep_logits: true,
-                cancel: None,
-            },
-            &mut |_| true,
-        )
-        .unwrap();
+    let mut engine = open(model, store, chunk);
+    let request = GenerateRequest::new(prompt(), 12)
+        .with_sampling(SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: 3,
+            ..Default::default()
+        })
+        .keeping_logits();
+    let gen = engine.generate(&request, &mut |_| true).unwrap();
     (gen.tokens, gen.logits, engine.store_counters().misses)
 }
 
@@ -50,10 +31,6 @@ fn corrupt_pool(model: &Path, offsets: &[usize]) {
         bytes[off] ^= 0x01;
     }
     std::fs::write(&path, bytes).unwrap();
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 #[test]
@@ -125,14 +102,7 @@ fn corrupted_record_read_at_run_time_names_layer_and_expert() {
     // Route every token of a long prompt so expert 5 of layer 2 is needed.
     let err = engine
         .generate(
-            &GenerateRequest {
-                prompt: (0..200).map(|i| (i * 13) % 500).collect(),
-                max_new_tokens: 4,
-                sampling: SamplingParams::default(),
-                stop_tokens: vec![],
-                keep_logits: false,
-                cancel: None,
-            },
+            &GenerateRequest::new((0..200).map(|i| (i * 13) % 500).collect(), 4),
             &mut |_| true,
         )
         .unwrap_err()
@@ -216,18 +186,11 @@ fn replaying_the_route_trace_reproduces_the_runtime_counters() {
             .unwrap();
             let gen = engine
                 .generate(
-                    &GenerateRequest {
-                        prompt: prompt(),
-                        max_new_tokens: 40,
-                        sampling: SamplingParams {
-                            temperature: 1.0,
-                            seed: 11,
-                            ..Default::default()
-                        },
-                        stop_tokens: vec![],
-                        keep_logits: false,
-                        cancel: None,
-                    },
+                    &GenerateRequest::new(prompt(), 40).with_sampling(SamplingParams {
+                        temperature: 1.0,
+                        seed: 11,
+                        ..Default::default()
+                    }),
                     &mut |_| true,
                 )
                 .unwrap();
@@ -275,14 +238,7 @@ fn continuing_a_kept_state_equals_a_fresh_run() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
     let mut engine = Engine::open(&model, EngineConfig::default()).unwrap();
-    let req = |prompt: Vec<u32>| GenerateRequest {
-        prompt,
-        max_new_tokens: 6,
-        sampling: SamplingParams::default(),
-        stop_tokens: vec![],
-        keep_logits: false,
-        cancel: None,
-    };
+    let req = |prompt: Vec<u32>| GenerateRequest::new(prompt, 6);
     // Turn 1, then turn 2 whose prompt extends everything fed so far.
     let mut state = engine.new_state();
     let first = engine
@@ -305,25 +261,11 @@ fn cancel_flag_stops_prefill_between_chunks() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::Q4, tmp.path());
-    let mut engine = Engine::open(
-        &model,
-        EngineConfig {
-            prefill_chunk: 4,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut engine = open(&model, EngineConfig::default().store, 4);
     let flag = std::sync::Arc::new(AtomicBool::new(true));
     let gen = engine
         .generate(
-            &GenerateRequest {
-                prompt: prompt(),
-                max_new_tokens: 6,
-                sampling: SamplingParams::default(),
-                stop_tokens: vec![],
-                keep_logits: false,
-                cancel: Some(flag.clone()),
-            },
+            &GenerateRequest::new(prompt(), 6).cancelled_by(flag.clone()),
             &mut |_| true,
         )
         .unwrap();

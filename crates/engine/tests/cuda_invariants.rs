@@ -1,0 +1,174 @@
+//! The CUDA backend's invariants on the committed fixtures, over its tuning
+//! variants: every VRAM slot count (and a pinned RAM tier, host routing,
+//! graphs and programmatic launches off, the fused experts kernel) gives the
+//! same logits bit for bit as every expert resident, those logits are within
+//! 1e-3 (relative) of the CPU's, and the greedy tokens are the CPU's; the
+//! tensor-core kernels sum in another order (same bound, same tokens).
+//!
+//! Skips (passes, saying why) without a usable GPU; scripts/cuda_device_test.sh
+//! runs it on the device, where a skip is a failure.
+
+use std::path::Path;
+
+use slipstream_cuda::{CudaOptions, CudaTuning};
+use slipstream_engine::{BackendChoice, Generation, StoreChoice};
+use slipstream_repack::{repack, QuantChoice, RepackOptions};
+use slipstream_testkit::{fixture, greedy, open, rel_err, repacked, same_bits, Reference};
+
+/// Greedy tokens generated after each prompt (as the script's `--max-new 8`).
+const NEW_TOKENS: usize = 8;
+
+/// One CUDA configuration under test.
+struct Variant {
+    name: &'static str,
+    vram_slots: Option<usize>,
+    ram_slots: Option<usize>,
+    /// `SLIPSTREAM_CUDA_*` tuning variables, as the CLI would read them.
+    vars: &'static [(&'static str, &'static str)],
+}
+
+const fn variant(
+    name: &'static str,
+    vram_slots: Option<usize>,
+    ram_slots: Option<usize>,
+    vars: &'static [(&'static str, &'static str)],
+) -> Variant {
+    Variant {
+        name,
+        vram_slots,
+        ram_slots,
+        vars,
+    }
+}
+
+/// Every expert resident first: the others are compared with it.
+const VARIANTS: [Variant; 8] = [
+    variant("all", None, None, &[]),
+    variant("1", Some(1), None, &[]),
+    variant("2", Some(2), None, &[]),
+    variant("ram", Some(1), Some(3), &[]),
+    variant(
+        "alt",
+        None,
+        None,
+        &[
+            ("SLIPSTREAM_CUDA_FUSED", "1"),
+            ("SLIPSTREAM_CUDA_ROUTE_MAPPED", "0"),
+            ("SLIPSTREAM_CUDA_DEVICE_ROUTING", "0"),
+        ],
+    ),
+    variant("nograph", None, None, &[("SLIPSTREAM_CUDA_GRAPH", "0")]),
+    variant("nopdl", None, None, &[("SLIPSTREAM_CUDA_PDL", "0")]),
+    variant("tc", None, None, &[("SLIPSTREAM_CUDA_TC", "1")]),
+];
+
+/// Why the CUDA backend cannot run here, if it cannot.
+fn no_gpu() -> Option<String> {
+    slipstream_cuda::probe().err().map(|e| e.to_string())
+}
+
+fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cuda::CudaStats) {
+    let mut engine = open(model, StoreChoice::Resident, 4096);
+    let tuning = CudaTuning::from_vars(|name| {
+        v.vars
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| v.to_string())
+    });
+    engine
+        .set_backend(&BackendChoice::Cuda(CudaOptions {
+            device: 0,
+            vram_slots: v.vram_slots,
+            ram_slots: v.ram_slots,
+            policy: Default::default(),
+            tuning,
+        }))
+        .unwrap_or_else(|e| panic!("{}: CUDA backend: {e}", model.display()));
+    let g = greedy(&mut engine, prompt, NEW_TOKENS);
+    (g, engine.cuda_stats().expect("the CUDA backend is on"))
+}
+
+fn check(name: &str, model: &Path, prompt: &[u32], variants: &[&str]) {
+    let cpu = greedy(
+        &mut open(model, StoreChoice::Resident, 4096),
+        prompt,
+        NEW_TOKENS,
+    );
+    let mut all: Option<Generation> = None;
+    for &variant in variants {
+        let v = VARIANTS
+            .iter()
+            .find(|v| v.name == variant)
+            .expect("a known variant");
+        let (g, stats) = run(model, prompt, v);
+        let rel = rel_err(&g.logits, &cpu.logits);
+        eprintln!(
+            "{name} slots={variant}: max rel logit err vs cpu {rel:.2e}; tokens {:?}",
+            g.tokens
+        );
+        assert!(rel < 1e-3, "{name} slots={variant}: {rel:e} from the CPU");
+        assert_eq!(g.tokens, cpu.tokens, "{name} slots={variant}: tokens");
+        if variant == "all" {
+            assert!(
+                stats.graph_replays > 0,
+                "{name}: every expert resident replayed no CUDA graph"
+            );
+            all = Some(g);
+        } else if variant != "tc" {
+            let all = all.as_ref().expect("slots=all is checked first");
+            assert!(
+                same_bits(&g.logits, &all.logits),
+                "{name} slots={variant}: logits differ from slots=all"
+            );
+        }
+    }
+}
+
+#[test]
+fn vram_slots_and_tuning_never_change_the_numbers_and_match_the_cpu() {
+    if let Some(why) = no_gpu() {
+        eprintln!("skipped: no usable GPU ({why})");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let order = VARIANTS.map(|v| v.name);
+    for (name, quant) in [
+        ("qwen3_5_moe_mlx4", QuantChoice::Q4),
+        ("qwen3_moe", QuantChoice::Q4),
+        ("qwen3_5_moe_fused", QuantChoice::F32),
+        ("qwen3_5_moe_split", QuantChoice::Q8),
+    ] {
+        let model = repacked(name, quant, tmp.path());
+        let prompt = Reference::read(&fixture(name)).prompt;
+        check(name, &model, &prompt, &order);
+    }
+}
+
+#[test]
+fn gguf_imports_match_the_cpu_at_one_vram_slot() {
+    if let Some(why) = no_gpu() {
+        eprintln!("skipped: no usable GPU ({why})");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    for name in [
+        "gguf_qwen35moe_kquant",
+        "gguf_qwen35moe_q8_0",
+        "gguf_qwen3moe_q4_0",
+        "gguf_qwen35moe_f16",
+    ] {
+        let model = tmp.path().join(format!("{name}.slip"));
+        repack(
+            &RepackOptions {
+                input: fixture(name).join("model.gguf"),
+                output: model.clone(),
+                overwrite: Default::default(),
+                quant: QuantChoice::default(),
+            },
+            &|_| {},
+        )
+        .unwrap();
+        let prompt = Reference::read(&fixture(name)).prompt;
+        check(name, &model, &prompt, &["all", "1"]);
+    }
+}

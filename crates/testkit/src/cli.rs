@@ -1,0 +1,58 @@
+//! Driving the `slipstream` binary from a test of the CLI crate.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// A `Command` for the `slipstream` binary under test (only in the CLI
+/// crate's integration tests, where Cargo names the binary).
+#[macro_export]
+macro_rules! bin {
+    () => {
+        std::process::Command::new(env!("CARGO_BIN_EXE_slipstream"))
+    };
+}
+
+/// Stdout and stderr of a command that must have succeeded.
+pub fn ok(out: Output) -> (String, String) {
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        out.status.success(),
+        "failed:\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    (stdout, stderr)
+}
+
+/// Stderr of a command that must have failed with a clear `error:` line,
+/// not a panic.
+pub fn failed(out: Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "should have failed: {stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "panic instead of an error: {stderr}"
+    );
+    assert!(stderr.starts_with("error:"), "unclear error: {stderr}");
+    stderr
+}
+
+/// `slipstream repack` of fixture `name` to `out` (with `--quant quant`
+/// when given) through the binary `bin`; returns the repack's stderr.
+pub fn repack(mut bin: Command, name: &str, quant: Option<&str>, out: &Path) -> String {
+    bin.args(["repack", "--input"])
+        .arg(crate::fixture(name))
+        .arg("--output")
+        .arg(out);
+    if let Some(q) = quant {
+        bin.args(["--quant", q]);
+    }
+    ok(bin.output().unwrap()).1
+}
+
+/// The fixture's reference token ids under `key` (`prompt_tokens`,
+/// `greedy_tokens`).
+pub fn reference_ids(name: &str, key: &str) -> Vec<u32> {
+    let path: PathBuf = crate::fixture(name).join("reference.json");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    crate::token_ids(&json, key)
+}

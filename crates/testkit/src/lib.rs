@@ -1,0 +1,150 @@
+//! Test scaffolding shared by the integration tests of the engine, the CLI
+//! and the CUDA backend. A dev-dependency only: nothing here ships.
+//!
+//! Helpers panic on failure (they are test code); each names what failed.
+
+pub mod cli;
+
+use std::path::{Path, PathBuf};
+
+use slipstream_engine::{npy, Engine, EngineConfig, GenerateRequest, Generation, StoreChoice};
+use slipstream_repack::{repack, QuantChoice, RepackOptions};
+use slipstream_store::StreamConfig;
+
+/// The committed fixtures directory, `tests/fixtures/` at the workspace
+/// root: where the test was built, or else under the current directory (a
+/// test binary copied to another machine and run from the repository root,
+/// as scripts/cuda_device_test.sh does).
+pub fn fixtures() -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    if built.is_dir() {
+        built
+    } else {
+        PathBuf::from("tests/fixtures")
+    }
+}
+
+/// A committed fixture checkpoint under `tests/fixtures/`.
+pub fn fixture(name: &str) -> PathBuf {
+    fixtures().join(name)
+}
+
+/// Repacks fixture `name` with `quant` into `dir` and returns the model path.
+pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{name}-{quant}.slip"));
+    repack(
+        &RepackOptions {
+            input: fixture(name),
+            output: out.clone(),
+            overwrite: Default::default(),
+            quant,
+        },
+        &|_| {},
+    )
+    .unwrap_or_else(|e| panic!("repacking fixture {name}: {e}"));
+    out
+}
+
+/// The prompt the streaming, snapshot, activation and hook tests share:
+/// 23 token ids below 500.
+pub fn prompt() -> Vec<u32> {
+    (0..23).map(|i| (i * 37 + 11) % 500).collect()
+}
+
+/// A streaming store of `slots` expert slots per layer, other settings
+/// default.
+pub fn streaming(slots: usize) -> StoreChoice {
+    StoreChoice::Streaming(StreamConfig {
+        slots,
+        ..Default::default()
+    })
+}
+
+/// Opens `model` with `store`, prefilling `chunk` tokens at a time.
+pub fn open(model: &Path, store: StoreChoice, chunk: usize) -> Engine {
+    Engine::open(
+        model,
+        EngineConfig {
+            prefill_chunk: chunk,
+            store,
+            route_trace: None,
+        },
+    )
+    .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))
+}
+
+/// `max_new_tokens` greedy tokens after `prompt`, keeping every logits row
+/// (`[prompt + generated - 1, vocab]`).
+pub fn greedy(engine: &mut Engine, prompt: &[u32], max_new_tokens: usize) -> Generation {
+    engine
+        .generate(
+            &GenerateRequest::new(prompt.to_vec(), max_new_tokens).keeping_logits(),
+            &mut |_| true,
+        )
+        .unwrap_or_else(|e| panic!("greedy generation: {e}"))
+}
+
+/// Whether `a` and `b` are the same floats, bit for bit.
+pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// `max |a - b| / max |b|` (the absolute difference when `b` is all zero).
+/// Panics on different lengths or a non-finite value in `a`.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    let m = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = a
+        .iter()
+        .zip(b)
+        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+    if m == 0.0 {
+        d
+    } else {
+        d / m
+    }
+}
+
+/// The `transformers` reference committed beside a fixture
+/// (`reference.json` and `logits.npy`, written by `tools/reference`).
+pub struct Reference {
+    /// `prompt_text`, where the fixture has one.
+    pub text: Option<String>,
+    pub prompt: Vec<u32>,
+    /// Greedy continuation of the prompt.
+    pub greedy: Vec<u32>,
+    /// `[positions, vocab]` of `logits`.
+    pub shape: Vec<usize>,
+    pub logits: Vec<f32>,
+}
+
+impl Reference {
+    /// Reads the reference in fixture directory `dir`.
+    pub fn read(dir: &Path) -> Reference {
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+        let (shape, logits) = npy::read_f32(&dir.join("logits.npy")).unwrap();
+        Reference {
+            text: json["prompt_text"].as_str().map(str::to_string),
+            prompt: token_ids(&json, "prompt_tokens"),
+            greedy: token_ids(&json, "greedy_tokens"),
+            shape,
+            logits,
+        }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.shape[1]
+    }
+}
+
+/// The token id array `key` of a reference JSON.
+pub fn token_ids(json: &serde_json::Value, key: &str) -> Vec<u32> {
+    json[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("reference has no {key} array"))
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
