@@ -77,41 +77,20 @@ fn text_prompt_and_chat_template_run() {
         .output()
         .unwrap());
     assert!(stdout.starts_with("We hold these truths"), "{stdout}");
-    let (stdout, _) = ok(bin!()
-        .args(["run", "--model"])
-        .arg(&model)
-        .args([
-            "--chat",
-            "--prompt",
-            "Hello",
-            "--max-new",
-            "4",
-            "--temperature",
-            "0.8",
-        ])
-        .args([
-            "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--seed", "5",
-        ])
-        .output()
-        .unwrap());
+    let sampled = || {
+        ok(bin!()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--chat", "--prompt", "Hello", "--max-new", "4"])
+            .args(["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"])
+            .args(["--min-p", "0.01", "--seed", "5"])
+            .output()
+            .unwrap())
+        .0
+    };
+    let stdout = sampled();
     // Same seed, same text.
-    let (again, _) = ok(bin!()
-        .args(["run", "--model"])
-        .arg(&model)
-        .args([
-            "--chat",
-            "--prompt",
-            "Hello",
-            "--max-new",
-            "4",
-            "--temperature",
-            "0.8",
-        ])
-        .args([
-            "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--seed", "5",
-        ])
-        .output()
-        .unwrap());
+    let again = sampled();
     assert_eq!(stdout, again);
 }
 

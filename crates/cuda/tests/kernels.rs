@@ -10,6 +10,7 @@ use slipstream_cuda::{
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
+use slipstream_testkit::rel_err;
 
 fn gpu() -> Option<Gpu> {
     match slipstream_cuda::probe() {
@@ -31,22 +32,6 @@ fn rvec(rng: &mut Rng64, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| rng.random_range(-1.0f32..1.0) * scale)
         .collect()
-}
-
-/// max |a - b| / max |b| (0 when both are all zero); NaN fails.
-fn rel_err(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
-    let m = b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let d = a
-        .iter()
-        .zip(b)
-        .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-    if m == 0.0 {
-        d
-    } else {
-        d / m
-    }
 }
 
 fn qtypes() -> Vec<QuantType> {

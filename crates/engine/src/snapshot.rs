@@ -154,22 +154,18 @@ impl<W: Write> HashWriter<W> {
         self.put(&v.to_le_bytes())
     }
     fn u32s(&mut self, v: &[u32]) -> std::io::Result<()> {
-        let mut buf = Vec::with_capacity(v.len().min(1 << 16) * 4);
-        for c in v.chunks(1 << 16) {
-            buf.clear();
-            for x in c {
-                buf.extend_from_slice(&x.to_le_bytes());
-            }
-            self.put(&buf)?;
-        }
-        Ok(())
+        self.words(v, u32::to_le_bytes)
     }
     fn f32s(&mut self, v: &[f32]) -> std::io::Result<()> {
+        self.words(v, f32::to_le_bytes)
+    }
+    /// `v` as 4-byte little-endian words (`le`), 64 Ki words per write.
+    fn words<T: Copy>(&mut self, v: &[T], le: fn(T) -> [u8; 4]) -> std::io::Result<()> {
         let mut buf = Vec::with_capacity(v.len().min(1 << 16) * 4);
         for c in v.chunks(1 << 16) {
             buf.clear();
-            for x in c {
-                buf.extend_from_slice(&x.to_le_bytes());
+            for &x in c {
+                buf.extend_from_slice(&le(x));
             }
             self.put(&buf)?;
         }

@@ -7,10 +7,9 @@
 //! the converter's value-head reorder fails here.
 
 use slipstream_engine::text::TextCodec;
-use slipstream_engine::StoreChoice;
 use slipstream_format::SlipModel;
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_testkit::{fixture, greedy, open, rel_err, Reference};
+use slipstream_testkit::{fixture, Reference};
 
 /// Repacks, runs, compares; returns the max relative logit error.
 fn check(name: &str, bound: f32) -> f32 {
@@ -40,17 +39,7 @@ fn check(name: &str, bound: f32) -> f32 {
     assert!(model.manifest.chat_template.is_some());
     drop(model);
 
-    let mut engine = open(&out, StoreChoice::Resident, 4096);
-    let gen = greedy(&mut engine, &r.prompt, r.greedy.len());
-    let n = gen.tokens.len();
-    assert_eq!(
-        gen.tokens[..],
-        r.greedy[..n],
-        "{name}: greedy tokens differ"
-    );
-    let rows = gen.logits.len() / r.vocab();
-    assert_eq!(rows, r.prompt.len() + n - 1);
-    let err = rel_err(&gen.logits, &r.logits[..rows * r.vocab()]);
+    let (_, err, rows) = r.run_greedy(name, &out, 4096);
     eprintln!("{name}: max rel logit error {err:.3e} over {rows} positions");
     assert!(
         err < bound,

@@ -2,38 +2,17 @@
 //! `tests/fixtures/` is repacked, run, and its logits at every position
 //! compared with the `transformers` float32 logits; greedy tokens must match.
 
-use slipstream_engine::StoreChoice;
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_testkit::{fixture, greedy, open, rel_err, same_bits, Reference};
+use slipstream_repack::QuantChoice;
+use slipstream_testkit::{fixture, repacked, same_bits, Reference};
 
 fn check(name: &str, quant: QuantChoice, chunk: usize) -> Vec<f32> {
     let dir = fixture(name);
     let r = Reference::read(&dir);
     let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("m.slip");
-    repack(
-        &RepackOptions {
-            input: dir.clone(),
-            output: out.clone(),
-            overwrite: Default::default(),
-            quant,
-        },
-        &|_| {},
-    )
-    .unwrap();
-    let mut engine = open(&out, StoreChoice::Resident, chunk);
-    let gen = greedy(&mut engine, &r.prompt, r.greedy.len());
-    // Compare the greedy tokens up to the first EOS (generation stops there).
-    let n = gen.tokens.len();
-    assert_eq!(
-        gen.tokens[..],
-        r.greedy[..n],
-        "{name}: greedy tokens differ"
-    );
-    let vocab = r.vocab();
-    let rows = gen.logits.len() / vocab;
-    assert_eq!(rows, r.prompt.len() + n - 1);
-    let err = rel_err(&gen.logits, &r.logits[..rows * vocab]);
+    let out = repacked(name, quant, tmp.path());
+    // The greedy tokens are compared up to the first EOS (generation
+    // stops there).
+    let (gen, err, rows) = r.run_greedy(name, &out, chunk);
     eprintln!(
         "{name} ({quant}, chunk {chunk}): max rel logit error {err:.3e} over {rows} positions"
     );

@@ -25,11 +25,12 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
         .keeping_logits()
 }
 
-/// Fresh run: tokens and logits rows (prompt rows then decode rows).
-fn fresh(model: &Path, prompt: Vec<u32>) -> (Vec<u32>, Vec<f32>) {
+/// Fresh run: tokens, logits rows (prompt rows then decode rows) and the
+/// vocabulary size.
+fn fresh(model: &Path, prompt: Vec<u32>) -> (Vec<u32>, Vec<f32>, usize) {
     let mut e = engine(model, StoreChoice::Resident, 4096);
     let g = e.generate(&request(prompt), &mut |_| true).unwrap();
-    (g.tokens, g.logits)
+    (g.tokens, g.logits, e.model_config().vocab_size)
 }
 
 /// Prefills `tokens` and writes a snapshot to `path`.
@@ -50,10 +51,7 @@ fn restore_equals_fresh_run_bit_for_bit_on_both_architectures() {
     ] {
         let model = repacked(name, quant, tmp.path());
         let p = prompt();
-        let vocab = engine(&model, StoreChoice::Resident, 4096)
-            .model_config()
-            .vocab_size;
-        let (tokens, logits) = fresh(&model, p.clone());
+        let (tokens, logits, vocab) = fresh(&model, p.clone());
         let snap = tmp.path().join(format!("{name}.snap"));
         snapshot_of(&model, streaming(3), &p, &snap);
         for (store, warm) in [
@@ -133,10 +131,7 @@ fn prefix_extend_restores_and_prefills_only_the_suffix() {
     ] {
         let model = repacked(name, quant, tmp.path());
         let p = prompt();
-        let vocab = engine(&model, StoreChoice::Resident, 4096)
-            .model_config()
-            .vocab_size;
-        let (tokens, logits) = fresh(&model, p.clone());
+        let (tokens, logits, vocab) = fresh(&model, p.clone());
         let snap = tmp.path().join(format!("{name}-13.snap"));
         snapshot_of(&model, StoreChoice::Resident, &p[..13], &snap);
         let mut e = engine(&model, streaming(2), 4);
@@ -176,10 +171,7 @@ fn prompt_cache_restores_the_longest_shared_prefix() {
     let p1 = prompt();
     let mut p2 = p1[..17].to_vec();
     p2.extend([5, 6, 7, 8, 9, 10]);
-    let vocab = engine(&model, StoreChoice::Resident, 4096)
-        .model_config()
-        .vocab_size;
-    let (tokens2, logits2) = fresh(&model, p2.clone());
+    let (tokens2, logits2, vocab) = fresh(&model, p2.clone());
 
     let mut e = engine(&model, streaming(4), 5);
     let cache = Arc::new(Mutex::new(e.open_prompt_cache(&dir, 1 << 30).unwrap()));
@@ -258,7 +250,7 @@ fn prompt_cache_evicts_least_recently_used_by_size() {
 /// is the fresh run's.
 fn falls_back_cleanly(model: &Path, snap: &Path, what: &str) {
     let p = prompt();
-    let (tokens, logits) = fresh(model, p.clone());
+    let (tokens, logits, _) = fresh(model, p.clone());
     let mut e = engine(model, streaming(2), 4096);
     let (mut st, outcome) = e.restore_for_prompt(snap, &p, true);
     assert!(

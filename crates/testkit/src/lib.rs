@@ -137,6 +137,27 @@ impl Reference {
     pub fn vocab(&self) -> usize {
         self.shape[1]
     }
+
+    /// Runs `model` greedily on the reference prompt (every expert
+    /// resident, prefill chunks of `chunk` tokens) and checks the greedy
+    /// tokens against the reference's up to where generation stopped (an
+    /// EOS) and that a logits row came back for every position. Returns the
+    /// generation, the max relative logit error against the reference
+    /// ([`rel_err`]) and the positions compared.
+    pub fn run_greedy(&self, what: &str, model: &Path, chunk: usize) -> (Generation, f32, usize) {
+        let mut engine = open(model, StoreChoice::Resident, chunk);
+        let gen = greedy(&mut engine, &self.prompt, self.greedy.len());
+        let n = gen.tokens.len();
+        assert_eq!(
+            gen.tokens[..],
+            self.greedy[..n],
+            "{what}: greedy tokens differ"
+        );
+        let rows = gen.logits.len() / self.vocab();
+        assert_eq!(rows, self.prompt.len() + n - 1);
+        let err = rel_err(&gen.logits, &self.logits[..rows * self.vocab()]);
+        (gen, err, rows)
+    }
 }
 
 /// The token id array `key` of a reference JSON.
