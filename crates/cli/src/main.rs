@@ -168,8 +168,9 @@ fn warm_note(w: &Option<WarmReport>) -> String {
 #[derive(Args)]
 struct RepackArgs {
     /// Checkpoint directory (config.json + safetensors, HF or MLX), or a
-    /// GGUF file (qwen35moe / qwen3moe; its tensor types are kept, --quant
-    /// does not apply).
+    /// GGUF file (qwen35moe / qwen3moe; its tensor types are kept, except
+    /// Q4_0 / Q8_0, converted exactly to affine group 32; --quant does not
+    /// apply).
     #[arg(long)]
     input: PathBuf,
     /// Output .slip directory. An existing slipstream model there is
@@ -183,6 +184,10 @@ struct RepackArgs {
     /// Storage of float tensors: q4 (MLX-style 4-bit, group 64), q8, bf16, f32.
     #[arg(long, default_value = "q4")]
     quant: QuantChoice,
+    /// GGUF input: keep Q4_0 / Q8_0 tensors as GGML blocks instead of the
+    /// exact affine 4-bit / 8-bit group-32 form the faster kernels take.
+    #[arg(long)]
+    keep_ggml_blocks: bool,
 }
 
 fn main() {
@@ -269,6 +274,7 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
                 slipstream_format::Overwrite::VerifiedOnly
             },
             quant: args.quant,
+            keep_ggml_blocks: args.keep_ggml_blocks,
         },
         &repack_progress(&bar),
     );

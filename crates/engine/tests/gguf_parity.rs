@@ -4,16 +4,19 @@
 //! compared with the `transformers` float32 logits computed on exactly the
 //! GGUF's (dequantized) weights; greedy tokens must match. The qwen3.5
 //! fixtures have more linear value heads than key heads, so a wrong undo of
-//! the converter's value-head reorder fails here.
+//! the converter's value-head reorder fails here. Q4_0 / Q8_0 fixtures run
+//! twice: converted to affine group 32 (repack's default) and as GGML blocks.
 
+use slipstream_core::QuantType;
 use slipstream_engine::text::TextCodec;
 use slipstream_engine::StoreChoice;
 use slipstream_format::SlipModel;
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 use slipstream_testkit::{fixture, greedy, open, rel_err, Reference};
 
-/// Repacks, runs, compares; returns the max relative logit error.
-fn check(name: &str, bound: f32) -> f32 {
+/// Repacks (GGML blocks kept or not), runs, compares; returns the max
+/// relative logit error.
+fn check(name: &str, bound: f32, keep_ggml_blocks: bool) -> f32 {
     let dir = fixture(name);
     let r = Reference::read(&dir);
     let text = r.text.clone().expect("the reference has a prompt_text");
@@ -25,11 +28,32 @@ fn check(name: &str, bound: f32) -> f32 {
             output: out.clone(),
             overwrite: Default::default(),
             quant: QuantChoice::default(),
+            keep_ggml_blocks,
         },
         &|_| {},
     )
     .unwrap();
     assert_eq!(report.kind.name(), "gguf");
+    // Converted: no Q4_0 / Q8_0 left, dense or expert; kept: as stored.
+    let model = SlipModel::open(&out).unwrap();
+    let types: Vec<QuantType> = (model.manifest.dense.iter())
+        .map(|d| model.tensor(&d.name).unwrap().qtype)
+        .chain(report.expert_layout.iter().map(|p| p.1))
+        .collect();
+    let ggml_0 = |q: &QuantType| matches!(q, QuantType::Q4_0 | QuantType::Q8_0);
+    let affine_32 = |q: &QuantType| matches!(q, QuantType::Affine { group: 32, .. });
+    if keep_ggml_blocks {
+        assert!(
+            !types.iter().any(affine_32),
+            "{name}: converted though kept"
+        );
+    } else {
+        assert!(
+            !types.iter().any(ggml_0),
+            "{name}: Q4_0/Q8_0 left: {types:?}"
+        );
+    }
+    drop(model);
 
     // The tokenizer rebuilt from tokenizer.ggml.* encodes like the original.
     let model = SlipModel::open(&out).unwrap();
@@ -51,7 +75,7 @@ fn check(name: &str, bound: f32) -> f32 {
     let rows = gen.logits.len() / r.vocab();
     assert_eq!(rows, r.prompt.len() + n - 1);
     let err = rel_err(&gen.logits, &r.logits[..rows * r.vocab()]);
-    eprintln!("{name}: max rel logit error {err:.3e} over {rows} positions");
+    eprintln!("{name} (ggml blocks kept: {keep_ggml_blocks}): max rel logit error {err:.3e} over {rows} positions");
     assert!(
         err < bound,
         "{name}: relative logit error {err:e} >= {bound:e}"
@@ -66,20 +90,30 @@ const BOUND: f32 = 1e-4;
 
 #[test]
 fn qwen35moe_f16_gguf_matches_transformers() {
-    check("gguf_qwen35moe_f16", BOUND);
+    check("gguf_qwen35moe_f16", BOUND, false);
 }
 
 #[test]
 fn qwen35moe_q8_0_gguf_matches_transformers() {
-    check("gguf_qwen35moe_q8_0", BOUND);
+    check("gguf_qwen35moe_q8_0", BOUND, false);
+}
+
+#[test]
+fn qwen35moe_q8_0_gguf_kept_as_ggml_blocks_matches_transformers() {
+    check("gguf_qwen35moe_q8_0", BOUND, true);
 }
 
 #[test]
 fn qwen35moe_kquant_gguf_matches_transformers() {
-    check("gguf_qwen35moe_kquant", BOUND);
+    check("gguf_qwen35moe_kquant", BOUND, false);
 }
 
 #[test]
 fn qwen3moe_q4_0_gguf_matches_transformers() {
-    check("gguf_qwen3moe_q4_0", BOUND);
+    check("gguf_qwen3moe_q4_0", BOUND, false);
+}
+
+#[test]
+fn qwen3moe_q4_0_gguf_kept_as_ggml_blocks_matches_transformers() {
+    check("gguf_qwen3moe_q4_0", BOUND, true);
 }

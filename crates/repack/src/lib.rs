@@ -123,6 +123,10 @@ pub struct RepackOptions {
     /// replaced atomically; anything else is refused (see `overwrite`).
     pub output: PathBuf,
     pub quant: QuantChoice,
+    /// GGUF input only: keep `Q4_0` / `Q8_0` tensors as GGML blocks. By
+    /// default they are converted exactly to affine 4-bit / 8-bit group 32
+    /// (`slipstream_kernels::ggml::affine`), which the faster kernels take.
+    pub keep_ggml_blocks: bool,
     /// What an existing output may be: a verified model, or also a damaged
     /// one (`--force`).
     pub overwrite: Overwrite,

@@ -21,6 +21,7 @@ fn run(input: &Path, output: &Path, quant: QuantChoice) -> Result<RepackReport> 
             output: output.to_path_buf(),
             overwrite: Default::default(),
             quant,
+            keep_ggml_blocks: false,
         },
         &|_| {},
     )
@@ -522,6 +523,7 @@ fn progress_events_add_up() {
             output: d.path().join("out"),
             overwrite: Default::default(),
             quant: QuantChoice::default(),
+            keep_ggml_blocks: false,
         },
         &|e| events.borrow_mut().push(e),
     )

@@ -38,6 +38,7 @@ pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
             output: out.clone(),
             overwrite: Default::default(),
             quant,
+            keep_ggml_blocks: false,
         },
         &|_| {},
     )
