@@ -20,7 +20,7 @@ fn demo_model(dir: &Path) -> PathBuf {
             output: out.clone(),
             overwrite: Default::default(),
             quant: slipstream_repack::QuantChoice::Q4,
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

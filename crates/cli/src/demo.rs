@@ -81,7 +81,7 @@ pub fn ensure_demo_model(
                 output: target.clone(),
                 overwrite: Default::default(),
                 quant: QuantChoice::Q4,
-                keep_ggml_blocks: false,
+                ggml_to_affine: false,
             },
             progress,
         )?;

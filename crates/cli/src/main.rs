@@ -168,9 +168,8 @@ fn warm_note(w: &Option<WarmReport>) -> String {
 #[derive(Args)]
 struct RepackArgs {
     /// Checkpoint directory (config.json + safetensors, HF or MLX), or a
-    /// GGUF file (qwen35moe / qwen3moe; its tensor types are kept, except
-    /// Q4_0 / Q8_0, converted exactly to affine group 32; --quant does not
-    /// apply).
+    /// GGUF file (qwen35moe / qwen3moe; its tensor types are kept, --quant
+    /// does not apply).
     #[arg(long)]
     input: PathBuf,
     /// Output .slip directory. An existing slipstream model there is
@@ -184,10 +183,11 @@ struct RepackArgs {
     /// Storage of float tensors: q4 (MLX-style 4-bit, group 64), q8, bf16, f32.
     #[arg(long, default_value = "q4")]
     quant: QuantChoice,
-    /// GGUF input: keep Q4_0 / Q8_0 tensors as GGML blocks instead of the
-    /// exact affine 4-bit / 8-bit group-32 form the faster kernels take.
+    /// GGUF input: convert Q4_0 / Q8_0 tensors exactly (same values) to
+    /// affine 4-bit / 8-bit group 32. Off by default: on AVX2 the GGML
+    /// kernels run these faster (docs/BENCHMARKS.md).
     #[arg(long)]
-    keep_ggml_blocks: bool,
+    ggml_to_affine: bool,
 }
 
 fn main() {
@@ -274,7 +274,7 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
                 slipstream_format::Overwrite::VerifiedOnly
             },
             quant: args.quant,
-            keep_ggml_blocks: args.keep_ggml_blocks,
+            ggml_to_affine: args.ggml_to_affine,
         },
         &repack_progress(&bar),
     );

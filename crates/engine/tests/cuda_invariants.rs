@@ -164,7 +164,7 @@ fn gguf_imports_match_the_cpu_at_one_vram_slot() {
                 output: model.clone(),
                 overwrite: Default::default(),
                 quant: QuantChoice::default(),
-                keep_ggml_blocks: false,
+                ggml_to_affine: false,
             },
             &|_| {},
         )

@@ -5,7 +5,7 @@
 //! GGUF's (dequantized) weights; greedy tokens must match. The qwen3.5
 //! fixtures have more linear value heads than key heads, so a wrong undo of
 //! the converter's value-head reorder fails here. Q4_0 / Q8_0 fixtures run
-//! twice: converted to affine group 32 (repack's default) and as GGML blocks.
+//! twice: as GGML blocks (repack's default) and converted to affine group 32.
 
 use slipstream_core::QuantType;
 use slipstream_engine::text::TextCodec;
@@ -14,9 +14,9 @@ use slipstream_format::SlipModel;
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 use slipstream_testkit::{fixture, greedy, open, rel_err, Reference};
 
-/// Repacks (GGML blocks kept or not), runs, compares; returns the max
-/// relative logit error.
-fn check(name: &str, bound: f32, keep_ggml_blocks: bool) -> f32 {
+/// Repacks (Q4_0 / Q8_0 converted to affine or not), runs, compares;
+/// returns the max relative logit error.
+fn check(name: &str, bound: f32, ggml_to_affine: bool) -> f32 {
     let dir = fixture(name);
     let r = Reference::read(&dir);
     let text = r.text.clone().expect("the reference has a prompt_text");
@@ -28,7 +28,7 @@ fn check(name: &str, bound: f32, keep_ggml_blocks: bool) -> f32 {
             output: out.clone(),
             overwrite: Default::default(),
             quant: QuantChoice::default(),
-            keep_ggml_blocks,
+            ggml_to_affine,
         },
         &|_| {},
     )
@@ -42,7 +42,7 @@ fn check(name: &str, bound: f32, keep_ggml_blocks: bool) -> f32 {
         .collect();
     let ggml_0 = |q: &QuantType| matches!(q, QuantType::Q4_0 | QuantType::Q8_0);
     let affine_32 = |q: &QuantType| matches!(q, QuantType::Affine { group: 32, .. });
-    if keep_ggml_blocks {
+    if !ggml_to_affine {
         assert!(
             !types.iter().any(affine_32),
             "{name}: converted though kept"
@@ -75,7 +75,7 @@ fn check(name: &str, bound: f32, keep_ggml_blocks: bool) -> f32 {
     let rows = gen.logits.len() / r.vocab();
     assert_eq!(rows, r.prompt.len() + n - 1);
     let err = rel_err(&gen.logits, &r.logits[..rows * r.vocab()]);
-    eprintln!("{name} (ggml blocks kept: {keep_ggml_blocks}): max rel logit error {err:.3e} over {rows} positions");
+    eprintln!("{name} (ggml_to_affine: {ggml_to_affine}): max rel logit error {err:.3e} over {rows} positions");
     assert!(
         err < bound,
         "{name}: relative logit error {err:e} >= {bound:e}"
@@ -99,7 +99,7 @@ fn qwen35moe_q8_0_gguf_matches_transformers() {
 }
 
 #[test]
-fn qwen35moe_q8_0_gguf_kept_as_ggml_blocks_matches_transformers() {
+fn qwen35moe_q8_0_gguf_as_affine_matches_transformers() {
     check("gguf_qwen35moe_q8_0", BOUND, true);
 }
 
@@ -114,6 +114,6 @@ fn qwen3moe_q4_0_gguf_matches_transformers() {
 }
 
 #[test]
-fn qwen3moe_q4_0_gguf_kept_as_ggml_blocks_matches_transformers() {
+fn qwen3moe_q4_0_gguf_as_affine_matches_transformers() {
     check("gguf_qwen3moe_q4_0", BOUND, true);
 }

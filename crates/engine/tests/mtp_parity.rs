@@ -58,7 +58,7 @@ fn load() -> Loaded {
             output: out.clone(),
             overwrite: Default::default(),
             quant: QuantChoice::F32,
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -17,7 +17,7 @@ fn check(name: &str, quant: QuantChoice, chunk: usize) -> Vec<f32> {
             output: out.clone(),
             overwrite: Default::default(),
             quant,
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -146,7 +146,7 @@ fn main() -> ExitCode {
                 output: output.clone(),
                 overwrite: Default::default(),
                 quant,
-                keep_ggml_blocks: false,
+                ggml_to_affine: false,
             },
             &|_| {},
         ) {

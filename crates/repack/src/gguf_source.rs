@@ -22,11 +22,12 @@
 //!   when a value head spans whole blocks (Q4_0/Q8_0 with head dim a multiple
 //!   of 32); otherwise that one tensor is dequantized to f32 and permuted.
 //!
-//! `Q4_0` and `Q8_0` tensors (dense and expert parts) are then converted
-//! exactly to affine 4-bit / 8-bit group 32 (same f32 values, see
-//! `slipstream_kernels::ggml::affine`) unless `keep_ggml_blocks`; a tensor
-//! (for experts: a part over all layers) with a block whose bias would leave
-//! the f16 range keeps its GGML blocks.
+//! With `ggml_to_affine`, `Q4_0` and `Q8_0` tensors (dense and expert parts)
+//! are converted exactly to affine 4-bit / 8-bit group 32 (same f32 values,
+//! see `slipstream_kernels::ggml::affine`); a tensor (for experts: a part
+//! over all layers) with a block whose bias would leave the f16 range keeps
+//! its GGML blocks. Off by default: group 32 is slower than the GGML kernels
+//! on AVX2 (docs/BENCHMARKS.md).
 //!
 //! The tokenizer is rebuilt as a `tokenizer.json` from `tokenizer.ggml.*`
 //! (`gpt2` BPE only: tokens, merges, token types; pre-tokenizer regex by
@@ -837,7 +838,7 @@ pub(crate) fn repack_gguf(
 
     // A part converts to affine only when every layer's blocks do (one
     // layout for the pool).
-    if !opts.keep_ggml_blocks {
+    if opts.ggml_to_affine {
         for (k, part) in layout.iter_mut().enumerate() {
             if let Some(q) = ggml_affine::affine_of(part.1) {
                 if exps
@@ -900,7 +901,7 @@ pub(crate) fn repack_gguf(
             li += 1;
         }
         let mut d = job()?;
-        if !opts.keep_ggml_blocks {
+        if opts.ggml_to_affine {
             if let Some((q, b)) = ggml_affine::to_affine(d.qtype, &d.bytes) {
                 (d.qtype, d.bytes) = (q, b);
             }
@@ -954,10 +955,10 @@ pub(crate) fn repack_gguf(
         source: SourceInfo {
             kind: SourceKind::Gguf.name().into(),
             path: path.clone(),
-            quant: if opts.keep_ggml_blocks {
-                "as stored".into()
-            } else {
+            quant: if opts.ggml_to_affine {
                 "as stored; Q4_0/Q8_0 as affine group 32".into()
+            } else {
+                "as stored".into()
             },
         },
     })?;
@@ -1058,7 +1059,7 @@ mod tests {
             output: dir.path().join("out.slip"),
             overwrite: Default::default(),
             quant: Default::default(),
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         };
         assert!(slipstream_gguf::is_gguf_file(&path));
         let e = repack_gguf(&opts(path.clone()), &|_| {})

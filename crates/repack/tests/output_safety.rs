@@ -26,7 +26,7 @@ fn repack_to(input: &Path, output: &Path, overwrite: Overwrite) -> Result<Repack
             output: output.to_path_buf(),
             overwrite,
             quant: QuantChoice::F32,
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -21,7 +21,7 @@ fn run(input: &Path, output: &Path, quant: QuantChoice) -> Result<RepackReport> 
             output: output.to_path_buf(),
             overwrite: Default::default(),
             quant,
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )
@@ -523,7 +523,7 @@ fn progress_events_add_up() {
             output: d.path().join("out"),
             overwrite: Default::default(),
             quant: QuantChoice::default(),
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|e| events.borrow_mut().push(e),
     )

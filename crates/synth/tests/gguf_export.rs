@@ -121,7 +121,7 @@ fn roundtrip(cfg: &ModelConfig, dir: &std::path::Path, tag: &str) -> std::path::
             overwrite: Default::default(),
             quant: Default::default(),
             // Compared byte for byte with the native Q4_0 model below.
-            keep_ggml_blocks: true,
+            ggml_to_affine: false,
         },
         &|_| {},
     )
@@ -229,7 +229,7 @@ fn broken_gguf_tokenizer_fails_the_repack() {
             output: out.clone(),
             overwrite: Default::default(),
             quant: Default::default(),
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -38,7 +38,7 @@ pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
             output: out.clone(),
             overwrite: Default::default(),
             quant,
-            keep_ggml_blocks: false,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

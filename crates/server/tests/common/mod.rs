@@ -25,7 +25,7 @@ pub fn demo_model() -> PathBuf {
                 output: target.clone(),
                 overwrite: Default::default(),
                 quant: slipstream_repack::QuantChoice::Q4,
-                keep_ggml_blocks: false,
+                ggml_to_affine: false,
             },
             &|_| {},
         )
