@@ -20,6 +20,7 @@ fn demo_model(dir: &Path) -> PathBuf {
             output: out.clone(),
             overwrite: Default::default(),
             quant: slipstream_repack::QuantChoice::Q4,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -81,6 +81,7 @@ pub fn ensure_demo_model(
                 output: target.clone(),
                 overwrite: Default::default(),
                 quant: QuantChoice::Q4,
+                ggml_to_affine: false,
             },
             progress,
         )?;

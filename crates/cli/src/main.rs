@@ -183,6 +183,11 @@ struct RepackArgs {
     /// Storage of float tensors: q4 (MLX-style 4-bit, group 64), q8, bf16, f32.
     #[arg(long, default_value = "q4")]
     quant: QuantChoice,
+    /// GGUF input: convert Q4_0 / Q8_0 tensors exactly (same values) to
+    /// affine 4-bit / 8-bit group 32. Off by default: on AVX2 the GGML
+    /// kernels run these faster (docs/BENCHMARKS.md).
+    #[arg(long)]
+    ggml_to_affine: bool,
 }
 
 fn main() {
@@ -269,6 +274,7 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
                 slipstream_format::Overwrite::VerifiedOnly
             },
             quant: args.quant,
+            ggml_to_affine: args.ggml_to_affine,
         },
         &repack_progress(&bar),
     );

@@ -164,6 +164,7 @@ fn gguf_imports_match_the_cpu_at_one_vram_slot() {
                 output: model.clone(),
                 overwrite: Default::default(),
                 quant: QuantChoice::default(),
+                ggml_to_affine: false,
             },
             &|_| {},
         )

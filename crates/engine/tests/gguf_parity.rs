@@ -4,15 +4,18 @@
 //! compared with the `transformers` float32 logits computed on exactly the
 //! GGUF's (dequantized) weights; greedy tokens must match. The qwen3.5
 //! fixtures have more linear value heads than key heads, so a wrong undo of
-//! the converter's value-head reorder fails here.
+//! the converter's value-head reorder fails here. Q4_0 / Q8_0 fixtures run
+//! twice: as GGML blocks (repack's default) and converted to affine group 32.
 
+use slipstream_core::QuantType;
 use slipstream_engine::text::TextCodec;
 use slipstream_format::SlipModel;
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 use slipstream_testkit::{fixture, Reference};
 
-/// Repacks, runs, compares; returns the max relative logit error.
-fn check(name: &str, bound: f32) -> f32 {
+/// Repacks (Q4_0 / Q8_0 converted to affine or not), runs, compares;
+/// returns the max relative logit error.
+fn check(name: &str, bound: f32, ggml_to_affine: bool) -> f32 {
     let dir = fixture(name);
     let r = Reference::read(&dir);
     let text = r.text.clone().expect("the reference has a prompt_text");
@@ -24,11 +27,32 @@ fn check(name: &str, bound: f32) -> f32 {
             output: out.clone(),
             overwrite: Default::default(),
             quant: QuantChoice::default(),
+            ggml_to_affine,
         },
         &|_| {},
     )
     .unwrap();
     assert_eq!(report.kind.name(), "gguf");
+    // Converted: no Q4_0 / Q8_0 left, dense or expert; kept: as stored.
+    let model = SlipModel::open(&out).unwrap();
+    let types: Vec<QuantType> = (model.manifest.dense.iter())
+        .map(|d| model.tensor(&d.name).unwrap().qtype)
+        .chain(report.expert_layout.iter().map(|p| p.1))
+        .collect();
+    let ggml_0 = |q: &QuantType| matches!(q, QuantType::Q4_0 | QuantType::Q8_0);
+    let affine_32 = |q: &QuantType| matches!(q, QuantType::Affine { group: 32, .. });
+    if !ggml_to_affine {
+        assert!(
+            !types.iter().any(affine_32),
+            "{name}: converted though kept"
+        );
+    } else {
+        assert!(
+            !types.iter().any(ggml_0),
+            "{name}: Q4_0/Q8_0 left: {types:?}"
+        );
+    }
+    drop(model);
 
     // The tokenizer rebuilt from tokenizer.ggml.* encodes like the original.
     let model = SlipModel::open(&out).unwrap();
@@ -40,7 +64,9 @@ fn check(name: &str, bound: f32) -> f32 {
     drop(model);
 
     let (_, err, rows) = r.run_greedy(name, &out, 4096);
-    eprintln!("{name}: max rel logit error {err:.3e} over {rows} positions");
+    eprintln!(
+        "{name} (ggml_to_affine: {ggml_to_affine}): max rel logit error {err:.3e} over {rows} positions"
+    );
     assert!(
         err < bound,
         "{name}: relative logit error {err:e} >= {bound:e}"
@@ -55,20 +81,30 @@ const BOUND: f32 = 1e-4;
 
 #[test]
 fn qwen35moe_f16_gguf_matches_transformers() {
-    check("gguf_qwen35moe_f16", BOUND);
+    check("gguf_qwen35moe_f16", BOUND, false);
 }
 
 #[test]
 fn qwen35moe_q8_0_gguf_matches_transformers() {
-    check("gguf_qwen35moe_q8_0", BOUND);
+    check("gguf_qwen35moe_q8_0", BOUND, false);
+}
+
+#[test]
+fn qwen35moe_q8_0_gguf_as_affine_matches_transformers() {
+    check("gguf_qwen35moe_q8_0", BOUND, true);
 }
 
 #[test]
 fn qwen35moe_kquant_gguf_matches_transformers() {
-    check("gguf_qwen35moe_kquant", BOUND);
+    check("gguf_qwen35moe_kquant", BOUND, false);
 }
 
 #[test]
 fn qwen3moe_q4_0_gguf_matches_transformers() {
-    check("gguf_qwen3moe_q4_0", BOUND);
+    check("gguf_qwen3moe_q4_0", BOUND, false);
+}
+
+#[test]
+fn qwen3moe_q4_0_gguf_as_affine_matches_transformers() {
+    check("gguf_qwen3moe_q4_0", BOUND, true);
 }

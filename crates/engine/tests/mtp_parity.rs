@@ -58,6 +58,7 @@ fn load() -> Loaded {
             output: out.clone(),
             overwrite: Default::default(),
             quant: QuantChoice::F32,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -45,6 +45,7 @@ pub fn all(work: &Path) -> Result<Vec<Target>, String> {
             output: model.clone(),
             overwrite: Default::default(),
             quant: slipstream_repack::QuantChoice::Q4,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -3,6 +3,9 @@
 //! the others are GGML block types, with f32 activations).
 //! Decode attention of one KV head's 8 query heads (hd 256) at several
 //! context lengths: `... --example kbench -- attn`.
+//! GGML blocks against their exact affine group-32 conversion (what
+//! `repack` writes for a GGUF), interleaved rounds, one thread, CPU-time
+//! medians: `... --example kbench -- convert [q4_0|q8_0] [rounds]`.
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, TensorView};
 use slipstream_kernels::*;
@@ -10,6 +13,9 @@ use slipstream_kernels::*;
 fn main() {
     if std::env::args().nth(1).as_deref() == Some("attn") {
         return attention();
+    }
+    if std::env::args().nth(1).as_deref() == Some("convert") {
+        return convert();
     }
     let threads: usize = std::env::args()
         .nth(1)
@@ -151,6 +157,74 @@ fn attention() {
             "attend_group keys={keys}: {:.1} us, {:.2} GB/s of K and V",
             best * 1e6,
             bytes / best / 1e9
+        );
+    }
+}
+
+/// GGML `Q4_0` / `Q8_0` against the same weights converted exactly to
+/// affine group 32 (`ggml::affine::to_affine`), same shapes, decode (1
+/// token) and prompt (256 tokens) products. Rounds alternate the two
+/// layouts so both see the same machine noise; each prints the median CPU
+/// time per product over the rounds (the thread's schedstat time).
+fn convert() {
+    let q = match std::env::args().nth(2).as_deref() {
+        None | Some("q4_0") => QuantType::Q4_0,
+        Some("q8_0") => QuantType::Q8_0,
+        Some(o) => panic!("convert takes q4_0 or q8_0, not {o}"),
+    };
+    let rounds: usize = std::env::args()
+        .nth(3)
+        .map(|s| s.parse().unwrap())
+        .unwrap_or(9);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    println!(
+        "isa: {:?}; {rounds} interleaved rounds, median CPU time per product",
+        Isa::detect()
+    );
+    for &(rows, cols, n) in &[
+        (512usize, 2048usize, 1usize),
+        (2048, 512, 1),
+        (4096, 2048, 1),
+        (512, 2048, 256),
+        (2048, 512, 256),
+    ] {
+        let data = ggml_weights(&mut rng, q, rows, cols);
+        let (aq, adata) = ggml::affine::to_affine(q, &data).expect("exact conversion");
+        let w = [
+            TensorView::new(q, rows, cols, &data).unwrap(),
+            TensorView::new(aq, rows, cols, &adata).unwrap(),
+        ];
+        let x: Vec<f32> = (0..n * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut y = vec![0f32; n * rows];
+        let iters = ((2e9 / data.len() as f64 / n as f64) as usize).clamp(5, 20000);
+        let mut times = [Vec::new(), Vec::new()];
+        pool.install(|| {
+            for _ in 0..rounds {
+                for (k, w) in w.iter().enumerate() {
+                    let c0 = cpu_ns();
+                    for _ in 0..iters {
+                        matmul(w, &x, n, &mut y);
+                    }
+                    times[k].push((cpu_ns() - c0) as f64 * 1e-3 / iters as f64);
+                }
+            }
+        });
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let (g, a) = (med(&mut times[0]), med(&mut times[1]));
+        println!(
+            "[{rows}x{cols}] n={n}: {} {g:.1} us, {} {a:.1} us, ratio {:.2}x",
+            q.name(),
+            aq.name(),
+            g / a
         );
     }
 }

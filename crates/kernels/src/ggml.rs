@@ -30,6 +30,7 @@
 use crate::Token;
 use slipstream_core::{QuantType, TensorView};
 
+pub mod affine;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2;
 pub mod check;

@@ -146,6 +146,7 @@ fn main() -> ExitCode {
                 output: output.clone(),
                 overwrite: Default::default(),
                 quant,
+                ggml_to_affine: false,
             },
             &|_| {},
         ) {

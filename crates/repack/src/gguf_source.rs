@@ -22,6 +22,13 @@
 //!   when a value head spans whole blocks (Q4_0/Q8_0 with head dim a multiple
 //!   of 32); otherwise that one tensor is dequantized to f32 and permuted.
 //!
+//! With `ggml_to_affine`, `Q4_0` and `Q8_0` tensors (dense and expert parts)
+//! are converted exactly to affine 4-bit / 8-bit group 32 (same f32 values,
+//! see `slipstream_kernels::ggml::affine`); a tensor (for experts: a part
+//! over all layers) with a block whose bias would leave the f16 range keeps
+//! its GGML blocks. Off by default: group 32 is slower than the GGML kernels
+//! on AVX2 (docs/BENCHMARKS.md).
+//!
 //! The tokenizer is rebuilt as a `tokenizer.json` from `tokenizer.ggml.*`
 //! (`gpt2` BPE only: tokens, merges, token types; pre-tokenizer regex by
 //! `tokenizer.ggml.pre`), the chat template from `tokenizer.chat_template`.
@@ -35,6 +42,8 @@ use slipstream_core::schema::{self, PartSpec, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
 use slipstream_format::{ExpertPoolLayout, ManifestInfo, SlipWriter, SourceInfo};
 use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
+
+use slipstream_kernels::ggml::affine as ggml_affine;
 
 use crate::{ProgressEvent, RepackError, RepackOptions, RepackReport, Result, SourceKind};
 
@@ -811,7 +820,7 @@ pub(crate) fn repack_gguf(
         exps.push([part(0)?, part(1)?, part(2)?]);
     }
     let names = parts.map(|p| p.name);
-    let layout: Vec<(String, QuantType, [usize; 2])> = (0..3)
+    let mut layout: Vec<(String, QuantType, [usize; 2])> = (0..3)
         .map(|k| (names[k].to_string(), exps[0][k].1, parts[k].shape))
         .collect();
     for (l, parts) in exps.iter().enumerate() {
@@ -823,6 +832,21 @@ pub(crate) fn repack_gguf(
                     parts[k].1.name(),
                     layout[k].1.name()
                 )));
+            }
+        }
+    }
+
+    // A part converts to affine only when every layer's blocks do (one
+    // layout for the pool).
+    if opts.ggml_to_affine {
+        for (k, part) in layout.iter_mut().enumerate() {
+            if let Some(q) = ggml_affine::affine_of(part.1) {
+                if exps
+                    .iter()
+                    .all(|p| ggml_affine::converts_exactly(part.1, src.bytes(p[k].0)))
+                {
+                    part.1 = q;
+                }
             }
         }
     }
@@ -876,7 +900,12 @@ pub(crate) fn repack_gguf(
             )?;
             li += 1;
         }
-        let d = job()?;
+        let mut d = job()?;
+        if opts.ggml_to_affine {
+            if let Some((q, b)) = ggml_affine::to_affine(d.qtype, &d.bytes) {
+                (d.qtype, d.bytes) = (q, b);
+            }
+        }
         crate::finite::check_finite(&d.name, d.qtype, d.shape, &d.bytes)?;
         w.add_dense(&d.name, d.qtype, d.shape, &d.bytes)?;
         bytes_in += d.bytes_in;
@@ -926,7 +955,11 @@ pub(crate) fn repack_gguf(
         source: SourceInfo {
             kind: SourceKind::Gguf.name().into(),
             path: path.clone(),
-            quant: "as stored".into(),
+            quant: if opts.ggml_to_affine {
+                "as stored; Q4_0/Q8_0 as affine group 32".into()
+            } else {
+                "as stored".into()
+            },
         },
     })?;
     let seconds = t0.elapsed().as_secs_f64();
@@ -955,11 +988,28 @@ fn write_layer_experts(
 ) -> Result<()> {
     let data: Vec<&[u8]> = parts.iter().map(|(t, _)| src.bytes(t)).collect();
     let per: Vec<usize> = data.iter().map(|d| d.len() / e_count).collect();
+    let pool = w.pool().parts.clone();
     for e in 0..e_count {
-        let p: Vec<&[u8]> = (0..3)
+        let stored: Vec<&[u8]> = (0..3)
             .map(|k| &data[k][e * per[k]..(e + 1) * per[k]])
             .collect();
-        crate::finite::check_expert_finite(l, e, &w.pool().parts.clone(), &p)?;
+        // Parts the pool holds as affine were checked to convert exactly.
+        let mut converted: Vec<Option<Vec<u8>>> = vec![None, None, None];
+        for k in 0..3 {
+            if pool[k].qtype != parts[k].1 {
+                let (_, b) = ggml_affine::to_affine(parts[k].1, stored[k]).ok_or_else(|| {
+                    src.corrupt(format!(
+                        "blk.{l} expert {e} {}: blocks changed while converting",
+                        pool[k].name
+                    ))
+                })?;
+                converted[k] = Some(b);
+            }
+        }
+        let p: Vec<&[u8]> = (0..3)
+            .map(|k| converted[k].as_deref().unwrap_or(stored[k]))
+            .collect();
+        crate::finite::check_expert_finite(l, e, &pool, &p)?;
         w.write_expert(l, e, &p)?;
         let n: u64 = per.iter().map(|&x| x as u64).sum();
         *bytes_in += n;
@@ -1009,6 +1059,7 @@ mod tests {
             output: dir.path().join("out.slip"),
             overwrite: Default::default(),
             quant: Default::default(),
+            ggml_to_affine: false,
         };
         assert!(slipstream_gguf::is_gguf_file(&path));
         let e = repack_gguf(&opts(path.clone()), &|_| {})

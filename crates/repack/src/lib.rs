@@ -123,6 +123,11 @@ pub struct RepackOptions {
     /// replaced atomically; anything else is refused (see `overwrite`).
     pub output: PathBuf,
     pub quant: QuantChoice,
+    /// GGUF input only: convert `Q4_0` / `Q8_0` tensors exactly to affine
+    /// 4-bit / 8-bit group 32 (`slipstream_kernels::ggml::affine`: same
+    /// dequantized values). Off: kept as GGML blocks, which run faster than
+    /// affine group 32 on AVX2 (docs/BENCHMARKS.md).
+    pub ggml_to_affine: bool,
     /// What an existing output may be: a verified model, or also a damaged
     /// one (`--force`).
     pub overwrite: Overwrite,

@@ -18,6 +18,7 @@ fn repack_to(input: &Path, output: &Path) -> std::result::Result<RepackReport, S
             output: output.to_path_buf(),
             overwrite: Default::default(),
             quant: QuantChoice::Q4,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -26,6 +26,7 @@ fn repack_to(input: &Path, output: &Path, overwrite: Overwrite) -> Result<Repack
             output: output.to_path_buf(),
             overwrite,
             quant: QuantChoice::F32,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -21,6 +21,7 @@ fn run(input: &Path, output: &Path, quant: QuantChoice) -> Result<RepackReport> 
             output: output.to_path_buf(),
             overwrite: Default::default(),
             quant,
+            ggml_to_affine: false,
         },
         &|_| {},
     )
@@ -522,6 +523,7 @@ fn progress_events_add_up() {
             output: d.path().join("out"),
             overwrite: Default::default(),
             quant: QuantChoice::default(),
+            ggml_to_affine: false,
         },
         &|e| events.borrow_mut().push(e),
     )
@@ -1180,4 +1182,95 @@ fn mlx_fixture_matches_its_float_source() {
             }
         }
     }
+}
+
+/// `ggml_to_affine` on the Q4_0 GGUF fixture (Q8_0 dense tensors): every
+/// Q4_0 / Q8_0 tensor and expert part becomes affine 4-bit / 8-bit group 32
+/// with the same dequantized values,
+/// except where one block's bias `-8 d` / `-128 d` would leave f16: that
+/// dense tensor, and that expert part in every layer (one pool layout),
+/// keep their Q4_0 blocks.
+#[test]
+fn gguf_q4_0_converts_to_affine_and_falls_back_per_tensor() {
+    use slipstream_gguf::{GgmlType, GgufFile, GgufWriter, TensorDecl};
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures_dir().join("gguf_qwen3moe_q4_0/model.gguf");
+    let f = GgufFile::open(&src).unwrap();
+    // Block 1's d = 8192: finite, but -8 d = -65536 is not an f16.
+    let (dense_bad, expert_bad) = ("blk.0.attn_q.weight", "blk.1.ffn_down_exps.weight");
+    let patched = dir.path().join("patched.gguf");
+    let decls = (f.tensors.iter())
+        .map(|t| TensorDecl::new(t.name.clone(), &t.dims, t.ty))
+        .collect();
+    let mut w = GgufWriter::create(&patched, &f.metadata, decls, Default::default()).unwrap();
+    for t in &f.tensors {
+        let mut b = f.data(t).to_vec();
+        if t.name == dense_bad || t.name == expert_bad {
+            let bb = match t.ty {
+                GgmlType::Q4_0 => 18,
+                GgmlType::Q8_0 => 34,
+                ty => panic!("{} is {ty:?}", t.name),
+            };
+            b[bb..bb + 2].copy_from_slice(&half::f16::from_f32(8192.0).to_le_bytes());
+        }
+        w.write_tensor(&t.name, &b).unwrap();
+    }
+    w.finish().unwrap();
+
+    let run_gguf = |input: &Path, out: &Path, ggml_to_affine: bool| {
+        repack(
+            &RepackOptions {
+                input: input.to_path_buf(),
+                output: out.to_path_buf(),
+                overwrite: Default::default(),
+                quant: QuantChoice::default(),
+                ggml_to_affine,
+            },
+            &|_| {},
+        )
+        .unwrap()
+    };
+    let (kept, conv) = (dir.path().join("kept.slip"), dir.path().join("conv.slip"));
+    let rk = run_gguf(&patched, &kept, false);
+    let rc = run_gguf(&patched, &conv, true);
+    let to_affine = slipstream_kernels::ggml::affine::affine_of;
+    for (pk, pc) in rk.expert_layout.iter().zip(&rc.expert_layout) {
+        let expect = match to_affine(pk.1) {
+            Some(q) if pk.0 != "down" => q,
+            _ => pk.1,
+        };
+        assert_eq!(pc.1, expect, "expert part {}", pk.0);
+    }
+    let g32 = |q: QuantType| matches!(q, QuantType::Affine { group: 32, .. });
+    assert!(rc.expert_layout.iter().any(|p| g32(p.1)));
+    let (mk, mc) = (
+        SlipModel::open(&kept).unwrap(),
+        SlipModel::open(&conv).unwrap(),
+    );
+    let mut converted = 0;
+    for d in &mk.manifest.dense {
+        let (a, b) = (mk.tensor(&d.name).unwrap(), mc.tensor(&d.name).unwrap());
+        if d.name == "layers.0.attn.q_proj" {
+            assert_eq!(b.qtype, a.qtype, "the overflowing tensor is kept");
+            assert!(a.qtype.is_ggml());
+        } else if let Some(q) = to_affine(a.qtype) {
+            assert_eq!(b.qtype, q, "{}", d.name);
+            converted += 1;
+        } else {
+            assert_eq!(a.qtype, b.qtype, "{}", d.name);
+        }
+        let (mut x, mut y) = (vec![0f32; a.cols], vec![0f32; a.cols]);
+        for r in 0..a.rows {
+            slipstream_kernels::dequantize_row(&a.view(), r, &mut x);
+            slipstream_kernels::dequantize_row(&b.view(), r, &mut y);
+            for (p, q) in x.iter().zip(&y) {
+                assert!(
+                    p.to_bits() == q.to_bits() || (*p == 0.0 && *q == 0.0),
+                    "{}",
+                    d.name
+                );
+            }
+        }
+    }
+    assert!(converted > 0);
 }

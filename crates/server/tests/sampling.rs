@@ -558,6 +558,7 @@ fn demo_with_generation_config(gen: Value) -> PathBuf {
             output: target.clone(),
             overwrite: slipstream_format::Overwrite::Force,
             quant: slipstream_repack::QuantChoice::Q4,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

@@ -38,6 +38,7 @@ pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
             output: out.clone(),
             overwrite: Default::default(),
             quant,
+            ggml_to_affine: false,
         },
         &|_| {},
     )

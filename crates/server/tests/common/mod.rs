@@ -25,6 +25,7 @@ pub fn demo_model() -> PathBuf {
                 output: target.clone(),
                 overwrite: Default::default(),
                 quant: slipstream_repack::QuantChoice::Q4,
+                ggml_to_affine: false,
             },
             &|_| {},
         )
