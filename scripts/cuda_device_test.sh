@@ -130,21 +130,28 @@ PY
 # prefilled), must give the uninterrupted run's tokens and the same bits for
 # every generated token's logits; a CPU-written snapshot resumes on CUDA.
 P100=$(python3 -c "print(','.join(str(1 + (i * 37) % 4000) for i in range(100)))")
-rm -f /tmp/demo.cuda100.snap /tmp/demo.cpu100.snap
+rm -f /tmp/demo.cuda100.snap /tmp/demo.cuda100w.snap /tmp/demo.cpu100.snap
 $B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cuda --kv-snapshot /tmp/demo.cuda100.snap > /dev/null 2>>"$OUT/model.stderr" || fail=1
+# A restoring run writes its own prompt's snapshot back: the whole-prompt case gets a copy.
+cp /tmp/demo.cuda100.snap /tmp/demo.cuda100w.snap || fail=1
 $B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cpu --kv-snapshot /tmp/demo.cpu100.snap > /dev/null 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --kv-snapshot /tmp/demo.cuda100.snap --dump-logits /tmp/demo.rs.npy > /tmp/demo.rs.ids 2>/tmp/demo.rs.err || fail=1
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --vram-slots 1 --kv-snapshot /tmp/demo.cpu100.snap > /tmp/demo.rsc.ids 2>/tmp/demo.rsc.err || fail=1
-cat /tmp/demo.rs.err /tmp/demo.rsc.err >> "$OUT/model.stderr"
+# The whole prompt restored: no prefill, the first generated token's pass
+# is the first from the restored state.
+$B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda > /tmp/demo.p100.ids 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda --kv-snapshot /tmp/demo.cuda100w.snap > /tmp/demo.rw.ids 2>/tmp/demo.rw.err || fail=1
+cat /tmp/demo.rs.err /tmp/demo.rsc.err /tmp/demo.rw.err >> "$OUT/model.stderr"
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
 import sys, numpy as np
 full, rs = np.load("/tmp/demo.p150w.npy"), np.load("/tmp/demo.rs.npy")
-ids = {k: open(f"/tmp/demo.{k}.ids").read().split() for k in ["p150w", "rs", "rsc"]}
+ids = {k: open(f"/tmp/demo.{k}.ids").read().split() for k in ["p150w", "rs", "rsc", "p100", "rw"]}
+whole = "restored 100 of 100" in open("/tmp/demo.rw.err").read() and ids["rw"] == ids["p100"]
 restored = "restored 100 of 150" in open("/tmp/demo.rs.err").read() and "restored 100 of 150" in open("/tmp/demo.rsc.err").read()
 bits = rs.shape[0] >= 8 and bool(np.array_equal(rs[-8:], full[-8:]))
-ok = restored and bits and ids["rs"] == ids["p150w"] == ids["rsc"]
+ok = restored and bits and ids["rs"] == ids["p150w"] == ids["rsc"] and whole
 print(f"demo, restore on cuda: 100 of 150 prompt tokens restored: {restored}; generated logits bit-identical to the uninterrupted run: {bits}; "
-      f"tokens equal (uninterrupted, cuda snapshot, cpu snapshot at 1 VRAM slot): {ids['rs'] == ids['p150w']}, {ids['rsc'] == ids['p150w']} {'ok' if ok else 'FAIL'}")
+      f"tokens equal (uninterrupted, cuda snapshot, cpu snapshot at 1 VRAM slot): {ids['rs'] == ids['p150w']}, {ids['rsc'] == ids['p150w']}; whole prompt restored gives the uninterrupted tokens: {whole} {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
 cat "$OUT/model.log"

@@ -177,6 +177,9 @@ impl Engine {
         token: u32,
         draw: Option<(DrawParams, f64)>,
     ) -> Result<u32, slipstream_models::ModelError> {
+        // A prompt restored whole runs no prefill: its first generated token
+        // is the first pass from the restored state.
+        self.state_to_device(state)?;
         let Some(c) = self.cuda.as_mut() else {
             return Err(slipstream_models::ModelError::State(
                 "choosing tokens on the device without a CUDA backend".into(),
@@ -192,10 +195,7 @@ impl Engine {
             None,
             self.phases.as_mut(),
         );
-        match (&out, self.device_tokens.as_mut()) {
-            (Ok(_), Some(t)) => t.push(token),
-            _ => self.device_tokens = None,
-        }
+        crate::device_ran(&mut self.device_tokens, &[token], out.is_ok());
         out?;
         c.next_token(&self.model, draw)
     }

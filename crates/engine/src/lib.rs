@@ -183,6 +183,16 @@ struct CheckpointCollector {
     taken: Vec<Arc<Checkpoint>>,
 }
 
+/// Records a pass of `tokens` on the CUDA device in `device_tokens`, which
+/// [`Engine::state_to_device`] left equal to the state's tokens: appended on
+/// success, unknown after a failure (a pass may have stopped midway).
+fn device_ran(device_tokens: &mut Option<Vec<u32>>, tokens: &[u32], ok: bool) {
+    match (ok, device_tokens.as_mut()) {
+        (true, Some(t)) => t.extend_from_slice(tokens),
+        _ => *device_tokens = None,
+    }
+}
+
 /// Where the model runs (`slipstream run --backend`).
 #[derive(Debug, Clone)]
 pub enum BackendChoice {
@@ -341,7 +351,7 @@ impl Engine {
                     None,
                     self.phases.as_mut(),
                 );
-                self.device_tokens = out.is_ok().then(|| state.tokens.clone());
+                device_ran(&mut self.device_tokens, tokens, out.is_ok());
                 out
             }
             None => self.model.forward_timed(
@@ -364,7 +374,12 @@ impl Engine {
         let Some(c) = self.cuda.as_mut() else {
             return Ok(());
         };
-        if state.tokens.is_empty() || self.device_tokens.as_ref() == Some(&state.tokens) {
+        if state.tokens.is_empty() {
+            // The pass at position 0 clears the device.
+            self.device_tokens = Some(Vec::new());
+            return Ok(());
+        }
+        if self.device_tokens.as_ref() == Some(&state.tokens) {
             return Ok(());
         }
         self.device_tokens = None;
