@@ -28,7 +28,9 @@ if [ "$mode" = build ]; then
 for l in sys.stdin:
     try: m=json.loads(l)
     except Exception: continue
-    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"]=="kernels": print(m["executable"])' > /tmp/cuda_kernels_test_path
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["target"]["name"] in ("kernels", "prompt_q8"): print(m["target"]["name"], m["executable"])' > /tmp/cuda_tests_paths
+    grep "^kernels " /tmp/cuda_tests_paths | cut -d" " -f2 > /tmp/cuda_kernels_test_path
+    grep "^prompt_q8 " /tmp/cuda_tests_paths | cut -d" " -f2 > /tmp/cuda_q8_test_path
     nice -n 19 cargo test --release -p slipstream-engine --test cuda_invariants --no-run --message-format=json \
         | python3 -c 'import sys,json
 for l in sys.stdin:
@@ -40,7 +42,8 @@ for l in sys.stdin:
     cp target/release/examples/cuda_bench $B/cuda_bench
     cp "$(cat /tmp/cuda_kernels_test_path)" $B/kernels_test
     cp "$(cat /tmp/cuda_invariants_test_path)" $B/cuda_invariants_test
-    strip $B/slipstream $B/cuda_bench $B/kernels_test $B/cuda_invariants_test
+    cp "$(cat /tmp/cuda_q8_test_path)" $B/prompt_q8_test
+    strip $B/slipstream $B/cuda_bench $B/kernels_test $B/cuda_invariants_test $B/prompt_q8_test
     du -sh $B/*
     echo 'device: run(command="bash scripts/cuda_device_test.sh run && bash scripts/cuda_bench.sh run", carry=[".devbin"])'
     exit 0
@@ -59,6 +62,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 echo "== kernel tests"
 $B/kernels_test --test-threads=1 2>&1 | tee "$OUT/kernels.log" || fail=1
 grep -q "skipped" "$OUT/kernels.log" && { echo "kernel tests SKIPPED (no CUDA?)"; fail=1; }
+$B/prompt_q8_test --test-threads=1 --nocapture 2>&1 | tee "$OUT/prompt_q8.log" || fail=1
+grep -q "skipped" "$OUT/prompt_q8.log" && { echo "int8 prompt tests SKIPPED (no CUDA?)"; fail=1; }
 
 echo "== model: CPU vs CUDA logits, tokens across VRAM slots and tuning variants"
 # crates/engine/tests/cuda_invariants.rs: the safetensors fixtures over every
@@ -70,8 +75,13 @@ cat "$OUT/invariants.log" >> "$OUT/model.log"
 grep -q "skipped" "$OUT/invariants.log" && { echo "model invariants SKIPPED (no CUDA?)" | tee -a "$OUT/model.log"; fail=1; }
 # The embedded demo model (its default prompt).
 $B/slipstream run --max-new 16 --print-ids --resident --backend cpu --dump-logits /tmp/demo.cpu.npy > /tmp/demo.cpu.ids 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --max-new 16 --print-ids --resident --backend cuda --dump-logits /tmp/demo.cuda.npy > /tmp/demo.cuda.ids 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --max-new 16 --print-ids --resident --backend cuda --vram-slots 1 > /tmp/demo.cuda1.ids 2>>"$OUT/model.stderr" || fail=1
+# The prompt's products exact (within 1e-3 of the CPU) and in int8 (the
+# default: within INT8 of the CPU, tokens the CPU's).
+CX="--prompt-precision exact"
+INT8=5e-2
+$B/slipstream run --max-new 16 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.cuda.npy > /tmp/demo.cuda.ids 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --max-new 16 --print-ids --resident --backend cuda --dump-logits /tmp/demo.cuda8.npy > /tmp/demo.cuda8.ids 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --max-new 16 --print-ids --resident --backend cuda $CX --vram-slots 1 > /tmp/demo.cuda1.ids 2>>"$OUT/model.stderr" || fail=1
 # 300 tokens: the KV caches grow past their first 256 rows, so the pass
 # graph is captured again; graphs on and off must give the same bits.
 $B/slipstream run --max-new 300 --print-ids --resident --backend cuda --dump-logits /tmp/demo.long.npy > /tmp/demo.long.ids 2>/tmp/demo.long.err || fail=1
@@ -105,25 +115,34 @@ $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --b
 SLIPSTREAM_CUDA_PASS_TOKENS=64 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150.npy > /tmp/demo.p150.ids 2>>"$OUT/model.stderr" || fail=1
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150h.npy > /tmp/demo.p150h.ids 2>>"$OUT/model.stderr" || fail=1
 SLIPSTREAM_CUDA_PASS_TOKENS=256 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150w.npy > /tmp/demo.p150w.ids 2>>"$OUT/model.stderr" || fail=1
-python3 - >> "$OUT/model.log" <<'PY' || fail=1
-import re, sys, numpy as np
+$B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.p150x.npy > /tmp/demo.p150x.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.p150xh.npy > /tmp/demo.p150xh.ids 2>>"$OUT/model.stderr" || fail=1
+INT8=$INT8 python3 - >> "$OUT/model.log" <<'PY' || fail=1
+import os, re, sys, numpy as np
 c, g = np.load("/tmp/demo.cpu.npy"), np.load("/tmp/demo.cuda.npy")
-rel = float(np.abs(g - c).max() / np.abs(c).max()) if g.shape == c.shape else float("inf")
+relf = lambda a, b: float(np.abs(a - b).max() / np.abs(b).max()) if a.shape == b.shape else float("inf")
+rel = relf(g, c)
+bound8 = float(os.environ["INT8"])
+rel8 = relf(np.load("/tmp/demo.cuda8.npy"), c)
+t8 = open("/tmp/demo.cuda8.ids").read().split() == open("/tmp/demo.cpu.ids").read().split()
+print(f"demo, prompt in int8 (the default): max rel logit err vs cpu {rel8:.2e} (bound {bound8:g}); tokens equal to the cpu's: {t8} {'ok' if rel8 < bound8 and t8 else 'FAIL'}")
 t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1", "long", "longng", "longd"]]
-print(f"demo: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL'}); tokens cuda==cuda(1 slot): {t[1] == t[2]}; cpu==cuda: {t[0] == t[1]}")
+print(f"demo, prompt exact: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL'}); tokens cuda==cuda(1 slot): {t[1] == t[2]}; cpu==cuda: {t[0] == t[1]}")
 m = re.search(r"CUDA graphs: (\d+) captured, (\d+) passes replayed", open("/tmp/demo.long.err").read())
 caps, reps = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 lb = bool(np.array_equal(np.load("/tmp/demo.long.npy"), np.load("/tmp/demo.longng.npy")))
 print(f"demo, 300 tokens: graphs {caps} captured, {reps} passes replayed; logits bit-identical with graphs and programmatic launches off: {lb}; tokens: {t[3] == t[4]}; "
       f"argmax on the device gives the host's tokens: {t[5] == t[3]}")
-pc, pd, ph = (np.load(f"/tmp/demo.p150{k}.npy") for k in ["c", "", "h"])
-prel = float(np.abs(pd - pc).max() / np.abs(pc).max()) if pd.shape == pc.shape else float("inf")
+pc, pd, ph, px, pxh = (np.load(f"/tmp/demo.p150{k}.npy") for k in ["c", "", "h", "x", "xh"])
+prel8, prel = relf(pd, pc), relf(px, pc)
 pbits = bool(np.array_equal(pd, ph)) and bool(np.array_equal(np.load("/tmp/demo.p150w.npy"), ph))
-pt = [open(f"/tmp/demo.p150{k}.ids").read().split() for k in ["c", "", "h"]]
-print(f"demo, 150-token prompt: rows {pd.shape[0]}; 64- and 256-token passes bit-identical to one-token passes: {pbits}; "
-      f"max rel logit err vs cpu {prel:.2e}; tokens equal (cpu, 64, 1): {pt[0] == pt[1]}, {pt[1] == pt[2]}")
-pok = pbits and prel < 1e-3 and pt[1] == pt[2] and pd.shape[0] >= 150
-sys.exit(0 if rel < 1e-3 and t[1] == t[2] and lb and t[3] == t[4] and t[5] == t[3] and caps >= 2 and reps > 0 and pok else 1)
+xbits = bool(np.array_equal(px, pxh))
+pt = [open(f"/tmp/demo.p150{k}.ids").read().split() for k in ["c", "", "h", "x"]]
+print(f"demo, 150-token prompt: rows {pd.shape[0]}; int8: 64- and 256-token passes bit-identical to one-token passes: {pbits}, "
+      f"max rel logit err vs cpu {prel8:.2e}; exact: 256-token passes bit-identical to one-token passes: {xbits}, max rel logit err vs cpu {prel:.2e}; "
+      f"tokens equal (cpu, int8 64, int8 1, exact): {pt[0] == pt[1]}, {pt[1] == pt[2]}, {pt[0] == pt[3]}")
+pok = pbits and xbits and prel < 1e-3 and prel8 < bound8 and pt[1] == pt[2] and pt[0] == pt[1] == pt[3] and pd.shape[0] >= 150
+sys.exit(0 if rel < 1e-3 and rel8 < bound8 and t8 and t[1] == t[2] and lb and t[3] == t[4] and t[5] == t[3] and caps >= 2 and reps > 0 and pok else 1)
 PY
 # Restore on CUDA: a snapshot written by a CUDA run after the first 100
 # prompt tokens, restored by a CUDA run of the 150-token prompt (50 tokens
@@ -136,7 +155,7 @@ $B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cuda 
 cp /tmp/demo.cuda100.snap /tmp/demo.cuda100w.snap || fail=1
 $B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cpu --kv-snapshot /tmp/demo.cpu100.snap > /dev/null 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --kv-snapshot /tmp/demo.cuda100.snap --dump-logits /tmp/demo.rs.npy > /tmp/demo.rs.ids 2>/tmp/demo.rs.err || fail=1
-$B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --vram-slots 1 --kv-snapshot /tmp/demo.cpu100.snap > /tmp/demo.rsc.ids 2>/tmp/demo.rsc.err || fail=1
+$B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $CX --vram-slots 1 --kv-snapshot /tmp/demo.cpu100.snap > /tmp/demo.rsc.ids 2>/tmp/demo.rsc.err || fail=1
 # The whole prompt restored: no prefill, the first generated token's pass
 # is the first from the restored state.
 $B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda > /tmp/demo.p100.ids 2>>"$OUT/model.stderr" || fail=1
@@ -145,13 +164,13 @@ cat /tmp/demo.rs.err /tmp/demo.rsc.err /tmp/demo.rw.err >> "$OUT/model.stderr"
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
 import sys, numpy as np
 full, rs = np.load("/tmp/demo.p150w.npy"), np.load("/tmp/demo.rs.npy")
-ids = {k: open(f"/tmp/demo.{k}.ids").read().split() for k in ["p150w", "rs", "rsc", "p100", "rw"]}
+ids = {k: open(f"/tmp/demo.{k}.ids").read().split() for k in ["p150w", "p150x", "rs", "rsc", "p100", "rw"]}
 whole = "restored 100 of 100" in open("/tmp/demo.rw.err").read() and ids["rw"] == ids["p100"]
 restored = "restored 100 of 150" in open("/tmp/demo.rs.err").read() and "restored 100 of 150" in open("/tmp/demo.rsc.err").read()
 bits = rs.shape[0] >= 8 and bool(np.array_equal(rs[-8:], full[-8:]))
-ok = restored and bits and ids["rs"] == ids["p150w"] == ids["rsc"] and whole
+ok = restored and bits and ids["rs"] == ids["p150w"] and ids["rsc"] == ids["p150x"] and whole
 print(f"demo, restore on cuda: 100 of 150 prompt tokens restored: {restored}; generated logits bit-identical to the uninterrupted run: {bits}; "
-      f"tokens equal (uninterrupted, cuda snapshot, cpu snapshot at 1 VRAM slot): {ids['rs'] == ids['p150w']}, {ids['rsc'] == ids['p150w']}; whole prompt restored gives the uninterrupted tokens: {whole} {'ok' if ok else 'FAIL'}")
+      f"tokens equal (uninterrupted, cuda snapshot, cpu snapshot at 1 VRAM slot): {ids['rs'] == ids['p150w']}, {ids['rsc'] == ids['p150x']} (exact prompt); whole prompt restored gives the uninterrupted tokens: {whole} {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
 cat "$OUT/model.log"

@@ -27,7 +27,7 @@ P512=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(51
 # keeps every position's row, so these runs are not timed).
 ck() { # name, cache flags, env assignments...
     local name=$1 cache=$2; shift 2
-    env "$@" $B/slipstream run --model $M --prompt-tokens "$P512" --max-new 8 --print-ids --backend cuda \
+    env "$@" $B/slipstream run ${PP:-} --model $M --prompt-tokens "$P512" --max-new 8 --print-ids --backend cuda \
         $cache --dump-logits /tmp/pf_$name.npy > $W/ck_$name.ids 2> $W/ck_$name.log \
         || { echo "$name failed"; tail -3 $W/ck_$name.log; }
 }
@@ -49,10 +49,15 @@ ck a256 $R SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 ck tc64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
 ck tc1 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
 ck tcone64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_TC_TPM=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
+# The prompt's products exact (--prompt-precision exact): 256-token passes
+# == one token per pass, and within 1e-3 of the a4v kernels; the default
+# (int8) within INT8 of them.
+PP="--prompt-precision exact" ck x256 $R SLIPSTREAM_CUDA_PASS_TOKENS=256
+PP="--prompt-precision exact" ck x1 $R SLIPSTREAM_CUDA_DEVICE_ROUTING=0
 fail=0
 python3 - <<'PY' || fail=1
 import sys, numpy as np
-names = ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc1", "tcone64"]
+names = ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc1", "tcone64", "x256", "x1"]
 l = {}
 for k in names:
     try:
@@ -61,25 +66,27 @@ for k in names:
         l[k] = np.zeros(1)
 bits = lambda a, b: bool(np.array_equal(l[a], l[b]))
 # The first row (the prompt's last position): later rows follow generated tokens, which may differ.
-rel = float(np.abs(l["a64"][0] - l["p64"][0]).max() / np.abs(l["a64"][0]).max()) if l["a64"].shape == l["p64"].shape else float("inf")
-pairs = [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tcone64", "tc1")]
-ok = all(bits(a, b) for a, b in pairs) and rel < 1e-3
+relf = lambda a, b: float(np.abs(l[a][0] - l[b][0]).max() / np.abs(l[b][0]).max()) if l[a].shape == l[b].shape else float("inf")
+rel, rel8 = relf("x256", "a64"), relf("p64", "a64")
+pairs = [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tcone64", "tc1"), ("x256", "x1")]
+ok = all(bits(a, b) for a, b in pairs) and rel < 1e-3 and rel8 < 5e-2
 print("prefill logits (8 generated tokens after 512): " + "; ".join(f"{a} == {b}: {bits(a, b)}" for a, b in pairs)
-      + f"; default (prompt on tensor cores) vs a4v, last prompt position, max rel err {rel:.2e}: {'ok' if ok else 'FAIL'}")
+      + f"; prompt on tensor cores vs a4v, last prompt position, max rel err: exact {rel:.2e}, int8 (default) {rel8:.2e}: {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
 rm -f /tmp/pf_*.npy
 # Speed (no logits kept), alternating.
 pf() { # name, env assignments...
     local name=$1; shift
-    env "$@" $B/slipstream run --model $M --prompt-tokens "$P512" --max-new 16 --print-ids --backend cuda \
+    env "$@" $B/slipstream run ${PP:-} --model $M --prompt-tokens "$P512" --max-new 16 --print-ids --backend cuda \
         --resident > $W/pf_$name.ids 2> $W/pf_$name.log
-    echo "--- $name $*"
+    echo "--- $name ${PP:-} $*"
     grep -h "^\[stats\]\|rror" $W/pf_$name.log
 }
 for rep in 1 2; do
     pf p64_$rep SLIPSTREAM_CUDA_PASS_TOKENS=64
     pf p256_$rep SLIPSTREAM_CUDA_PASS_TOKENS=256
+    PP="--prompt-precision exact" pf x256_$rep SLIPSTREAM_CUDA_PASS_TOKENS=256
     pf a64_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=64
     pf a256_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 done

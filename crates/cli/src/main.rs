@@ -669,6 +669,7 @@ fn run(args: RunArgs) -> Result<()> {
             "finish": format!("{:?}", gen.finish).to_lowercase(),
             "stats": s,
             "store": engine.store_description(),
+            "prompt_precision": engine.prompt_precision(),
             "restore": restore_json,
             "restore_s": restore_s,
             "time_to_first_token_with_restore_s": restore_s + s.time_to_first_token_s,

@@ -58,6 +58,11 @@ pub struct StoreArgs {
     /// store (cuda; e.g. 256 keeps every expert of a 256-expert model pinned).
     #[arg(long)]
     pub ram_cache_slots: Option<usize>,
+    /// The prompt's 4-bit products on tensor cores (cuda): int8 (x
+    /// quantized per group of 64, as llama.cpp's MMQ; the fast default) or
+    /// exact (f32 to its last bit). Generated tokens are always exact.
+    #[arg(long, default_value = "int8", value_parser = ["int8", "exact"])]
+    pub prompt_precision: String,
 }
 
 /// What [`StoreArgs::plan`] settles: the engine to open and the backend to
@@ -165,7 +170,14 @@ impl StoreArgs {
             policy: self.expert_cache_policy,
             // The CUDA backend's tuning switches, for measuring (the
             // library reads no environment).
-            tuning: slipstream_cuda::CudaTuning::from_vars(|name| std::env::var(name).ok()),
+            tuning: slipstream_cuda::CudaTuning {
+                prompt_precision: if self.prompt_precision == "exact" {
+                    slipstream_cuda::PromptPrecision::Exact
+                } else {
+                    slipstream_cuda::PromptPrecision::Int8
+                },
+                ..slipstream_cuda::CudaTuning::from_vars(|name| std::env::var(name).ok())
+            },
         };
         // clap admits only cpu, cuda and auto; the bare `slipstream` demo
         // run builds its arguments by `Default`, whose empty name has always

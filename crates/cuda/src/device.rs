@@ -147,6 +147,14 @@ pub(crate) struct Funcs {
     pub(crate) moe_gate_up_tc_grouped: CudaFunction,
     pub(crate) moe_down_tc_grouped: CudaFunction,
     pub(crate) moe_down_combine: CudaFunction,
+    /// The prompt in 8-bit integers (prompt_q8.cu): rows quantized per
+    /// group, then the dense, grouped and per-pair products on int8 mma.
+    pub(crate) q8_split: CudaFunction,
+    pub(crate) matvec_q8_t: CudaFunction,
+    pub(crate) moe_gate_up_q8_grouped: CudaFunction,
+    pub(crate) moe_gate_up_q8_pairs: CudaFunction,
+    pub(crate) moe_down_q8_grouped: CudaFunction,
+    pub(crate) moe_down_q8_pairs: CudaFunction,
     /// Prefill: pairs grouped by expert, gate/up over each group.
     pub(crate) group_pairs: CudaFunction,
     pub(crate) moe_gate_up_grouped: [CudaFunction; 3],
@@ -217,6 +225,11 @@ pub struct Gpu {
     /// prompt's passes by default); [`Gpu::new`] sets it from
     /// [`CudaTuning::gpu_tensor_cores`] (off by default).
     pub tensor_cores: bool,
+    /// Whether the 4-bit products this pass runs on tensor cores take the
+    /// 8-bit integer forms ([`crate::PromptPrecision::Int8`]; `CudaModel` sets it
+    /// for the prompt's passes): x quantized per group of 64, the weights
+    /// as stored. Needs `tc_capable`.
+    pub prompt_int8: bool,
     /// The GPU has the bf16 mma the tensor-core kernels use (sm_80+);
     /// without it they never run, whatever `tensor_cores` says.
     pub tc_capable: bool,
@@ -241,6 +254,10 @@ pub struct Gpu {
     pub(crate) tc_split_buf: Mutex<Option<DBuf>>,
     /// Scratch of the grouped tensor-core down: each pair's outputs.
     pub(crate) tc_down_buf: Mutex<Option<DBuf>>,
+    /// Scratch of the 8-bit prompt forms: a pass's rows quantized
+    /// (`q8_split`), grown on demand; each split is read only by the
+    /// launches queued after it and before the next.
+    pub(crate) q8_split_buf: Mutex<Option<DBuf>>,
     /// Tokens per mma of the tensor-core prefill forms (`TC_TPM`): 2 (the
     /// default) or 1 ([`CudaTuning::tc_tokens_per_mma`], the one-token
     /// kernels' B layout; the same bits where the mma's columns are
@@ -372,6 +389,12 @@ impl Gpu {
             moe_gate_up_tc_grouped: lf("moe_gate_up_tc_grouped")?,
             moe_down_tc_grouped: lf("moe_down_tc_grouped")?,
             moe_down_combine: lf("moe_down_combine")?,
+            q8_split: lf("q8_split")?,
+            matvec_q8_t: lf("matvec_q8_t")?,
+            moe_gate_up_q8_grouped: lf("moe_gate_up_q8_grouped")?,
+            moe_gate_up_q8_pairs: lf("moe_gate_up_q8_pairs")?,
+            moe_down_q8_grouped: lf("moe_down_q8_grouped")?,
+            moe_down_q8_pairs: lf("moe_down_q8_pairs")?,
             moe_gate_up_a4v: lf3("moe_gate_up_a4v")?,
             moe_down_a4v: lf("moe_down_a4v")?,
             moe_down_a4v_t: lf("moe_down_a4v_t")?,
@@ -460,6 +483,7 @@ impl Gpu {
             argmax_parts,
             fused: true,
             tensor_cores: false,
+            prompt_int8: false,
             tc_capable: maj >= 8,
             split,
             pdl: maj >= 9,
@@ -467,6 +491,7 @@ impl Gpu {
             tc_smem_max,
             tc_split_buf: Mutex::new(None),
             tc_down_buf: Mutex::new(None),
+            q8_split_buf: Mutex::new(None),
             tc_tpm,
             prompt_attn_tc: tuning.prompt_attn_tc,
             attn_smem_max,

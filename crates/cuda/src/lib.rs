@@ -43,7 +43,7 @@ pub use ops::matvec::A4V_TOKENS_PER_BLOCK;
 pub use ops::moe::ExpertsIo;
 pub use ops::norm_rope::QkPrep;
 pub use ops::sample::SampleScratch;
-pub use options::{CudaTuning, GdnForm, TensorCoreUse};
+pub use options::{CudaTuning, GdnForm, PromptPrecision, TensorCoreUse};
 
 /// The kernel source, compiled by NVRTC when a [`Gpu`] is created: the
 /// files of `kernels/` in this order (each uses only what an earlier one
@@ -55,6 +55,7 @@ pub const KERNELS: &str = concat!(
     include_str!("kernels/moe_a4v.cu"),
     include_str!("kernels/tensor_core.cu"),
     include_str!("kernels/prompt_tc.cu"),
+    include_str!("kernels/prompt_q8.cu"),
     include_str!("kernels/generic.cu"),
     include_str!("kernels/norm_rope.cu"),
     include_str!("kernels/attention.cu"),

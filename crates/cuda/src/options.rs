@@ -68,6 +68,9 @@ pub struct CudaTuning {
     /// (`SLIPSTREAM_CUDA_PASS_TOKENS`, 1..=[`PASS_TOKENS`], default
     /// [`DEFAULT_PASS_TOKENS`]).
     pub pass_tokens: usize,
+    /// The arithmetic of the prompt's 4-bit products on tensor cores (the
+    /// CLI's `--prompt-precision`; no variable).
+    pub prompt_precision: PromptPrecision,
 }
 
 impl Default for CudaTuning {
@@ -86,6 +89,7 @@ impl Default for CudaTuning {
             device_routing: true,
             graphs: true,
             pass_tokens: DEFAULT_PASS_TOKENS,
+            prompt_precision: PromptPrecision::Int8,
         }
     }
 }
@@ -122,6 +126,36 @@ impl CudaTuning {
                 .and_then(|v| v.parse::<usize>().ok())
                 .unwrap_or(d.pass_tokens)
                 .clamp(1, PASS_TOKENS),
+            prompt_precision: d.prompt_precision,
+        }
+    }
+}
+
+/// How the prompt's passes compute their affine 4-bit products where they
+/// run on tensor cores ([`TensorCoreUse`]). Generated tokens always take
+/// the exact kernels; either way a token's bits follow only from whether
+/// it is a prompt token, so every pass length and slot count gives the
+/// same logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptPrecision {
+    /// Each input row quantized to int8 per group of 64 (scale: the
+    /// group's largest |x| / 127) into int8 mma with the 4-bit codes as
+    /// stored, as llama.cpp's MMQ path does: the fast default. The prompt's
+    /// logits differ from the exact forms' by the rounding of x (the
+    /// device test states the bound).
+    Int8,
+    /// x split into three bf16 parts (f32 to its last bit) against the
+    /// codes in bf16 mma: logits within f32 rounding of the CUDA-core
+    /// kernels.
+    Exact,
+}
+
+impl PromptPrecision {
+    /// The name the CLI takes and the stats report: `int8` or `exact`.
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptPrecision::Int8 => "int8",
+            PromptPrecision::Exact => "exact",
         }
     }
 }
@@ -240,6 +274,7 @@ mod tests {
                 device_routing: false,
                 graphs: false,
                 pass_tokens: 64,
+                prompt_precision: PromptPrecision::Int8,
             }
         );
     }

@@ -324,6 +324,15 @@ impl Engine {
     }
 
     /// Counters of the CUDA backend (`None` on the CPU).
+    /// How the prompt's products are computed: `exact` (the CPU backend,
+    /// or CUDA on its exact forms) or `int8` (CUDA's 8-bit prompt forms,
+    /// [`slipstream_cuda::PromptPrecision`]).
+    pub fn prompt_precision(&self) -> &'static str {
+        self.cuda
+            .as_ref()
+            .map_or("exact", |c| c.prompt_precision().name())
+    }
+
     pub fn cuda_stats(&self) -> Option<slipstream_cuda::CudaStats> {
         self.cuda.as_ref().map(|c| c.stats)
     }

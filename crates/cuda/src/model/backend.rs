@@ -40,6 +40,9 @@ impl Backend for CudaModel {
             TensorCoreUse::Prompt => self.prompt_pass,
             TensorCoreUse::Always => true,
         };
+        self.gpu.prompt_int8 = self.prompt_pass
+            && self.gpu.tensor_cores
+            && self.prompt_precision == PromptPrecision::Int8;
         // The pass graph holds the generated tokens' kernels: a prompt pass
         // on other kernels (tensor cores: the prompt attention takes its
         // position from the host) runs without it.

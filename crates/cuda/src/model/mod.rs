@@ -48,7 +48,8 @@ use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 use crate::options::PASS_TOKENS;
 use crate::{
     AttnIo, CudaError, CudaTuning, DBuf, DWeight, ExpertsIo, GdnConv, GdnForm, GdnStep, Gpu,
-    Mapped, Position, QkPrep, Result, RouteBases, SampleScratch, TensorCoreUse, WDesc,
+    Mapped, Position, PromptPrecision, QkPrep, Result, RouteBases, SampleScratch, TensorCoreUse,
+    WDesc,
 };
 
 use graph::{PassGraph, PassMode};
@@ -170,6 +171,8 @@ pub struct CudaModel {
     routes_n: usize,
     /// Which passes run on the tensor cores.
     tc_use: TensorCoreUse,
+    /// The prompt's products on tensor cores: 8-bit or exact.
+    prompt_precision: PromptPrecision,
     /// [`CudaTuning::device_routing`]: a full cache may route on the device.
     device_routing_allowed: bool,
     /// The next passes are the prompt's ([`CudaModel::set_prompt_pass`]).
@@ -252,6 +255,16 @@ impl CudaModel {
         self.prompt_pass = prompt;
     }
 
+    /// The arithmetic of the prompt's 4-bit products: the configured
+    /// precision where prompts run on tensor cores, else exact.
+    pub fn prompt_precision(&self) -> PromptPrecision {
+        if self.gpu.tc_capable && self.tc_use != TensorCoreUse::Never {
+            self.prompt_precision
+        } else {
+            PromptPrecision::Exact
+        }
+    }
+
     /// Bytes of one expert record in VRAM.
     pub fn record_bytes(&self) -> usize {
         self.rec_bytes
@@ -277,9 +290,17 @@ impl CudaModel {
             TensorCoreUse::Prompt => "prompt passes",
             TensorCoreUse::Always => "every pass",
         };
+        let precision = match self.tc_use {
+            _ if !self.gpu.tc_capable => "",
+            TensorCoreUse::Never => "",
+            _ => match self.prompt_precision {
+                PromptPrecision::Int8 => " (prompt in int8)",
+                PromptPrecision::Exact => " (prompt exact)",
+            },
+        };
         format!(
             "cuda on {}: {} VRAM expert slots per layer ({:.1} MB each), {ram}; \
-             programmatic dependent launch {}; tensor-core 4-bit kernels: {tc}",
+             programmatic dependent launch {}; tensor-core 4-bit kernels: {tc}{precision}",
             self.gpu.name,
             self.slots(),
             self.rec_bytes as f64 / 1e6,

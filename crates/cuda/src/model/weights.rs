@@ -306,6 +306,7 @@ impl CudaModel {
             pass_tokens: tuning.pass_tokens.clamp(1, PASS_TOKENS),
             routes_n: 0,
             tc_use: tuning.tensor_core_passes,
+            prompt_precision: tuning.prompt_precision,
             device_routing_allowed: tuning.device_routing,
             prompt_pass: false,
             stats: CudaStats::default(),

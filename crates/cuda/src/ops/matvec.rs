@@ -73,6 +73,10 @@ impl Gpu {
     /// `y[t, :] = W x[t, :]` for `n` tokens; `x` holds `n * cols` f32 at
     /// address `x`, `y` `n * rows`.
     pub fn matvec(&self, w: &WDesc, x: u64, y: u64, n: usize) -> Result<()> {
+        if self.matvec_on_q8(w) {
+            let split = self.q8_split(x, w.cols(), n)?;
+            return self.matvec_q8_pass(w, split, y, n);
+        }
         if self.matvec_on_tensor_cores(w) {
             if n == 1 {
                 return self.matvec_tc(&[w], x, &[y]);
@@ -153,6 +157,9 @@ impl Gpu {
             ));
         }
         let cols = ws.first().map_or(0, |w| w.cols());
+        if !ws.is_empty() && ws.iter().all(|w| self.matvec_on_q8(w) && w.cols() == cols) {
+            return self.matvec_many_q8(ws, x, ys, n);
+        }
         if (2..=4).contains(&ws.len())
             && ws
                 .iter()

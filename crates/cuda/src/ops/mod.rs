@@ -7,4 +7,5 @@ pub(crate) mod matvec;
 pub(crate) mod moe;
 pub(crate) mod norm_rope;
 pub(crate) mod probe;
+pub(crate) mod prompt_q8;
 pub(crate) mod sample;

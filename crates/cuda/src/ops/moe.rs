@@ -179,6 +179,10 @@ impl Gpu {
         } = *io;
         let [gt, ut, dt] = parts;
         let pairs = tokens * k;
+        // The prompt's int8 forms first: the bits of the grouped ones.
+        if self.experts_on_q8(parts, k) {
+            return self.moe_experts_q8_pairs(parts, bases, io);
+        }
         if let (true, Some(c), Some(1)) = (
             self.fused && same_layout(gt, ut),
             gt.a4v_chunks(),
@@ -244,21 +248,18 @@ impl Gpu {
             xrow,
             xn,
             h,
-            wts,
             k,
-            shared,
-            x,
             tokens,
+            ..
         } = *io;
         let [gt, ut, dt] = parts;
         let pairs = tokens * k;
-        let fused = self.fused && same_layout(gt, ut) && dt.a4v_chunks() == Some(1);
+        let q8 = self.experts_on_q8(parts, k);
+        let fused = !q8 && self.fused && same_layout(gt, ut) && dt.a4v_chunks() == Some(1);
         let tc = self.tensor_cores && self.experts_on_tensor_cores(parts, k);
-        let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) else {
-            return Ok(false);
-        };
+        let chunks = gt.a4v_chunks().filter(|_| same_layout(gt, ut));
         let tiles_fit = a4v_tiles_smem(gt.cols()) <= self.tiles_smem_max;
-        if fused || e > 1024 || !(tc || tiles_fit) {
+        if fused || e > 1024 || !(q8 || (chunks.is_some() && (tc || tiles_fit))) {
             return Ok(false);
         }
         let (off, list) = grp;
@@ -274,6 +275,14 @@ impl Gpu {
         )?;
         let (o0, o1) = (route.offsets[0], route.offsets[1]);
         let dbase = route.out + 16 * pairs as u64;
+        if q8 {
+            return self
+                .moe_experts_q8_grouped(parts, route, e, grp, io)
+                .map(|()| true);
+        }
+        let Some(c) = chunks else {
+            return Ok(false);
+        };
         if tc {
             // Each pair's h the bits of its moe_gate_up_tc block, each
             // token's down sum the bits of its moe_down_tc block.
@@ -308,15 +317,7 @@ impl Gpu {
                 256,
                 &mut args!(dt, &route.addr, &o2, &off.ptr, &list.ptr, &hs, &hg, &v),
             )?;
-            let (h_i, k_i) = (hd as i32, k as i32);
-            return self
-                .go(
-                    &self.f.moe_down_combine,
-                    (hd.div_ceil(256) as u32, tokens as u32, 1),
-                    256,
-                    &mut args!(&v, &h_i, &wts, &k_i, &shared.0, &shared.1, &x),
-                )
-                .map(|()| true);
+            return self.moe_down_sum(v, hd, io).map(|()| true);
         }
         let r_lane = if self.split { (2 / c).max(1) } else { 4 / c };
         let grid = (
