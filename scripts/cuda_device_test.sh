@@ -75,12 +75,13 @@ cat "$OUT/invariants.log" >> "$OUT/model.log"
 grep -q "skipped" "$OUT/invariants.log" && { echo "model invariants SKIPPED (no CUDA?)" | tee -a "$OUT/model.log"; fail=1; }
 # The embedded demo model (its default prompt).
 $B/slipstream run --max-new 16 --print-ids --resident --backend cpu --dump-logits /tmp/demo.cpu.npy > /tmp/demo.cpu.ids 2>>"$OUT/model.stderr" || fail=1
-# The prompt's products exact (within 1e-3 of the CPU) and in int8 (the
-# default: within INT8 of the CPU, tokens the CPU's).
+# The prompt's products exact (the default: within 1e-3 of the CPU) and
+# in int8 (within INT8 of the CPU, tokens the CPU's).
 CX="--prompt-precision exact"
+Q8="--prompt-precision int8"
 INT8=5e-2
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.cuda.npy > /tmp/demo.cuda.ids 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --max-new 16 --print-ids --resident --backend cuda --dump-logits /tmp/demo.cuda8.npy > /tmp/demo.cuda8.ids 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --max-new 16 --print-ids --resident --backend cuda $Q8 --dump-logits /tmp/demo.cuda8.npy > /tmp/demo.cuda8.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda $CX --vram-slots 1 > /tmp/demo.cuda1.ids 2>>"$OUT/model.stderr" || fail=1
 # 300 tokens: the KV caches grow past their first 256 rows, so the pass
 # graph is captured again; graphs on and off must give the same bits.
@@ -112,9 +113,9 @@ done
 # same bits, and within the bound of the CPU's.
 P150=$(python3 -c "print(','.join(str(1 + (i * 37) % 4000) for i in range(150)))")
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cpu --dump-logits /tmp/demo.p150c.npy > /tmp/demo.p150c.ids 2>>"$OUT/model.stderr" || fail=1
-SLIPSTREAM_CUDA_PASS_TOKENS=64 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150.npy > /tmp/demo.p150.ids 2>>"$OUT/model.stderr" || fail=1
-SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150h.npy > /tmp/demo.p150h.ids 2>>"$OUT/model.stderr" || fail=1
-SLIPSTREAM_CUDA_PASS_TOKENS=256 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --dump-logits /tmp/demo.p150w.npy > /tmp/demo.p150w.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_PASS_TOKENS=64 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $Q8 --dump-logits /tmp/demo.p150.npy > /tmp/demo.p150.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $Q8 --dump-logits /tmp/demo.p150h.npy > /tmp/demo.p150h.ids 2>>"$OUT/model.stderr" || fail=1
+SLIPSTREAM_CUDA_PASS_TOKENS=256 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $Q8 --dump-logits /tmp/demo.p150w.npy > /tmp/demo.p150w.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.p150x.npy > /tmp/demo.p150x.ids 2>>"$OUT/model.stderr" || fail=1
 SLIPSTREAM_CUDA_DEVICE_ROUTING=0 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.p150xh.npy > /tmp/demo.p150xh.ids 2>>"$OUT/model.stderr" || fail=1
 INT8=$INT8 python3 - >> "$OUT/model.log" <<'PY' || fail=1
@@ -125,7 +126,7 @@ rel = relf(g, c)
 bound8 = float(os.environ["INT8"])
 rel8 = relf(np.load("/tmp/demo.cuda8.npy"), c)
 t8 = open("/tmp/demo.cuda8.ids").read().split() == open("/tmp/demo.cpu.ids").read().split()
-print(f"demo, prompt in int8 (the default): max rel logit err vs cpu {rel8:.2e} (bound {bound8:g}); tokens equal to the cpu's: {t8} {'ok' if rel8 < bound8 and t8 else 'FAIL'}")
+print(f"demo, prompt in int8: max rel logit err vs cpu {rel8:.2e} (bound {bound8:g}); tokens equal to the cpu's: {t8} {'ok' if rel8 < bound8 and t8 else 'FAIL'}")
 t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1", "long", "longng", "longd"]]
 print(f"demo, prompt exact: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL'}); tokens cuda==cuda(1 slot): {t[1] == t[2]}; cpu==cuda: {t[0] == t[1]}")
 m = re.search(r"CUDA graphs: (\d+) captured, (\d+) passes replayed", open("/tmp/demo.long.err").read())
@@ -150,16 +151,16 @@ PY
 # every generated token's logits; a CPU-written snapshot resumes on CUDA.
 P100=$(python3 -c "print(','.join(str(1 + (i * 37) % 4000) for i in range(100)))")
 rm -f /tmp/demo.cuda100.snap /tmp/demo.cuda100w.snap /tmp/demo.cpu100.snap
-$B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cuda --kv-snapshot /tmp/demo.cuda100.snap > /dev/null 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cuda $Q8 --kv-snapshot /tmp/demo.cuda100.snap > /dev/null 2>>"$OUT/model.stderr" || fail=1
 # A restoring run writes its own prompt's snapshot back: the whole-prompt case gets a copy.
 cp /tmp/demo.cuda100.snap /tmp/demo.cuda100w.snap || fail=1
 $B/slipstream run --prompt-tokens "$P100" --max-new 1 --resident --backend cpu --kv-snapshot /tmp/demo.cpu100.snap > /dev/null 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda --kv-snapshot /tmp/demo.cuda100.snap --dump-logits /tmp/demo.rs.npy > /tmp/demo.rs.ids 2>/tmp/demo.rs.err || fail=1
+$B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $Q8 --kv-snapshot /tmp/demo.cuda100.snap --dump-logits /tmp/demo.rs.npy > /tmp/demo.rs.ids 2>/tmp/demo.rs.err || fail=1
 $B/slipstream run --prompt-tokens "$P150" --max-new 8 --print-ids --resident --backend cuda $CX --vram-slots 1 --kv-snapshot /tmp/demo.cpu100.snap > /tmp/demo.rsc.ids 2>/tmp/demo.rsc.err || fail=1
 # The whole prompt restored: no prefill, the first generated token's pass
 # is the first from the restored state.
-$B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda > /tmp/demo.p100.ids 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda --kv-snapshot /tmp/demo.cuda100w.snap > /tmp/demo.rw.ids 2>/tmp/demo.rw.err || fail=1
+$B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda $Q8 > /tmp/demo.p100.ids 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --prompt-tokens "$P100" --max-new 8 --print-ids --resident --backend cuda $Q8 --kv-snapshot /tmp/demo.cuda100w.snap > /tmp/demo.rw.ids 2>/tmp/demo.rw.err || fail=1
 cat /tmp/demo.rs.err /tmp/demo.rsc.err /tmp/demo.rw.err >> "$OUT/model.stderr"
 python3 - >> "$OUT/model.log" <<'PY' || fail=1
 import sys, numpy as np

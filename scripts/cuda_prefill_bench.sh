@@ -49,15 +49,16 @@ ck a256 $R SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 ck tc64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
 ck tc1 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_DEVICE_ROUTING=0
 ck tcone64 $R SLIPSTREAM_CUDA_TC=1 SLIPSTREAM_CUDA_TC_TPM=1 SLIPSTREAM_CUDA_PASS_TOKENS=64
-# The prompt's products exact (--prompt-precision exact): 256-token passes
-# == one token per pass, and within 1e-3 of the a4v kernels; the default
-# (int8) within INT8 of them.
-PP="--prompt-precision exact" ck x256 $R SLIPSTREAM_CUDA_PASS_TOKENS=256
-PP="--prompt-precision exact" ck x1 $R SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+# The prompt's products in int8 (--prompt-precision int8): 256-token
+# passes == one token per pass == 64 VRAM slots, and within 5e-2 of the
+# a4v kernels; the default (exact) within 1e-3 of them.
+PP="--prompt-precision int8" ck q256 $R SLIPSTREAM_CUDA_PASS_TOKENS=256
+PP="--prompt-precision int8" ck q1 $R SLIPSTREAM_CUDA_DEVICE_ROUTING=0
+PP="--prompt-precision int8" ck qs64 "--vram-slots 64"
 fail=0
 python3 - <<'PY' || fail=1
 import sys, numpy as np
-names = ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc1", "tcone64", "x256", "x1"]
+names = ["p64", "p256", "p1", "s64", "a64", "a256", "tc64", "tc1", "tcone64", "q256", "q1", "qs64"]
 l = {}
 for k in names:
     try:
@@ -67,11 +68,11 @@ for k in names:
 bits = lambda a, b: bool(np.array_equal(l[a], l[b]))
 # The first row (the prompt's last position): later rows follow generated tokens, which may differ.
 relf = lambda a, b: float(np.abs(l[a][0] - l[b][0]).max() / np.abs(l[b][0]).max()) if l[a].shape == l[b].shape else float("inf")
-rel, rel8 = relf("x256", "a64"), relf("p64", "a64")
-pairs = [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tcone64", "tc1"), ("x256", "x1")]
+rel, rel8 = relf("p64", "a64"), relf("q256", "a64")
+pairs = [("p64", "p1"), ("p256", "p1"), ("s64", "p1"), ("a64", "a256"), ("tc64", "tc1"), ("tcone64", "tc1"), ("q256", "q1"), ("qs64", "q1")]
 ok = all(bits(a, b) for a, b in pairs) and rel < 1e-3 and rel8 < 5e-2
 print("prefill logits (8 generated tokens after 512): " + "; ".join(f"{a} == {b}: {bits(a, b)}" for a, b in pairs)
-      + f"; prompt on tensor cores vs a4v, last prompt position, max rel err: exact {rel:.2e}, int8 (default) {rel8:.2e}: {'ok' if ok else 'FAIL'}")
+      + f"; prompt on tensor cores vs a4v, last prompt position, max rel err: exact (default) {rel:.2e}, int8 {rel8:.2e}: {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
 rm -f /tmp/pf_*.npy
@@ -86,7 +87,7 @@ pf() { # name, env assignments...
 for rep in 1 2; do
     pf p64_$rep SLIPSTREAM_CUDA_PASS_TOKENS=64
     pf p256_$rep SLIPSTREAM_CUDA_PASS_TOKENS=256
-    PP="--prompt-precision exact" pf x256_$rep SLIPSTREAM_CUDA_PASS_TOKENS=256
+    PP="--prompt-precision int8" pf q256_$rep SLIPSTREAM_CUDA_PASS_TOKENS=256
     pf a64_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=64
     pf a256_$rep SLIPSTREAM_CUDA_TC=0 SLIPSTREAM_CUDA_PASS_TOKENS=256
 done

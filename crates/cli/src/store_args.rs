@@ -58,10 +58,11 @@ pub struct StoreArgs {
     /// store (cuda; e.g. 256 keeps every expert of a 256-expert model pinned).
     #[arg(long)]
     pub ram_cache_slots: Option<usize>,
-    /// The prompt's 4-bit products on tensor cores (cuda): int8 (x
-    /// quantized per group of 64, as llama.cpp's MMQ; the fast default) or
-    /// exact (f32 to its last bit). Generated tokens are always exact.
-    #[arg(long, default_value = "int8", value_parser = ["int8", "exact"])]
+    /// The prompt's 4-bit products on tensor cores (cuda): exact (f32 to
+    /// its last bit, the default) or int8 (x quantized per group of 64, as
+    /// llama.cpp's MMQ; not yet run on a GPU). Generated tokens are always
+    /// exact.
+    #[arg(long, default_value = "exact", value_parser = ["exact", "int8"])]
     pub prompt_precision: String,
 }
 
@@ -171,10 +172,10 @@ impl StoreArgs {
             // The CUDA backend's tuning switches, for measuring (the
             // library reads no environment).
             tuning: slipstream_cuda::CudaTuning {
-                prompt_precision: if self.prompt_precision == "exact" {
-                    slipstream_cuda::PromptPrecision::Exact
-                } else {
+                prompt_precision: if self.prompt_precision == "int8" {
                     slipstream_cuda::PromptPrecision::Int8
+                } else {
+                    slipstream_cuda::PromptPrecision::Exact
                 },
                 ..slipstream_cuda::CudaTuning::from_vars(|name| std::env::var(name).ok())
             },

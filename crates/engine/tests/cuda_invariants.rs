@@ -2,8 +2,8 @@
 //! variants: every VRAM slot count (and a pinned RAM tier, host routing,
 //! graphs and programmatic launches off, the fused experts kernel) gives the
 //! same logits bit for bit as every expert resident, those logits are within
-//! the CPU's (relative: 1e-3 with the prompt's products exact,
-//! [`INT8_PROMPT_BOUND`] with them in int8, the default), and the greedy
+//! the CPU's (relative: 1e-3 with the prompt's products exact, the
+//! default; [`INT8_PROMPT_BOUND`] with them in int8), and the greedy
 //! tokens are the CPU's; the tensor-core kernels sum in another order (same
 //! bounds, same tokens).
 //!
@@ -47,7 +47,7 @@ const fn variant(
         vram_slots,
         ram_slots,
         vars,
-        precision: PromptPrecision::Int8,
+        precision: PromptPrecision::Exact,
     }
 }
 
@@ -71,12 +71,12 @@ const VARIANTS: [Variant; 10] = [
     variant("nopdl", None, None, &[("SLIPSTREAM_CUDA_PDL", "0")]),
     variant("tc", None, None, &[("SLIPSTREAM_CUDA_TC", "1")]),
     Variant {
-        precision: PromptPrecision::Exact,
-        ..variant("exact", None, None, &[])
+        precision: PromptPrecision::Int8,
+        ..variant("int8", None, None, &[])
     },
     Variant {
-        precision: PromptPrecision::Exact,
-        ..variant("exact1", Some(1), None, &[])
+        precision: PromptPrecision::Int8,
+        ..variant("int8_1", Some(1), None, &[])
     },
 ];
 
@@ -116,7 +116,7 @@ fn check(name: &str, model: &Path, prompt: &[u32], variants: &[&str]) {
         NEW_TOKENS,
     );
     let mut all: Option<Generation> = None;
-    let mut exact: Option<Generation> = None;
+    let mut int8: Option<Generation> = None;
     for &variant in variants {
         let v = VARIANTS
             .iter()
@@ -140,13 +140,13 @@ fn check(name: &str, model: &Path, prompt: &[u32], variants: &[&str]) {
                 "{name}: every expert resident replayed no CUDA graph"
             );
             all = Some(g);
-        } else if variant == "exact" {
-            exact = Some(g);
-        } else if variant == "exact1" {
-            let exact = exact.as_ref().expect("exact is checked before exact1");
+        } else if variant == "int8" {
+            int8 = Some(g);
+        } else if variant == "int8_1" {
+            let int8 = int8.as_ref().expect("int8 is checked before int8_1");
             assert!(
-                same_bits(&g.logits, &exact.logits),
-                "{name} slots=1, exact prompt: logits differ from every expert resident"
+                same_bits(&g.logits, &int8.logits),
+                "{name} slots=1, int8 prompt: logits differ from every expert resident"
             );
         } else if variant != "tc" {
             let all = all.as_ref().expect("slots=all is checked first");

@@ -1,6 +1,5 @@
-// ---- The prompt in 8-bit integers (the default prompt precision; the
-// exact tensor-core forms of prompt_tc.cu stay behind
-// `--prompt-precision exact`). Each row of x is quantized per group of 64
+// ---- The prompt in 8-bit integers (`--prompt-precision int8`; the exact
+// tensor-core forms of prompt_tc.cu are the default). Each row of x is quantized per group of 64
 // (q8_split: scale dx = the group's largest |x| / 127, codes rounded to
 // nearest), and the 4-bit weight codes (0..15) enter an int8 mma
 // (m16n8k32, s32 accumulate) unchanged, so a group adds
