@@ -284,6 +284,11 @@ impl SpeculationStats {
 
 /// Verify steps per governor decision.
 const WINDOW: u64 = 8;
+/// Verify steps after which a window already decides when a token costs
+/// more than `EARLY_SLOWDOWN` times a plain step (a verify pass that reads
+/// many more experts than it saves should not run a whole window).
+const EARLY: u64 = 2;
+const EARLY_SLOWDOWN: f64 = 2.0;
 /// Acceptance under which speculation stops (after a window).
 const MIN_ACCEPTANCE: f64 = 0.1;
 /// Plain steps before speculation is tried again after it stopped (doubles
@@ -382,21 +387,23 @@ impl Governor {
         self.window_accepted += accepted as u64;
         self.window_s += s;
         self.window_emitted += emitted as u64;
-        if self.window_steps < WINDOW {
-            return;
-        }
         let acceptance = self.window_accepted as f64 / self.window_drafted.max(1) as f64;
         let per_token = self.window_s / self.window_emitted.max(1) as f64;
         let plain = self.plain_mean();
+        let early = self.window_steps >= EARLY && plain > 0.0 && per_token > EARLY_SLOWDOWN * plain;
+        if self.window_steps < WINDOW && !early {
+            return;
+        }
+        let steps = self.window_steps;
         let why = if acceptance < MIN_ACCEPTANCE {
             Some(format!(
-                "acceptance {:.1} % under {:.0} % over the last {WINDOW} verify passes",
+                "acceptance {:.1} % under {:.0} % over the last {steps} verify passes",
                 100.0 * acceptance,
                 100.0 * MIN_ACCEPTANCE
             ))
         } else if plain > 0.0 && per_token > plain {
             Some(format!(
-                "{:.2} ms per token speculating against {:.2} ms plain over the last {WINDOW} verify passes",
+                "{:.2} ms per token speculating against {:.2} ms plain over the last {steps} verify passes",
                 per_token * 1e3,
                 plain * 1e3
             ))
@@ -491,6 +498,24 @@ mod tests {
         assert!(s.off_at_end);
         assert_eq!(s.drafted, 8 * WINDOW);
         assert_eq!(s.accepted, 4 * WINDOW);
+    }
+
+    #[test]
+    fn governor_stops_early_when_a_verify_step_costs_far_more() {
+        let mut g = Governor::new(&Speculation {
+            mode: SpeculateMode::Mtp,
+            draft_tokens: 2,
+            auto_off: true,
+        });
+        for _ in 0..PLAIN_WARMUP {
+            g.plain_step(Duration::from_millis(10));
+        }
+        g.verify_step(2, 2, 3, Duration::from_millis(90));
+        assert!(g.wants_drafts(), "one step does not decide");
+        g.verify_step(2, 2, 3, Duration::from_millis(90));
+        assert!(!g.wants_drafts());
+        let why = g.finish().turned_off.unwrap();
+        assert!(why.contains("over the last 2 verify passes"), "{why}");
     }
 
     #[test]
