@@ -149,6 +149,23 @@ struct RunArgs {
     /// token, latency ms, tokens/s) to this file.
     #[arg(long)]
     decode_curve: Option<PathBuf>,
+    /// Speculative decoding (CPU backend): off, mtp (the model's MTP
+    /// head), lookup (n-grams of the prompt and the text so far) or both.
+    /// The output is the same as without it. Default off.
+    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<slipstream_engine::SpeculateMode>())]
+    speculate: Option<slipstream_engine::SpeculateMode>,
+    /// Draft tokens per verify pass with --speculate (default 4, from
+    /// docs/BENCHMARKS.md).
+    #[arg(long, value_name = "K")]
+    draft_tokens: Option<usize>,
+    /// Keep speculating where it does not pay (by default it turns itself
+    /// off on low acceptance or when slower than plain decoding).
+    #[arg(long)]
+    speculate_always: bool,
+    /// After the run, time verify passes of 1 to N tokens from the final
+    /// state (the cost of checking N-1 drafts against a plain step).
+    #[arg(long, value_name = "N")]
+    measure_verify: Option<usize>,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -385,6 +402,20 @@ fn run(args: RunArgs) -> Result<()> {
     }
     if !matches!(plan.backend, slipstream_engine::BackendChoice::Cpu) {
         eprintln!("[backend] {}", engine.set_backend(&plan.backend)?);
+    }
+    if let Some(mode) = args.speculate {
+        engine.set_speculation(slipstream_engine::Speculation {
+            mode,
+            draft_tokens: args
+                .draft_tokens
+                .unwrap_or(slipstream_engine::DEFAULT_DRAFT_TOKENS),
+            auto_off: !args.speculate_always,
+        })?;
+        if mode != slipstream_engine::SpeculateMode::Off && engine.cuda_stats().is_some() {
+            eprintln!(
+                "note: speculative decoding runs on the CPU backend only; decoding stays plain"
+            );
+        }
     }
 
     // A prompt leaves room for at least one generated token.
@@ -660,6 +691,24 @@ fn run(args: RunArgs) -> Result<()> {
             "[phases] decode: {}",
             p.decode.report(s.generated_tokens.saturating_sub(1) as u64)
         );
+    }
+    if let Some(sp) = &s.speculation {
+        eprintln!("{}", sp.line());
+    }
+    if let Some(n) = args.measure_verify {
+        let mut ids = prompt.clone();
+        ids.extend_from_slice(&gen.tokens);
+        let tail = &ids[ids.len().saturating_sub(n.max(1))..];
+        let costs = engine.measure_verify(&state, tail, n, 3)?;
+        let one = costs.first().map_or(0.0, |c| c.1);
+        for (k, secs) in costs {
+            eprintln!(
+                "[verify] {k} tokens: {:.2} ms per pass ({:.2}x a one-token pass, {:.2} ms per token)",
+                secs * 1e3,
+                if one > 0.0 { secs / one } else { 0.0 },
+                secs * 1e3 / k as f64,
+            );
+        }
     }
     if let Some(path) = &args.stats_json {
         let json = serde_json::json!({

@@ -9,9 +9,11 @@ use slipstream_kernels::sample::DrawParams;
 use slipstream_models::Logits;
 use slipstream_store::{Phase, StoreCounters};
 
+use crate::speculative::{lookup_draft, Governor, MtpDrafter, LOOKUP_MAX_NGRAM};
 use crate::{
     heap, Checkpoint, CheckpointCollector, Engine, EngineError, ModelState, PenaltyTracker,
-    PhaseTimes, PrefillCheckpoint, Restored, Sampler, SamplingParams, StateCache, StepHook,
+    PhaseTimes, PrefillCheckpoint, Restored, Sampler, SamplingParams, SpeculateMode,
+    SpeculationStats, StateCache, StepHook,
 };
 
 /// The pieces a prefill of `len` tokens starting at position `base` runs
@@ -143,6 +145,9 @@ pub struct GenerationStats {
     /// Background reads into free slots started during the call (their
     /// bytes are in the `bytes_read` figures).
     pub expert_fills: u64,
+    /// Speculative decoding counters, when it was on (boxed: the stats
+    /// travel in the server's events).
+    pub speculation: Option<Box<SpeculationStats>>,
 }
 
 fn rate(n: usize, secs: f64) -> f64 {
@@ -215,6 +220,114 @@ impl Engine {
             }
         }
         Ok(sampler.sample(row))
+    }
+
+    /// The next token from a row of logits: the request's penalties and
+    /// the step hook's mask applied to a copy first, then the sampler; the
+    /// hook learns the token.
+    fn choose_next(
+        &mut self,
+        sampler: &mut Sampler,
+        row: &[f32],
+        penalties: Option<&PenaltyTracker>,
+        hook: &mut Option<Box<dyn StepHook>>,
+        edited: &mut Vec<f32>,
+    ) -> Result<u32, EngineError> {
+        if penalties.is_none() && hook.is_none() {
+            return Ok(self.choose_from_row(sampler, row)?);
+        }
+        edited.clear();
+        edited.extend_from_slice(row);
+        if let Some(p) = penalties {
+            p.apply(edited);
+        }
+        if let Some(h) = hook.as_deref_mut() {
+            h.mask(edited).map_err(EngineError::Hook)?;
+        }
+        let t = self.choose_from_row(sampler, edited)?;
+        if let Some(h) = hook.as_deref_mut() {
+            h.accept(t).map_err(EngineError::Hook)?;
+        }
+        Ok(t)
+    }
+
+    /// Up to `k` draft tokens after `history` (prompt and tokens so far,
+    /// the last not yet run) from the drafter of `mode`; ids outside the
+    /// vocabulary end the draft.
+    fn draft(
+        &mut self,
+        mode: SpeculateMode,
+        history: &[u32],
+        k: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        let mut drafts = match mode {
+            SpeculateMode::Off => Vec::new(),
+            SpeculateMode::Lookup => lookup_draft(history, k, 1, LOOKUP_MAX_NGRAM),
+            SpeculateMode::Mtp => self.mtp_draft(history, k)?,
+            SpeculateMode::Both => {
+                let d = lookup_draft(history, k, 2, LOOKUP_MAX_NGRAM);
+                if d.is_empty() {
+                    self.mtp_draft(history, k)?
+                } else {
+                    d
+                }
+            }
+            SpeculateMode::Custom => self
+                .drafter
+                .as_mut()
+                .map(|d| d.draft(history, k))
+                .unwrap_or_default(),
+        };
+        drafts.truncate(k);
+        let vocab = self.model.config.vocab_size;
+        if let Some(bad) = drafts.iter().position(|&t| t as usize >= vocab) {
+            drafts.truncate(bad);
+        }
+        Ok(drafts)
+    }
+
+    fn mtp_draft(&mut self, history: &[u32], k: usize) -> Result<Vec<u32>, EngineError> {
+        match self.mtp_drafter.as_mut() {
+            Some(m) => Ok(m.draft(&self.model, &mut self.store, history, k)?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The cost of verify passes from `state`: for each `n` in
+    /// `1..=max_tokens`, the fastest of `repeats` passes of `n` tokens
+    /// (`tokens` cycled; seconds), each from a copy of `state`. A pass of
+    /// 1 is a plain decode step (no trail); `n` checks `n - 1` drafts.
+    pub fn measure_verify(
+        &mut self,
+        state: &ModelState,
+        tokens: &[u32],
+        max_tokens: usize,
+        repeats: usize,
+    ) -> Result<Vec<(usize, f64)>, EngineError> {
+        if tokens.is_empty() || max_tokens == 0 {
+            return Err(EngineError::Request(
+                "measuring verify passes needs tokens and a length".into(),
+            ));
+        }
+        let mut out = Vec::with_capacity(max_tokens);
+        for n in 1..=max_tokens {
+            let pass: Vec<u32> = tokens.iter().cycle().take(n).copied().collect();
+            let mut best = f64::INFINITY;
+            for _ in 0..repeats.max(1) {
+                let mut s = state.clone();
+                let t = Instant::now();
+                if n == 1 {
+                    self.model
+                        .forward(&mut s, &pass, &mut self.store, Logits::Last, None)?;
+                } else {
+                    self.model
+                        .forward_verify(&mut s, &pass, &mut self.store, false, None)?;
+                }
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            out.push((n, best));
+        }
+        Ok(out)
     }
 
     /// Runs `tokens` in chunks; returns the logits asked for (`All` rows
@@ -385,6 +498,7 @@ impl Engine {
         let mut hook = self.step_hook.take();
         let result = self.generate_inner(&mut state, req, &mut hook, on_token);
         self.step_hook = hook;
+        self.mtp_drafter = None;
         result
     }
 
@@ -402,6 +516,7 @@ impl Engine {
         let mut hook = self.step_hook.take();
         let result = self.generate_inner(state, req, &mut hook, on_token);
         self.step_hook = hook;
+        self.mtp_drafter = None;
         let result = result.and_then(|g| self.state_to_host(state).map(|()| g));
         if result.is_err() {
             *state = self.new_state();
@@ -455,6 +570,29 @@ impl Engine {
         // stays the model's, kept in the state for a later restore.
         let edits_logits = penalties.is_some() || hook.is_some();
         let mut edited: Vec<f32> = Vec::new();
+        // Speculative decoding (CPU backend only): drafts verified in one
+        // pass, rows chosen from in order exactly as plain decoding would.
+        let settings = self.speculation.clone();
+        let speculating = settings.mode != SpeculateMode::Off && self.cuda.is_none();
+        if speculating && settings.mode == SpeculateMode::Custom && self.drafter.is_none() {
+            return Err(EngineError::Request(
+                "custom speculation without a drafter (Engine::set_drafter)".into(),
+            ));
+        }
+        let mut governor = speculating.then(|| Governor::new(&settings));
+        self.mtp_drafter =
+            if speculating && matches!(settings.mode, SpeculateMode::Mtp | SpeculateMode::Both) {
+                MtpDrafter::new(&self.model)
+            } else {
+                None
+            };
+        let mut history: Vec<u32> = if speculating {
+            req.prompt.clone()
+        } else {
+            Vec::new()
+        };
+        // A token chosen from a verify pass's row, emitted next.
+        let mut pending: Option<u32> = None;
 
         let t0 = Instant::now();
         let want = if req.keep_logits {
@@ -500,29 +638,19 @@ impl Engine {
             && (sampler.is_greedy() || sampler.is_fixed_point());
         let mut device_next: Option<u32> = None;
         while tokens.len() < req.max_new_tokens {
-            let next = match device_next.take() {
+            let next = match device_next.take().or(pending.take()) {
                 Some(t) => t,
-                None if edits_logits => {
-                    edited.clear();
-                    edited.extend_from_slice(&last);
-                    if let Some(p) = &penalties {
-                        p.apply(&mut edited);
-                    }
-                    if let Some(h) = hook.as_deref_mut() {
-                        h.mask(&mut edited).map_err(EngineError::Hook)?;
-                    }
-                    let t = self.choose_from_row(&mut sampler, &edited)?;
-                    if let Some(h) = hook.as_deref_mut() {
-                        h.accept(t).map_err(EngineError::Hook)?;
-                    }
-                    t
+                None => {
+                    self.choose_next(&mut sampler, &last, penalties.as_ref(), hook, &mut edited)?
                 }
-                None => self.choose_from_row(&mut sampler, &last)?,
             };
             if let Some(p) = penalties.as_mut() {
                 p.record(next);
             }
             tokens.push(next);
+            if speculating {
+                history.push(next);
+            }
             if tokens.len() == 1 {
                 first_token_s = t0.elapsed().as_secs_f64();
                 decode_start = Instant::now();
@@ -537,6 +665,92 @@ impl Engine {
             }
             if tokens.len() == req.max_new_tokens {
                 break;
+            }
+            // Drafts for a verify step, when the governor lets it run;
+            // never past the last token asked for.
+            let t_step = Instant::now();
+            let remaining = req.max_new_tokens - tokens.len();
+            let drafts = match governor.as_ref() {
+                Some(g) if g.wants_drafts() && remaining > 1 => self
+                    .draft(
+                        settings.mode,
+                        &history,
+                        settings.draft_tokens.min(remaining - 1),
+                    )
+                    .inspect_err(|_| state.last_logits.clear())?,
+                _ => Vec::new(),
+            };
+            if !drafts.is_empty() {
+                let start = state.tokens.len();
+                let mut pass = Vec::with_capacity(1 + drafts.len());
+                pass.push(next);
+                pass.extend_from_slice(&drafts);
+                let verified = self.model.forward_verify(
+                    state,
+                    &pass,
+                    &mut self.store,
+                    self.mtp_drafter.is_some(),
+                    self.phases.as_mut(),
+                );
+                let verified = verified.inspect_err(|_| state.last_logits.clear())?;
+                // Row i is the distribution after pass[..=i]: drafts are
+                // taken while the token chosen from it equals them; the
+                // first that differs is the chosen token, emitted next.
+                // `keep`: pass tokens the state keeps (every emitted token
+                // but the last emitted).
+                let mut keep = 1;
+                let mut accepted = 0;
+                let mut ended = false;
+                for (i, &d) in drafts.iter().enumerate() {
+                    let row = &verified.logits[i * vocab..][..vocab];
+                    let t =
+                        self.choose_next(&mut sampler, row, penalties.as_ref(), hook, &mut edited)?;
+                    if t != d {
+                        pending = Some(t);
+                        break;
+                    }
+                    accepted += 1;
+                    if let Some(p) = penalties.as_mut() {
+                        p.record(d);
+                    }
+                    tokens.push(d);
+                    history.push(d);
+                    if !on_token(d) || cancelled() {
+                        finish = FinishReason::Cancelled;
+                        ended = true;
+                    } else if stops.contains(&d) {
+                        finish = FinishReason::Stop;
+                        ended = true;
+                    } else if tokens.len() == req.max_new_tokens {
+                        ended = true;
+                    }
+                    if ended {
+                        break;
+                    }
+                    keep += 1;
+                }
+                state
+                    .rollback(&verified.trail, keep)
+                    .inspect_err(|_| state.last_logits.clear())?;
+                if let Some(m) = self.mtp_drafter.as_mut() {
+                    m.push_hidden(
+                        start,
+                        &verified.hidden[..keep * self.model.config.hidden_size],
+                    );
+                }
+                last.clear();
+                last.extend_from_slice(&verified.logits[(keep - 1) * vocab..][..vocab]);
+                if req.keep_logits {
+                    all_logits.extend_from_slice(&verified.logits[..keep * vocab]);
+                }
+                if let Some(g) = governor.as_mut() {
+                    let emitted = accepted + usize::from(pending.is_some());
+                    g.verify_step(drafts.len(), accepted, emitted, t_step.elapsed());
+                }
+                if ended {
+                    break;
+                }
+                continue;
             }
             // The state's logits are set once, after the loop (a 1 MB copy
             // per token otherwise); a failed step leaves none.
@@ -556,6 +770,9 @@ impl Engine {
                     state.last_logits.clear();
                     return Err(e.into());
                 }
+            }
+            if let Some(g) = governor.as_mut() {
+                g.plain_step(t_step.elapsed());
             }
             if req.keep_logits {
                 all_logits.extend_from_slice(&last);
@@ -598,6 +815,7 @@ impl Engine {
             expert_misses: after.misses - before.misses,
             expert_bytes_read: after.bytes_read - before.bytes_read,
             expert_fills: after.fills - before.fills,
+            speculation: governor.map(|g| Box::new(g.finish())),
         };
         let phases = match (phases_start, phases_prefill, phases_end) {
             (Some(a), Some(b), Some(c)) => {

@@ -11,6 +11,7 @@ pub mod plan;
 pub mod prompt_cache;
 pub mod sampler;
 pub mod snapshot;
+pub mod speculative;
 pub mod state_cache;
 pub mod text;
 
@@ -40,6 +41,9 @@ pub use prompt_cache::PromptCache;
 pub use sampler::{Penalties, PenaltyTracker, Sampler, SamplingParams};
 pub use slipstream_format::GenerationDefaults;
 pub use snapshot::{Snapshot, SnapshotError, SnapshotExpect};
+pub use speculative::{
+    lookup_draft, Drafter, SpeculateMode, Speculation, SpeculationStats, DEFAULT_DRAFT_TOKENS,
+};
 pub use state_cache::{Checkpoint, Restored, StateCache, StateCacheStats};
 pub use text::{text_bytes_bound, Bounded, ChatMessage, ChatTemplate, StreamDecoder, TextCodec};
 
@@ -174,6 +178,13 @@ pub struct Engine {
     checkpoints: Option<CheckpointCollector>,
     /// Called at every generated step ([`StepHook`]).
     step_hook: Option<Box<dyn StepHook>>,
+    /// Speculative decoding settings ([`Engine::set_speculation`]).
+    speculation: Speculation,
+    /// The drafter of [`SpeculateMode::Custom`].
+    drafter: Option<Box<dyn Drafter>>,
+    /// The MTP head's drafting state while a generation drafts with it; the
+    /// CPU passes hand it their hidden rows.
+    mtp_drafter: Option<speculative::MtpDrafter>,
 }
 
 /// Checkpoints of the conversation being generated.
@@ -262,6 +273,9 @@ impl Engine {
             device_tokens: None,
             checkpoints: None,
             step_hook: None,
+            speculation: Speculation::default(),
+            drafter: None,
+            mtp_drafter: None,
         })
     }
 
@@ -363,15 +377,56 @@ impl Engine {
                 device_ran(&mut self.device_tokens, tokens, out.is_ok());
                 out
             }
-            None => self.model.forward_timed(
-                state,
-                tokens,
-                &mut self.store,
-                want,
-                None,
-                self.phases.as_mut(),
-            ),
+            None => match self.mtp_drafter.as_mut() {
+                // Drafting with the MTP head: it takes every pass's
+                // final-normed hidden rows (the logits are the same bits).
+                Some(d) => {
+                    let start = state.tokens.len();
+                    let mut hidden = Vec::new();
+                    let out = self.model.forward_timed_hidden(
+                        state,
+                        tokens,
+                        &mut self.store,
+                        want,
+                        self.phases.as_mut(),
+                        &mut hidden,
+                    );
+                    if out.is_ok() {
+                        d.push_hidden(start, &hidden);
+                    }
+                    out
+                }
+                None => self.model.forward_timed(
+                    state,
+                    tokens,
+                    &mut self.store,
+                    want,
+                    None,
+                    self.phases.as_mut(),
+                ),
+            },
         }
+    }
+
+    /// Sets speculative decoding for the generations that follow (off by
+    /// default). It runs on the CPU backend; on CUDA generation stays
+    /// plain. The output is the same tokens either way: greedy bit for bit,
+    /// sampled draw for draw (see docs/SPECULATIVE.md).
+    pub fn set_speculation(&mut self, settings: Speculation) -> Result<(), EngineError> {
+        settings
+            .check(self.model.mtp_depth())
+            .map_err(EngineError::Request)?;
+        self.speculation = settings;
+        Ok(())
+    }
+
+    pub fn speculation(&self) -> &Speculation {
+        &self.speculation
+    }
+
+    /// Installs the drafter [`SpeculateMode::Custom`] drafts with.
+    pub fn set_drafter(&mut self, drafter: Option<Box<dyn Drafter>>) -> Option<Box<dyn Drafter>> {
+        std::mem::replace(&mut self.drafter, drafter)
     }
 
     /// Makes the CUDA backend's device hold `state` before a pass runs from

@@ -270,6 +270,21 @@ impl GatedDeltaNet {
     /// x: [n, hidden] (normed); returns [n, hidden]. Carries conv and
     /// recurrent state in `state`, one token at a time (the recurrent form).
     pub fn forward(&self, x: &[f32], n: usize, state: &mut LinearState) -> Vec<f32> {
+        self.forward_recording(x, n, state, None)
+    }
+
+    /// [`GatedDeltaNet::forward`] that, when `trail` is given, appends the
+    /// state after each of the first `n - 1` tokens to it (the state after
+    /// the last is `state` itself): what a speculative verify pass rolls
+    /// back to. Recording copies states and changes no number.
+    pub fn forward_recording(
+        &self,
+        x: &[f32],
+        n: usize,
+        state: &mut LinearState,
+        trail: Option<&mut Vec<LinearState>>,
+    ) -> Vec<f32> {
+        let record = trail.is_some() && n > 1;
         let c = self.conv_dim();
         let (nk, dk, nv, dv, kk) = (
             self.num_k_heads,
@@ -299,17 +314,26 @@ impl GatedDeltaNet {
                 *o = ops::silu(acc);
             }
         });
+        let conv_after: Vec<Vec<f32>> = if record {
+            (1..n)
+                .map(|t| window[t * c..(t + hist) * c].to_vec())
+                .collect()
+        } else {
+            Vec::new()
+        };
         state.conv.copy_from_slice(&window[n * c..]);
 
         // Delta rule per value head; heads are independent.
         let ratio = nv / nk;
         let q_scale = 1.0 / (dk as f32).sqrt();
-        let per_head: Vec<Vec<f32>> = state
+        let per_head: Vec<(Vec<f32>, Vec<f32>)> = state
             .recurrent
             .par_chunks_mut(dk * dv)
             .enumerate()
             .map(|(j, s)| {
                 let mut head_out = vec![0.0f32; n * dv];
+                // This head's state after each token but the last.
+                let mut snaps = Vec::with_capacity(if record { (n - 1) * dk * dv } else { 0 });
                 let kh = j / ratio;
                 let mut q = vec![0.0f32; dk];
                 let mut key = vec![0.0f32; dk];
@@ -346,14 +370,27 @@ impl GatedDeltaNet {
                     for d in 0..dv {
                         dst[d] = (o[d] * inv) * self.norm[d] * ops::silu(zrow[d]);
                     }
+                    if record && t + 1 < n {
+                        snaps.extend_from_slice(s);
+                    }
                 }
-                head_out
+                (head_out, snaps)
             })
             .collect();
         let mut core = vec![0.0f32; n * nv * dv];
-        for (j, head_out) in per_head.iter().enumerate() {
+        for (j, (head_out, _)) in per_head.iter().enumerate() {
             for t in 0..n {
                 core[(t * nv + j) * dv..][..dv].copy_from_slice(&head_out[t * dv..][..dv]);
+            }
+        }
+        if let (Some(trail), true) = (trail, record) {
+            let per = dk * dv;
+            for (t, conv) in conv_after.into_iter().enumerate() {
+                let mut recurrent = Vec::with_capacity(nv * per);
+                for (_, snaps) in &per_head {
+                    recurrent.extend_from_slice(&snaps[t * per..][..per]);
+                }
+                trail.push(LinearState { conv, recurrent });
             }
         }
         self.out_proj.forward(&core, n)

@@ -12,6 +12,7 @@ pub mod mtp;
 pub mod ops;
 pub mod qwen3_5_moe;
 pub mod qwen3_moe;
+pub mod speculative;
 pub mod state;
 pub mod transformer;
 
@@ -20,6 +21,7 @@ use slipstream_core::{Architecture, BoxError, ModelConfig, TensorSource};
 pub use backend::{Backend, CpuBackend, NormKind};
 pub use blocks::Route;
 pub use mtp::{MtpHead, MtpOutput, MtpState};
+pub use speculative::{StateTrail, VerifyPass};
 pub use state::ModelState;
 pub use transformer::{Logits, RouteObserver, Transformer};
 

@@ -60,7 +60,7 @@ pub struct Transformer {
 
 /// Called once per pass with the pass's final-normed hidden rows
 /// (`[n, hidden]`) and `n`.
-type HiddenSink<'a, A> = &'a mut dyn FnMut(&A, usize) -> Result<(), ModelError>;
+pub(crate) type HiddenSink<'a, A> = &'a mut dyn FnMut(&A, usize) -> Result<(), ModelError>;
 
 fn set_attention_activations(a: &mut Attention, act: slipstream_kernels::Activations) {
     for l in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
@@ -182,6 +182,35 @@ impl Transformer {
         Ok((logits, hidden))
     }
 
+    /// [`Transformer::forward_timed`] that also appends every token's
+    /// hidden state after the final norm (`[tokens, hidden]`) to `hidden`
+    /// (the MTP head's input). The logits are bit-identical to
+    /// `forward_timed`'s.
+    pub fn forward_timed_hidden(
+        &self,
+        state: &mut ModelState,
+        tokens: &[u32],
+        experts: &mut dyn ExpertSource,
+        want: Logits,
+        phases: Option<&mut PhaseTimes>,
+        hidden: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut sink = |rows: &Vec<f32>, _n: usize| {
+            hidden.extend_from_slice(rows);
+            Ok(())
+        };
+        self.run_with_hidden(
+            &mut CpuBackend,
+            state,
+            tokens,
+            experts,
+            want,
+            None,
+            phases,
+            Some(&mut sink),
+        )
+    }
+
     /// [`Transformer::forward`] that adds the time of each phase to
     /// `phases` when given (and counts the tokens). Results are identical
     /// to `forward`'s.
@@ -228,7 +257,7 @@ impl Transformer {
     /// [`Transformer::run`] that hands each pass's final-normed hidden rows
     /// to `hidden` when given.
     #[allow(clippy::too_many_arguments)]
-    fn run_with_hidden<B: Backend>(
+    pub(crate) fn run_with_hidden<B: Backend>(
         &self,
         backend: &mut B,
         state: &mut ModelState,
