@@ -25,7 +25,10 @@
 //!   `attn_gate` in transformers' head order (no reordering: kept), but
 //!   keeps `in_proj_ba` fused as `ssm_ba` (`[b r, a r]` rows per key head):
 //!   its rows are split into `gdn.in_proj_b` / `gdn.in_proj_a`, whole rows
-//!   of any type.
+//!   of any type. Older ("legacy") qwen3next files hold `ssm_in`, the fused
+//!   `in_proj_qkvz` in transformers' per-key-head order, instead of
+//!   `attn_qkv` / `attn_gate` (llama.cpp still reads both): its rows are
+//!   split as repack splits the checkpoint's.
 //!
 //! With `ggml_to_affine`, `Q4_0` and `Q8_0` tensors (dense and expert parts)
 //! are converted exactly to affine 4-bit / 8-bit group 32 (same f32 values,
@@ -581,6 +584,29 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                         shape: [conv_dim, kk],
                         bytes: f32_bytes(&vals),
                         bytes_in: src.tensor(&gname)?.nbytes,
+                    })
+                })
+            }
+            // Legacy qwen3next: q, k, v and z rows from the fused `ssm_in`.
+            "gdn.in_proj_qkv" | "gdn.in_proj_z"
+                if next && src.f.tensor(&gname).is_none() && spec.layer.is_some() =>
+            {
+                let l = spec.layer.unwrap_or_default();
+                let fused = format!("blk.{l}.ssm_in.weight");
+                let (_, pick) = crate::qwen3_next_fused(cfg, spec.key).ok_or_else(|| {
+                    RepackError::Unsupported(format!("no split known for {}", spec.name))
+                })?;
+                let src_rows = pick.rows();
+                let total = pick.source_rows();
+                Box::new(move || {
+                    let (t, q) = src.shaped(&fused, &[cols, total])?;
+                    let b = src.bytes(t);
+                    Ok(Dense {
+                        name: out.clone(),
+                        qtype: q,
+                        shape: [rows, cols],
+                        bytes: permute_rows(b, q.nbytes(1, cols), &src_rows),
+                        bytes_in: b.len() as u64 * rows as u64 / total.max(1) as u64,
                     })
                 })
             }

@@ -641,7 +641,7 @@ fn mtp_layers_in(ck: &Checkpoint, prefix: &str) -> usize {
 /// `in_proj_qkvz` holds `[q dk, k dk, v r*dv, z r*dv]` and `in_proj_ba`
 /// holds `[b r, a r]`, `r` value heads per key head (transformers'
 /// `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`).
-fn qwen3_next_fused(cfg: &ModelConfig, key: &str) -> Option<(&'static str, RowPick)> {
+pub(crate) fn qwen3_next_fused(cfg: &ModelConfig, key: &str) -> Option<(&'static str, RowPick)> {
     let nk = cfg.linear_num_key_heads;
     let dk = cfg.linear_key_head_dim;
     let r = cfg.linear_num_value_heads.checked_div(nk)?;

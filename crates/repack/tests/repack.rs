@@ -1365,3 +1365,74 @@ fn qwen3_next_fused_projections_split_per_key_head() {
     std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
     assert!(!read_checkpoint_config(&copy).unwrap().norm_topk_prob);
 }
+
+/// A legacy qwen3next GGUF (fused `ssm_in` = transformers' `in_proj_qkvz`,
+/// per key head `[q, k, v, z]`, instead of the converter's `attn_qkv` /
+/// `attn_gate`) imports to the very same model as the fixture it is
+/// rewritten from: every dense tensor and expert byte for byte.
+#[test]
+fn gguf_qwen3next_legacy_ssm_in_imports_like_the_split_tensors() {
+    use slipstream_gguf::{GgufFile, GgufWriter, TensorDecl};
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures_dir().join("gguf_qwen3next_q8_0/model.gguf");
+    let f = GgufFile::open(&src).unwrap();
+    // 4 key heads of 16, 2 value heads of 16 per key head, hidden 64.
+    let (nk, dk, vd) = (4usize, 16usize, 32usize);
+    let legacy = dir.path().join("legacy.gguf");
+    let mut decls = Vec::new();
+    let mut datas: Vec<(String, Vec<u8>)> = Vec::new();
+    for t in &f.tensors {
+        let Some(base) = t.name.strip_suffix(".attn_qkv.weight") else {
+            if !t.name.ends_with(".attn_gate.weight") {
+                decls.push(TensorDecl::new(t.name.clone(), &t.dims, t.ty));
+                datas.push((t.name.clone(), f.data(t).to_vec()));
+            }
+            continue;
+        };
+        let gate = f.tensor(&format!("{base}.attn_gate.weight")).unwrap();
+        let rb = t.row_bytes() as usize;
+        let (qkv, z) = (f.data(t), f.data(gate));
+        let row = |m: &[u8], r: usize| m[r * rb..(r + 1) * rb].to_vec();
+        let mut fused = Vec::new();
+        for g in 0..nk {
+            for r in 0..dk {
+                fused.extend(row(qkv, g * dk + r));
+            }
+            for r in 0..dk {
+                fused.extend(row(qkv, nk * dk + g * dk + r));
+            }
+            for r in 0..vd {
+                fused.extend(row(qkv, 2 * nk * dk + g * vd + r));
+            }
+            for r in 0..vd {
+                fused.extend(row(z, g * vd + r));
+            }
+        }
+        let name = format!("{base}.ssm_in.weight");
+        let rows = (nk * (2 * dk + 2 * vd)) as u64;
+        decls.push(TensorDecl::new(name.clone(), &[t.dims[0], rows], t.ty));
+        datas.push((name, fused));
+    }
+    let mut w = GgufWriter::create(&legacy, &f.metadata, decls, Default::default()).unwrap();
+    for (name, b) in &datas {
+        w.write_tensor(name, b).unwrap();
+    }
+    w.finish().unwrap();
+    assert!(GgufFile::open(&legacy)
+        .unwrap()
+        .tensor("blk.0.attn_qkv.weight")
+        .is_none());
+
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let ra = run(&src, &a, QuantChoice::Q4).unwrap();
+    let rb = run(&legacy, &b, QuantChoice::Q4).unwrap();
+    assert_eq!(ra.config, rb.config);
+    assert!(rb.ignored_tensors.is_empty(), "{:?}", rb.ignored_tensors);
+    let (ma, mb) = (SlipModel::open(&a).unwrap(), SlipModel::open(&b).unwrap());
+    for d in &ma.manifest.dense {
+        let (x, y) = (ma.tensor(&d.name).unwrap(), mb.tensor(&d.name).unwrap());
+        assert_eq!(x.qtype, y.qtype, "{}", d.name);
+        assert!(x.view().data == y.view().data, "{} differs", d.name);
+    }
+    assert_eq!(ma.manifest.experts.checksums, mb.manifest.experts.checksums);
+}
