@@ -45,6 +45,13 @@ fn qwen3_next_matches_transformers() {
 }
 
 #[test]
+fn qwen3_next_mlx4_matches_dequantized_reference() {
+    // mlx-lm keeps in_proj_qkvz / in_proj_ba fused and 4-bit: their code,
+    // scale and bias rows are split like float rows.
+    check("qwen3_next_mlx4", QuantChoice::Q4, 4096);
+}
+
+#[test]
 fn qwen3_next_keeps_its_mtp_head_and_streams_bit_identically() {
     let tmp = tempfile::tempdir().unwrap();
     let out = repacked("qwen3_next", QuantChoice::Q4, tmp.path());

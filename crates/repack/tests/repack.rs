@@ -1089,6 +1089,7 @@ fn repacks_reference_fixtures() {
         "qwen3_moe",
         "qwen3_5_moe_mlx4",
         "qwen3_next",
+        "qwen3_next_mlx4",
     ] {
         let input = fixtures_dir().join(name);
         if !input.join("config.json").exists() {
