@@ -15,6 +15,10 @@ on exactly the weights the GGUF holds (dequantized where quantized):
                         gguf-py's dequantized values)
   gguf_qwen3moe_q4_0    qwen3_moe, converted at f32, experts as Q4_0, the
                         rest Q8_0 (gguf-py quantizers)
+  gguf_qwen3next_f16    qwen3_next (Qwen3NextForCausalLM), --outtype f16: the
+                        converter splits in_proj_qkvz into attn_qkv /
+                        attn_gate and keeps in_proj_ba fused as ssm_ba
+  gguf_qwen3next_q8_0   the same model, --outtype q8_0
 
 Every qwen3_5_moe model has linear_num_value_heads > linear_num_key_heads, so
 the converter's value-head reorder (grouped -> tiled) is exercised and a
@@ -234,6 +238,55 @@ def hf_state_qwen35(t: dict, cfg) -> dict:
     return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in sd.items()}
 
 
+def hf_state_qwen3next(t: dict, cfg) -> dict:
+    """HF Qwen3NextForCausalLM state dict from dequantized GGUF tensors: the
+    converter's attn_qkv / attn_gate interleaved back into in_proj_qkvz per
+    key head; ssm_ba is in_proj_ba as it is."""
+    g = lambda n: t[n][1]  # noqa: E731
+    sd = {"model.embed_tokens.weight": g("token_embd.weight"),
+          "model.norm.weight": g("output_norm.weight") - 1.0,
+          "lm_head.weight": g("output.weight")}
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = nv // nk
+    for l, kind in enumerate(cfg.layer_types):
+        b, p = f"blk.{l}.", f"model.layers.{l}."
+        sd[p + "input_layernorm.weight"] = g(b + "attn_norm.weight") - 1.0
+        sd[p + "post_attention_layernorm.weight"] = g(b + "post_attention_norm.weight") - 1.0
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            qkv = g(b + "attn_qkv.weight")
+            H = qkv.shape[1]
+            q = qkv[:nk * dk].reshape(nk, dk, H)
+            k = qkv[nk * dk:2 * nk * dk].reshape(nk, dk, H)
+            v = qkv[2 * nk * dk:].reshape(nk, r * dv, H)
+            z = g(b + "attn_gate.weight").reshape(nk, r * dv, H)
+            sd[a + "in_proj_qkvz.weight"] = np.concatenate([q, k, v, z], axis=1).reshape(-1, H)
+            sd[a + "in_proj_ba.weight"] = g(b + "ssm_ba.weight")
+            sd[a + "conv1d.weight"] = g(b + "ssm_conv1d.weight")[:, None, :]
+            sd[a + "A_log"] = np.log(-g(b + "ssm_a").astype(np.float64)).astype(np.float32)
+            sd[a + "dt_bias"] = g(b + "ssm_dt.bias")
+            sd[a + "norm.weight"] = g(b + "ssm_norm.weight")
+            sd[a + "out_proj.weight"] = g(b + "ssm_out.weight")
+        else:
+            a = p + "self_attn."
+            for hf, gg in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"),
+                           ("o_proj", "attn_output")):
+                sd[a + hf + ".weight"] = g(b + gg + ".weight")
+            sd[a + "q_norm.weight"] = g(b + "attn_q_norm.weight") - 1.0
+            sd[a + "k_norm.weight"] = g(b + "attn_k_norm.weight") - 1.0
+        m = p + "mlp."
+        sd[m + "gate.weight"] = g(b + "ffn_gate_inp.weight")
+        sd[m + "experts.gate_up_proj"] = np.concatenate(
+            [g(b + "ffn_gate_exps.weight"), g(b + "ffn_up_exps.weight")], axis=1)
+        sd[m + "experts.down_proj"] = g(b + "ffn_down_exps.weight")
+        for hf, gg in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"),
+                       ("down_proj", "ffn_down_shexp")):
+            sd[m + "shared_expert." + hf + ".weight"] = g(b + gg + ".weight")
+        sd[m + "shared_expert_gate.weight"] = g(b + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+    return {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)) for k, v in sd.items()}
+
+
 def hf_state_qwen3moe(t: dict, cfg) -> dict:
     g = lambda n: t[n][1]  # noqa: E731
     sd = {"model.embed_tokens.weight": g("token_embd.weight"),
@@ -290,9 +343,20 @@ def qwen3moe_cfg(vocab):
     return cfg
 
 
+def qwen3next_cfg(vocab):
+    cfg = mf.qwen3next_config(vocab)
+    cfg.num_experts, cfg.num_experts_per_tok = 4, 2
+    return cfg
+
+
+CLASSES = {"qwen3_5_moe": mf.Qwen3_5MoeForCausalLM, "qwen3_moe": mf.Qwen3MoeForCausalLM,
+           "qwen3_next": mf.Qwen3NextForCausalLM}
+HF_STATE = {"qwen3_5_moe": hf_state_qwen35, "qwen3_moe": hf_state_qwen3moe, "qwen3_next": hf_state_qwen3next}
+
+
 def build(kind, cfg, seed):
     torch.manual_seed(seed)
-    cls = mf.Qwen3_5MoeForCausalLM if kind == "qwen3_5_moe" else mf.Qwen3MoeForCausalLM
+    cls = CLASSES[kind]
     model = cls(cfg).float()
     mf.perturb(model, torch.Generator().manual_seed(seed), kind)
     model.config._experts_implementation = "eager"
@@ -305,6 +369,9 @@ def save_hf(kind, model, out: Path, tok_dir: Path, specials):
     if kind == "qwen3_5_moe":
         mf.write_json(out / "config.json", mf.qwen35_full_config_dict(model.config))
         sd = mf.qwen35_checkpoint_state(model, fused=True)
+    elif kind == "qwen3_next":
+        mf.write_json(out / "config.json", mf.qwen3next_config_dict(model.config))
+        sd = mf.per_expert_state(model)
     else:
         d = model.config.to_dict()
         for k in ("_attn_implementation", "_experts_implementation"):
@@ -330,7 +397,7 @@ def load_state(model, sd):
 def check_inverse(kind, model, f32_gguf: Path):
     """The GGUF -> HF inverse gives back the original weights."""
     _, t = read_gguf(f32_gguf)
-    inv = hf_state_qwen35(t, model.config) if kind == "qwen3_5_moe" else hf_state_qwen3moe(t, model.config)
+    inv = HF_STATE[kind](t, model.config)
     own = model.state_dict()
     worst = 0.0
     for k, v in inv.items():
@@ -347,6 +414,8 @@ FIXTURES = {
     "gguf_qwen35moe_q8_0": ("qwen3_5_moe", True, 5000, "q8_0"),
     "gguf_qwen35moe_kquant": ("qwen3_5_moe", False, 6000, "kquant"),
     "gguf_qwen3moe_q4_0": ("qwen3_moe", True, 7000, "q4_0"),
+    "gguf_qwen3next_f16": ("qwen3_next", True, 8000, "f16"),
+    "gguf_qwen3next_q8_0": ("qwen3_next", True, 8000, "q8_0"),
 }
 
 KQUANT_PLAN = {
@@ -385,7 +454,8 @@ Q3_PLAN = {
 def make(name, tok_dir, prompt_ids, specials, vocab, work: Path):
     kind, small, seed0, how = FIXTURES[name]
     for seed in range(seed0, seed0 + 100):
-        cfg = qwen35_cfg(vocab, small) if kind == "qwen3_5_moe" else qwen3moe_cfg(vocab)
+        cfg = {"qwen3_5_moe": lambda: qwen35_cfg(vocab, small), "qwen3_moe": lambda: qwen3moe_cfg(vocab),
+               "qwen3_next": lambda: qwen3next_cfg(vocab)}[kind]()
         model = build(kind, cfg, seed)
         if how == "f16":  # weights exactly representable: the f16 file is lossless
             with torch.no_grad():
@@ -395,17 +465,17 @@ def make(name, tok_dir, prompt_ids, specials, vocab, work: Path):
         hf = wd / "hf"
         save_hf(kind, model, hf, tok_dir, specials)
         f32 = wd / "f32.gguf"
-        convert(hf, "f32", f32, no_mtp=kind == "qwen3_5_moe")
+        convert(hf, "f32", f32, no_mtp=kind != "qwen3_moe")
         check_inverse(kind, model, f32)
         final = wd / "model.gguf"
         if how in ("f16", "q8_0"):
-            convert(hf, how, final, no_mtp=kind == "qwen3_5_moe")
+            convert(hf, how, final, no_mtp=kind != "qwen3_moe")
         else:
             arch = "qwen35moe" if kind == "qwen3_5_moe" else "qwen3moe"
             plan = KQUANT_PLAN if how == "kquant" else Q3_PLAN
             requantize(f32, final, plan, arch, np.random.default_rng(seed))
         _, t = read_gguf(final)
-        sd = hf_state_qwen35(t, model.config) if kind == "qwen3_5_moe" else hf_state_qwen3moe(t, model.config)
+        sd = HF_STATE[kind](t, model.config)
         load_state(model, sd)
         ok, logits, info = mf.run_reference(model, prompt_ids, vocab, specials)
         print(f"  {name} seed {seed}: ok={ok} {info}")

@@ -22,20 +22,22 @@ pub enum SkewKind {
 pub enum SynthFormat {
     /// A .slip model directory.
     Slip,
-    /// A llama.cpp GGUF file (Q4_0, qwen35moe / qwen3moe); implies --quant q4_0.
+    /// A llama.cpp GGUF file (Q4_0, qwen35moe / qwen3next / qwen3moe); implies --quant q4_0.
     Gguf,
 }
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct SynthArgs {
-    /// Shapes to imitate: qwen3.6-35b-a3b or qwen3-30b-a3b.
+    /// Shapes to imitate: qwen3.6-35b-a3b, qwen3-30b-a3b, qwen3-next-80b-a3b
+    /// or qwen3.5-122b-a10b (docs/SYNTH.md says where each comes from).
     #[arg(long)]
     pub preset: Preset,
     /// Keep only the first N layers (fast experiments).
     #[arg(long)]
     pub layers: Option<usize>,
     /// Multi-token-prediction layers after the main ones, at the real
-    /// shapes (Qwen3.6-35B-A3B ships 1; qwen3.6 preset only). Default 0.
+    /// shapes (Qwen3.6-35B-A3B and Qwen3-Next-80B-A3B ship 1; not for
+    /// qwen3-30b-a3b). Default 0.
     #[arg(long, default_value_t = 0)]
     pub mtp_layers: usize,
     /// Seed of every weight; the same seed writes the same bytes.

@@ -11,6 +11,11 @@ pub enum Architecture {
     Qwen35Moe,
     /// Qwen3 MoE: full attention in every layer, no shared expert.
     Qwen3Moe,
+    /// Qwen3-Next: the math of [`Architecture::Qwen35Moe`] (its checkpoints
+    /// fuse the Gated DeltaNet input projections per key head; importers
+    /// split them into the canonical `gdn.*` tensors), and the router
+    /// renormalises only when the config says `norm_topk_prob`.
+    Qwen3Next,
 }
 
 impl Architecture {
@@ -18,7 +23,14 @@ impl Architecture {
         match self {
             Architecture::Qwen35Moe => "qwen3_5_moe",
             Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen3Next => "qwen3_next",
         }
+    }
+
+    /// Gated DeltaNet / gated-attention hybrids with a gated shared expert
+    /// (qwen3_5_moe and qwen3_next): one model code, zero-centred HF norms.
+    pub fn is_hybrid(&self) -> bool {
+        matches!(self, Architecture::Qwen35Moe | Architecture::Qwen3Next)
     }
 }
 
@@ -170,9 +182,9 @@ impl ModelConfig {
                 "max_position_embeddings and moe_intermediate_size must be positive".into(),
             );
         }
-        if self.mtp_num_layers > 0 && self.architecture != Architecture::Qwen35Moe {
+        if self.mtp_num_layers > 0 && !self.architecture.is_hybrid() {
             return bad(format!(
-                "MTP layers are known only for qwen3_5_moe, not {}",
+                "MTP layers are known only for qwen3_5_moe and qwen3_next, not {}",
                 self.architecture.name()
             ));
         }

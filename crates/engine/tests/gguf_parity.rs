@@ -99,6 +99,23 @@ fn qwen35moe_kquant_gguf_matches_transformers() {
     check("gguf_qwen35moe_kquant", BOUND, false);
 }
 
+// qwen3next: the converter's split of `in_proj_qkvz` kept, its fused
+// `ssm_ba` split into b and a (F16 rows, then Q8_0 block rows).
+#[test]
+fn qwen3next_f16_gguf_matches_transformers() {
+    check("gguf_qwen3next_f16", BOUND, false);
+}
+
+#[test]
+fn qwen3next_q8_0_gguf_matches_transformers() {
+    check("gguf_qwen3next_q8_0", BOUND, false);
+}
+
+#[test]
+fn qwen3next_q8_0_gguf_as_affine_matches_transformers() {
+    check("gguf_qwen3next_q8_0", BOUND, true);
+}
+
 #[test]
 fn qwen3moe_q4_0_gguf_matches_transformers() {
     check("gguf_qwen3moe_q4_0", BOUND, false);

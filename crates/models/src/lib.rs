@@ -44,7 +44,7 @@ pub fn load(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Transformer, Mo
     cfg.validate()
         .map_err(|e| ModelError::Config(e.to_string()))?;
     match cfg.architecture {
-        Architecture::Qwen35Moe => qwen3_5_moe::load(cfg, src),
+        Architecture::Qwen35Moe | Architecture::Qwen3Next => qwen3_5_moe::load(cfg, src),
         Architecture::Qwen3Moe => qwen3_moe::load(cfg, src),
     }
 }

@@ -11,7 +11,7 @@ use slipstream_format::GenerationDefaults;
 
 use crate::{RepackError, Result};
 
-pub(crate) const SUPPORTED: &str = "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe";
+pub(crate) const SUPPORTED: &str = "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next";
 
 pub(crate) fn read_json(path: &Path) -> Result<Value> {
     let bytes = std::fs::read(path).map_err(|e| {
@@ -65,6 +65,7 @@ impl RawConfig {
         let architecture = match model_type {
             "qwen3_5_moe" | "qwen3_5_moe_text" => Architecture::Qwen35Moe,
             "qwen3_moe" => Architecture::Qwen3Moe,
+            "qwen3_next" => Architecture::Qwen3Next,
             "" => {
                 return Err(RepackError::UnknownArchitecture {
                     model_type: text_type.unwrap_or("(none)").to_string(),
@@ -183,7 +184,8 @@ impl RawConfig {
     /// Builds the normalised configuration, refusing features we do not run.
     pub fn model_config(&self) -> Result<ModelConfig> {
         let arch = self.architecture;
-        let qwen35 = arch == Architecture::Qwen35Moe;
+        // qwen3_5_moe and qwen3_next: hybrid layers, gated attention, shared expert.
+        let qwen35 = arch.is_hybrid();
         let hidden = self.usize_req("hidden_size")?;
         let n_layers = self.usize_req("num_hidden_layers")?;
         let heads = self.usize_req("num_attention_heads")?;
@@ -352,14 +354,16 @@ impl RawConfig {
             } else {
                 0
             },
-            // qwen3_5_moe always renormalises the top-k weights.
-            norm_topk_prob: if qwen35 {
-                true
-            } else {
-                self.bool_or("norm_topk_prob", false)?
+            // qwen3_5_moe always renormalises the top-k weights; qwen3_next
+            // (Qwen2MoeTopKRouter) when `norm_topk_prob`, true by default.
+            norm_topk_prob: match arch {
+                Architecture::Qwen35Moe => true,
+                Architecture::Qwen3Next => self.bool_or("norm_topk_prob", true)?,
+                Architecture::Qwen3Moe => self.bool_or("norm_topk_prob", false)?,
             },
             // The importer drops it back to 0 when the checkpoint carries
-            // no `mtp.*` tensors.
+            // no `mtp.*` tensors; a qwen3_next config declares none (the
+            // importer counts the checkpoint's `mtp.layers.{k}`).
             mtp_num_layers: if qwen35 {
                 self.usize_or("mtp_num_hidden_layers", 0)?
             } else {

@@ -205,3 +205,166 @@ fn encode_float(
         }
     }
 }
+
+/// Rows taken from a fused tensor laid out `[groups, group_rows, cols]`:
+/// for each `(start, len)` of `takes` in turn, rows `start..start + len` of
+/// every group. Qwen3-Next's `in_proj_qkvz` holds `[q dk, k dk, v r*dv,
+/// z r*dv]` rows per key head: the canonical `in_proj_qkv` is the takes
+/// `(0, dk), (dk, dk), (2dk, r*dv)` (all q heads, all k heads, all v heads)
+/// and `in_proj_z` the take `(2dk + r*dv, r*dv)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RowPick {
+    pub groups: usize,
+    pub group_rows: usize,
+    pub takes: Vec<(usize, usize)>,
+}
+
+/// A [`PartSrc`] with its bytes owned (the rows a [`RowPick`] gathered).
+pub(crate) enum OwnedSrc {
+    Float {
+        dtype: Dtype,
+        data: Vec<u8>,
+    },
+    Quant {
+        qtype: QuantType,
+        codes: Vec<u8>,
+        scales: Vec<u8>,
+        biases: Vec<u8>,
+    },
+}
+
+impl OwnedSrc {
+    pub fn as_src(&self) -> PartSrc<'_> {
+        match self {
+            OwnedSrc::Float { dtype, data } => PartSrc::Float {
+                dtype: *dtype,
+                data,
+            },
+            OwnedSrc::Quant {
+                qtype,
+                codes,
+                scales,
+                biases,
+            } => PartSrc::Quant {
+                qtype: *qtype,
+                codes,
+                scales,
+                biases,
+            },
+        }
+    }
+}
+
+impl RowPick {
+    /// Rows of the fused source tensor.
+    pub fn source_rows(&self) -> usize {
+        self.groups * self.group_rows
+    }
+
+    /// Source row of each output row, in output order.
+    pub fn rows(&self) -> Vec<usize> {
+        let mut v = Vec::new();
+        for &(start, len) in &self.takes {
+            for g in 0..self.groups {
+                v.extend((start..start + len).map(|r| g * self.group_rows + r));
+            }
+        }
+        v
+    }
+
+    /// The picked rows of `src`, a whole fused tensor of [`Self::source_rows`]
+    /// rows. Float rows and the code, scale and bias rows of an affine
+    /// tensor are independent, so rows move whole and values are unchanged.
+    pub fn apply(&self, src: &PartSrc) -> OwnedSrc {
+        let n = self.source_rows().max(1);
+        let rows = self.rows();
+        let gather = |bytes: &[u8]| -> Vec<u8> {
+            let rb = bytes.len() / n;
+            let mut out = Vec::with_capacity(rows.len() * rb);
+            for &r in &rows {
+                out.extend_from_slice(&bytes[r * rb..(r + 1) * rb]);
+            }
+            out
+        };
+        match *src {
+            PartSrc::Float { dtype, data } => OwnedSrc::Float {
+                dtype,
+                data: gather(data),
+            },
+            PartSrc::Quant {
+                qtype,
+                codes,
+                scales,
+                biases,
+            } => OwnedSrc::Quant {
+                qtype,
+                codes: gather(codes),
+                scales: gather(scales),
+                biases: gather(biases),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Qwen3-Next split, checked against transformers'
+    /// `fix_query_key_value_ordering` written out by hand for 2 key heads,
+    /// dk 1, 2 value heads per key head, dv 1: per key head the fused rows
+    /// are [q, k, v0, v1, z0, z1].
+    #[test]
+    fn qwen3_next_split_matches_the_reference_ordering() {
+        let (nk, dk, r, dv) = (2, 1, 2, 1);
+        let per = 2 * dk + 2 * r * dv;
+        let qkv = RowPick {
+            groups: nk,
+            group_rows: per,
+            takes: vec![(0, dk), (dk, dk), (2 * dk, r * dv)],
+        };
+        let z = RowPick {
+            groups: nk,
+            group_rows: per,
+            takes: vec![(2 * dk + r * dv, r * dv)],
+        };
+        // q0 q1 | k0 k1 | v(h0) v(h1) v(h2) v(h3): value heads 2k, 2k+1 of key head k.
+        assert_eq!(qkv.rows(), vec![0, 6, 1, 7, 2, 3, 8, 9]);
+        assert_eq!(z.rows(), vec![4, 5, 10, 11]);
+        // Float rows of 2 f32 columns move whole.
+        let data: Vec<u8> = (0..12 * 2).flat_map(|i| (i as f32).to_le_bytes()).collect();
+        let OwnedSrc::Float { data: got, .. } = z.apply(&PartSrc::Float {
+            dtype: Dtype::F32,
+            data: &data,
+        }) else {
+            panic!("float in, float out")
+        };
+        let vals: Vec<f32> = got
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(vals, vec![8., 9., 10., 11., 20., 21., 22., 23.]);
+        // Affine rows: codes, scales and biases gathered row by row.
+        let (codes, scales, biases) = ([0u8, 1, 2, 3], [10u8, 11, 12, 13], [20u8, 21, 22, 23]);
+        let ba = RowPick {
+            groups: 2,
+            group_rows: 2,
+            takes: vec![(1, 1)],
+        };
+        let OwnedSrc::Quant {
+            codes: c,
+            scales: s,
+            biases: b,
+            ..
+        } = ba.apply(&PartSrc::Quant {
+            qtype: QuantType::F32,
+            codes: &codes,
+            scales: &scales,
+            biases: &biases,
+        })
+        else {
+            panic!("quant in, quant out")
+        };
+        assert_eq!((c, s, b), (vec![1, 3], vec![11, 13], vec![21, 23]));
+    }
+}

@@ -1,4 +1,4 @@
-//! GGUF (llama.cpp) input: architectures `qwen35moe` and `qwen3moe`.
+//! GGUF (llama.cpp) input: architectures `qwen35moe`, `qwen3next` and `qwen3moe`.
 //!
 //! Tensor bytes are kept in their ggml type (F32, F16, BF16, Q8_0, Q4_0,
 //! Q4_K, Q5_K, Q6_K: our `QuantType`s of the same names hold the exact ggml
@@ -21,6 +21,14 @@
 //!   move whole. Columns of a block-quantized `ssm_out` move as whole blocks
 //!   when a value head spans whole blocks (Q4_0/Q8_0 with head dim a multiple
 //!   of 32); otherwise that one tensor is dequantized to f32 and permuted.
+//! - qwen3next: the converter splits `in_proj_qkvz` into `attn_qkv` and
+//!   `attn_gate` in transformers' head order (no reordering: kept), but
+//!   keeps `in_proj_ba` fused as `ssm_ba` (`[b r, a r]` rows per key head):
+//!   its rows are split into `gdn.in_proj_b` / `gdn.in_proj_a`, whole rows
+//!   of any type. Older ("legacy") qwen3next files hold `ssm_in`, the fused
+//!   `in_proj_qkvz` in transformers' per-key-head order, instead of
+//!   `attn_qkv` / `attn_gate` (llama.cpp still reads both): its rows are
+//!   split as repack splits the checkpoint's.
 //!
 //! With `ggml_to_affine`, `Q4_0` and `Q8_0` tensors (dense and expert parts)
 //! are converted exactly to affine 4-bit / 8-bit group 32 (same f32 values,
@@ -237,10 +245,11 @@ fn arch_of(src: &Src) -> Result<(Architecture, &'static str)> {
     match a {
         "qwen35moe" => Ok((Architecture::Qwen35Moe, "qwen35moe")),
         "qwen3moe" => Ok((Architecture::Qwen3Moe, "qwen3moe")),
+        "qwen3next" => Ok((Architecture::Qwen3Next, "qwen3next")),
         other => Err(RepackError::Config {
             path: src.path.clone(),
             message: format!(
-                "GGUF general.architecture {other:?} is not supported (supported: qwen35moe, qwen3moe)"
+                "GGUF general.architecture {other:?} is not supported (supported: qwen35moe, qwen3next, qwen3moe)"
             ),
         }),
     }
@@ -248,7 +257,8 @@ fn arch_of(src: &Src) -> Result<(Architecture, &'static str)> {
 
 fn model_config(src: &Src) -> Result<ModelConfig> {
     let (arch, a) = arch_of(src)?;
-    let qwen35 = arch == Architecture::Qwen35Moe;
+    // qwen35moe and qwen3next: hybrid layers, gated attention, shared expert.
+    let qwen35 = arch.is_hybrid();
     let k = |s: &str| format!("{a}.{s}");
     let blocks = src.usize_req(&k("block_count"))?;
     let nextn = src.usize_or(&k("nextn_predict_layers"), 0)?;
@@ -350,8 +360,9 @@ fn model_config(src: &Src) -> Result<ModelConfig> {
         } else {
             0
         },
-        // llama.cpp renormalises qwen3moe's top-k unless told otherwise.
-        norm_topk_prob: qwen35
+        // llama.cpp renormalises qwen3moe's and qwen3next's top-k unless
+        // told otherwise.
+        norm_topk_prob: arch == Architecture::Qwen35Moe
             || src
                 .meta(&k("expert_weights_norm"))
                 .and_then(|v| v.as_bool())
@@ -381,8 +392,12 @@ fn model_config(src: &Src) -> Result<ModelConfig> {
 /// architecture (`blk.{l}.` for layer tensors), or `None` for a tensor
 /// llama.cpp has no name for. The GGUF importer reads by it and the
 /// synthetic GGUF writer writes by it.
+///
+/// qwen3next keeps `gdn.in_proj_b` and `gdn.in_proj_a` in one fused
+/// `ssm_ba` (see [`qwen3next_ba_rows`]): both keys name it.
 pub fn gguf_tensor_name(cfg: &ModelConfig, spec: &TensorSpec) -> Option<String> {
-    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
+    let qwen35 = cfg.architecture.is_hybrid();
+    let next = cfg.architecture == Architecture::Qwen3Next;
     let g = match spec.key {
         "embed" => "token_embd.weight",
         "lm_head" => "output.weight",
@@ -398,6 +413,7 @@ pub fn gguf_tensor_name(cfg: &ModelConfig, spec: &TensorSpec) -> Option<String> 
         "attn.k_norm" => "attn_k_norm.weight",
         "gdn.in_proj_qkv" => "attn_qkv.weight",
         "gdn.in_proj_z" => "attn_gate.weight",
+        "gdn.in_proj_b" | "gdn.in_proj_a" if next => "ssm_ba.weight",
         "gdn.in_proj_b" => "ssm_beta.weight",
         "gdn.in_proj_a" => "ssm_alpha.weight",
         "gdn.conv" => "ssm_conv1d.weight",
@@ -421,6 +437,19 @@ pub fn gguf_tensor_name(cfg: &ModelConfig, spec: &TensorSpec) -> Option<String> 
         Some(l) => format!("blk.{l}.{g}"),
         None => g.to_string(),
     })
+}
+
+/// The rows of qwen3next's fused `ssm_ba` (`[nk, 2r]` rows: per key head
+/// `r` rows of b, then `r` rows of a) that make `gdn.in_proj_b` (`b`
+/// true) or `gdn.in_proj_a`, in value-head order. The synthetic GGUF
+/// writer interleaves by the same rows.
+pub fn qwen3next_ba_rows(cfg: &ModelConfig, b: bool) -> Vec<usize> {
+    let nk = cfg.linear_num_key_heads;
+    let r = cfg.linear_num_value_heads.checked_div(nk).unwrap_or(0);
+    let off = if b { 0 } else { r };
+    (0..nk)
+        .flat_map(|k| (0..r).map(move |j| k * 2 * r + off + j))
+        .collect()
 }
 
 /// The llama.cpp name of layer `l`'s stacked routed-expert tensor for
@@ -519,6 +548,7 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
     // the config guarantees nk > 0).
     let r = nv.checked_div(nk).unwrap_or(0);
     let qk = 2 * nk * dk;
+    let next = cfg.architecture == Architecture::Qwen3Next;
     for spec in schema::dense_tensors(cfg) {
         let gname = gguf_tensor_name(cfg, &spec).ok_or_else(|| {
             RepackError::Unsupported(format!(
@@ -529,6 +559,65 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
         let out = spec.name.clone();
         let [rows, cols] = spec.shape;
         let job: Job<'s> = match spec.key {
+            // qwen3next: heads in transformers' order; b and a fused.
+            "gdn.in_proj_b" | "gdn.in_proj_a" if next => {
+                let src_rows = qwen3next_ba_rows(cfg, spec.key == "gdn.in_proj_b");
+                Box::new(move || {
+                    let (t, q) = src.shaped(&gname, &[cols, 2 * rows])?;
+                    let b = src.bytes(t);
+                    Ok(Dense {
+                        name: out.clone(),
+                        qtype: q,
+                        shape: [rows, cols],
+                        bytes: permute_rows(b, q.nbytes(1, cols), &src_rows),
+                        bytes_in: b.len() as u64 / 2,
+                    })
+                })
+            }
+            "gdn.conv" if next => {
+                let (conv_dim, kk) = (rows, cols);
+                Box::new(move || {
+                    let vals = src.floats(&gname, &[kk, conv_dim])?;
+                    Ok(Dense {
+                        name: out.clone(),
+                        qtype: QuantType::F32,
+                        shape: [conv_dim, kk],
+                        bytes: f32_bytes(&vals),
+                        bytes_in: src.tensor(&gname)?.nbytes,
+                    })
+                })
+            }
+            // Legacy qwen3next: q, k, v and z rows from the fused `ssm_in`.
+            "gdn.in_proj_qkv" | "gdn.in_proj_z"
+                if next && src.f.tensor(&gname).is_none() && spec.layer.is_some() =>
+            {
+                let l = spec.layer.unwrap_or_default();
+                let fused = format!("blk.{l}.ssm_in.weight");
+                let (_, pick) = crate::qwen3_next_fused(cfg, spec.key).ok_or_else(|| {
+                    RepackError::Unsupported(format!("no split known for {}", spec.name))
+                })?;
+                let src_rows = pick.rows();
+                let total = pick.source_rows();
+                Box::new(move || {
+                    let (t, q) = src.shaped(&fused, &[cols, total])?;
+                    let b = src.bytes(t);
+                    Ok(Dense {
+                        name: out.clone(),
+                        qtype: q,
+                        shape: [rows, cols],
+                        bytes: permute_rows(b, q.nbytes(1, cols), &src_rows),
+                        bytes_in: b.len() as u64 * rows as u64 / total.max(1) as u64,
+                    })
+                })
+            }
+            "gdn.A_log" if next => vector(gname, out, cols, a_log, None),
+            "gdn.in_proj_qkv" | "gdn.in_proj_z" | "gdn.dt_bias" | "gdn.out_proj" if next => {
+                if spec.kind == TensorKind::Small {
+                    vector(gname, out, cols, ident, None)
+                } else {
+                    copy(gname, out, rows, cols)
+                }
+            }
             "gdn.in_proj_qkv" => rows_perm(gname, out, rows, cols, head_rows(rows, qk, nk, r, dv)),
             "gdn.in_proj_z" => rows_perm(gname, out, rows, cols, head_rows(rows, 0, nk, r, dv)),
             "gdn.in_proj_b" | "gdn.in_proj_a" => {

@@ -4,7 +4,10 @@
 //! # Inputs
 //! - Hugging Face safetensors (`model.safetensors` or sharded through
 //!   `model.safetensors.index.json`), F32 / BF16 / F16, architectures
-//!   `qwen3_5_moe` (also the flat `qwen3_5_moe_text`) and `qwen3_moe`.
+//!   `qwen3_5_moe` (also the flat `qwen3_5_moe_text`), `qwen3_moe` and
+//!   `qwen3_next` (whose fused `linear_attn.in_proj_qkvz` / `in_proj_ba`,
+//!   grouped per key head, are split into the canonical `gdn.in_proj_*`
+//!   rows; values unchanged).
 //!   Routed experts may be fused (`mlp.experts.gate_up_proj [E, 2I, H]`,
 //!   `mlp.experts.down_proj [E, H, I]`) or per expert
 //!   (`mlp.experts.{e}.{gate,up,down}_proj.weight`).
@@ -24,7 +27,7 @@
 //! parts `gate [I,H]`, `up [I,H]`, `down [H,I]`.
 //!
 //! Norm weights are stored multiplicative in f32: zero-centred `qwen3_5_moe`
-//! HF norms (`input_norm`, `post_attn_norm`, `final_norm`, `attn.q_norm`,
+//! and `qwen3_next` HF norms (`input_norm`, `post_attn_norm`, `final_norm`, `attn.q_norm`,
 //! `attn.k_norm`) become `1 + w` computed in f32; `gdn.norm`, `qwen3_moe`
 //! norms and MLX norms (already shifted) are stored as they are.
 //! `gdn.conv` is `[conv_dim, K]` f32, element `[c, j]` applied to input
@@ -51,7 +54,7 @@ mod finite;
 mod gguf_source;
 mod source;
 
-pub use gguf_source::{gguf_experts_name, gguf_tensor_name};
+pub use gguf_source::{gguf_experts_name, gguf_tensor_name, qwen3next_ba_rows};
 
 use std::cell::RefCell;
 use std::collections::HashSet;
@@ -69,7 +72,7 @@ use slipstream_format::{
 };
 
 use crate::config::RawConfig;
-use crate::convert::{dtype_bytes, encode, PartSrc};
+use crate::convert::{dtype_bytes, encode, PartSrc, RowPick};
 use crate::source::{Checkpoint, SrcTensor};
 
 /// How float source tensors are stored (quantized MLX tensors are always copied).
@@ -276,6 +279,19 @@ struct DenseJob<'a> {
     src: PartSrc<'a>,
     qtype: QuantType,
     shift: bool,
+    /// The rows of a fused `src` this tensor is (Qwen3-Next's
+    /// `in_proj_qkvz` / `in_proj_ba`); `None`: all of `src`.
+    pick: Option<RowPick>,
+}
+
+impl DenseJob<'_> {
+    /// Source bytes this tensor reads (its share of a fused source).
+    fn bytes_in(&self) -> u64 {
+        match &self.pick {
+            Some(p) => self.src.bytes() * self.rows as u64 / p.source_rows().max(1) as u64,
+            None => self.src.bytes(),
+        }
+    }
 }
 
 struct LayerPlan<'a> {
@@ -559,6 +575,7 @@ impl<'a> Ctx<'a> {
             src,
             qtype,
             shift,
+            pick: None,
         }
     }
 }
@@ -577,7 +594,7 @@ fn find_prefix(ck: &Checkpoint, arch: Architecture) -> Result<String> {
     }
     let p = match arch {
         Architecture::Qwen35Moe => "model.language_model.",
-        Architecture::Qwen3Moe => "model.",
+        Architecture::Qwen3Moe | Architecture::Qwen3Next => "model.",
     };
     Err(RepackError::MissingTensor {
         name: format!("{p}embed_tokens.weight"),
@@ -595,12 +612,60 @@ fn ignorable(name: &str) -> bool {
         || name.ends_with("rotary_emb.inv_freq")
 }
 
-/// Where an official checkpoint keeps its MTP head: `mtp.` (Qwen3.5/3.6),
-/// or `model.mtp.` (accepted by llama.cpp's converter too); `None` without one.
+/// Where an official checkpoint keeps its MTP head: `mtp.` (Qwen3.5/3.6,
+/// Qwen3-Next), or `model.mtp.` (accepted by llama.cpp's converter too);
+/// `None` without one.
 fn mtp_prefix(ck: &Checkpoint) -> Option<&'static str> {
     ["mtp.", "model.mtp."]
         .into_iter()
         .find(|p| ck.contains(&format!("{p}fc.weight")))
+}
+
+/// MTP layers a checkpoint carries: one more than the largest `k` of its
+/// `{prefix}layers.{k}.*` tensors (how llama.cpp's converter counts them
+/// for Qwen3-Next, whose config does not declare them).
+fn mtp_layers_in(ck: &Checkpoint, prefix: &str) -> usize {
+    let lp = format!("{prefix}layers.");
+    ck.names()
+        .filter_map(|n| n.strip_prefix(lp.as_str()))
+        .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
+        .map(|k| k + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+/// Qwen3-Next's fused Gated DeltaNet projections: for a canonical
+/// `gdn.in_proj_{qkv,z,b,a}` key, the fused checkpoint module
+/// (`in_proj_qkvz` or `in_proj_ba`, rows grouped by key head) and the rows
+/// of it that make the canonical tensor (see [`RowPick`]). Per key head
+/// `in_proj_qkvz` holds `[q dk, k dk, v r*dv, z r*dv]` and `in_proj_ba`
+/// holds `[b r, a r]`, `r` value heads per key head (transformers'
+/// `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`).
+pub(crate) fn qwen3_next_fused(cfg: &ModelConfig, key: &str) -> Option<(&'static str, RowPick)> {
+    let nk = cfg.linear_num_key_heads;
+    let dk = cfg.linear_key_head_dim;
+    let r = cfg.linear_num_value_heads.checked_div(nk)?;
+    let vd = r * cfg.linear_value_head_dim;
+    let qkvz = |takes| RowPick {
+        groups: nk,
+        group_rows: 2 * dk + 2 * vd,
+        takes,
+    };
+    let ba = |takes| RowPick {
+        groups: nk,
+        group_rows: 2 * r,
+        takes,
+    };
+    Some(match key {
+        "gdn.in_proj_qkv" => (
+            "linear_attn.in_proj_qkvz",
+            qkvz(vec![(0, dk), (dk, dk), (2 * dk, vd)]),
+        ),
+        "gdn.in_proj_z" => ("linear_attn.in_proj_qkvz", qkvz(vec![(2 * dk + vd, vd)])),
+        "gdn.in_proj_b" => ("linear_attn.in_proj_ba", ba(vec![(0, r)])),
+        "gdn.in_proj_a" => ("linear_attn.in_proj_ba", ba(vec![(r, r)])),
+        _ => return None,
+    })
 }
 
 /// The checkpoint name (under [`mtp_prefix`]) of an MTP-only canonical key:
@@ -677,6 +742,17 @@ fn build_plan<'a>(ctx: &Ctx<'a>, cfg: &ModelConfig, hf_shift: bool) -> Result<Pl
         };
         let mut dense = Vec::new();
         for spec in schema::layer_tensors(cfg, l) {
+            if cfg.architecture == Architecture::Qwen3Next {
+                if let Some((fused, pick)) = qwen3_next_fused(cfg, spec.key) {
+                    let [rows, cols] = spec.shape;
+                    debug_assert_eq!(pick.rows().len(), rows);
+                    let src = ctx.linear(&format!("{lp}{fused}"), pick.source_rows(), cols)?;
+                    let mut j = job(&spec, src, mat);
+                    j.pick = Some(pick);
+                    dense.push(j);
+                    continue;
+                }
+            }
             let hf = match hf_mtp_name(spec.key) {
                 Some(name) => format!("{mp}{name}"),
                 None => {
@@ -945,8 +1021,17 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
     let ck = Checkpoint::open(&opts.input)?;
     // A config may announce an MTP head its checkpoint does not carry
     // (e.g. converters that drop `mtp.*`): the model is imported without it.
-    if mtp_prefix(&ck).is_none() {
-        cfg.mtp_num_layers = 0;
+    // A qwen3_next config announces none: the checkpoint's head is counted.
+    match mtp_prefix(&ck) {
+        None => cfg.mtp_num_layers = 0,
+        Some(mp) if cfg.architecture == Architecture::Qwen3Next && cfg.mtp_num_layers == 0 => {
+            cfg.mtp_num_layers = mtp_layers_in(&ck, mp);
+            cfg.validate().map_err(|e| RepackError::Config {
+                path: raw.path.clone(),
+                message: format!("with the checkpoint's MTP layers: {e}"),
+            })?;
+        }
+        Some(_) => {}
     }
     let is_mlx = raw.mlx_quantization().is_some() || ck.names().any(|n| n.ends_with(".scales"));
     let kind = if is_mlx {
@@ -965,8 +1050,8 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         mlx,
         used: RefCell::new(HashSet::new()),
     };
-    // HF qwen3_5 norms are zero-centred; MLX already stores 1 + w.
-    let hf_shift = cfg.architecture == Architecture::Qwen35Moe && kind == SourceKind::HfSafetensors;
+    // HF qwen3_5 / qwen3_next norms are zero-centred; MLX already stores 1 + w.
+    let hf_shift = cfg.architecture.is_hybrid() && kind == SourceKind::HfSafetensors;
     let plan = build_plan(&ctx, &cfg, hf_shift)?;
 
     let dense_jobs = plan.head.len()
@@ -978,7 +1063,7 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         .iter()
         .chain(plan.layers.iter().flat_map(|l| l.dense.iter()))
         .chain(plan.tail.iter())
-        .map(|j| j.src.bytes())
+        .map(|j| j.bytes_in())
         .sum::<u64>()
         + plan
             .layers
@@ -1044,11 +1129,13 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         });
         // Returns false when the writer thread has stopped (its error wins).
         let send_dense = |job: &DenseJob| -> bool {
-            if let Err(e) = finite::check_source(&job.name, &job.src) {
+            let picked = job.pick.as_ref().map(|p| p.apply(&job.src));
+            let src = picked.as_ref().map_or(job.src, |o| o.as_src());
+            if let Err(e) = finite::check_source(&job.name, &src) {
                 let _ = tx.send(Msg::Failed(e));
                 return false;
             }
-            let bytes = encode(&job.src, job.rows, job.cols, job.qtype, job.shift);
+            let bytes = encode(&src, job.rows, job.cols, job.qtype, job.shift);
             let ok = tx
                 .send(Msg::Dense {
                     name: job.name.clone(),
@@ -1060,7 +1147,7 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
             if ok {
                 progress(ProgressEvent::Tensor {
                     name: job.name.clone(),
-                    bytes_in: job.src.bytes(),
+                    bytes_in: job.bytes_in(),
                 });
             }
             ok

@@ -1088,6 +1088,8 @@ fn repacks_reference_fixtures() {
         "qwen3_5_moe_split",
         "qwen3_moe",
         "qwen3_5_moe_mlx4",
+        "qwen3_next",
+        "qwen3_next_mlx4",
     ] {
         let input = fixtures_dir().join(name);
         if !input.join("config.json").exists() {
@@ -1273,4 +1275,165 @@ fn gguf_q4_0_converts_to_affine_and_falls_back_per_tensor() {
         }
     }
     assert!(converted > 0);
+}
+
+/// qwen3_next's fused `in_proj_qkvz` / `in_proj_ba` (rows grouped per key
+/// head, transformers' `fix_query_key_value_ordering`) become the canonical
+/// qkv / z / b / a bit for bit; its flat config and its undeclared MTP head
+/// are read; `norm_topk_prob` comes from the config.
+#[test]
+fn qwen3_next_fused_projections_split_per_key_head() {
+    let input = fixtures_dir().join("qwen3_next");
+    let d = tmp();
+    let out = d.path().join("next");
+    let report = run(&input, &out, QuantChoice::F32).unwrap();
+    let c = &report.config;
+    assert_eq!(c.architecture, Architecture::Qwen3Next);
+    assert_eq!(
+        c.layer_types,
+        [
+            vec![LayerKind::LinearAttention; 3],
+            vec![LayerKind::FullAttention]
+        ]
+        .concat()
+    );
+    assert_eq!((c.rope_theta, c.rotary_dim, c.mtp_num_layers), (1e7, 8, 1));
+    assert!(c.attn_output_gate && c.norm_topk_prob);
+    assert!(
+        report.ignored_tensors.is_empty(),
+        "{:?}",
+        report.ignored_tensors
+    );
+
+    let bytes = std::fs::read(input.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let bf16 = |name: &str| -> Vec<f32> {
+        let t = st.tensor(name).unwrap();
+        assert_eq!(t.dtype(), Dtype::BF16);
+        t.data()
+            .chunks_exact(2)
+            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+            .collect()
+    };
+    let m = SlipModel::open(&out).unwrap();
+    let (nk, dk, r, dv, h) = (4, 16, 2, 16, 64);
+    for l in 0..3 {
+        // [nk, q dk | k dk | v r*dv | z r*dv, h] and [nk, b r | a r, h].
+        let qkvz = bf16(&format!("model.layers.{l}.linear_attn.in_proj_qkvz.weight"));
+        let ba = bf16(&format!("model.layers.{l}.linear_attn.in_proj_ba.weight"));
+        let per = 2 * dk + 2 * r * dv;
+        let rows = |src: &[f32], per: usize, from: usize, n: usize| -> Vec<f32> {
+            (0..nk)
+                .flat_map(|g| src[(g * per + from) * h..(g * per + from + n) * h].to_vec())
+                .collect()
+        };
+        let qkv = [
+            rows(&qkvz, per, 0, dk),
+            rows(&qkvz, per, dk, dk),
+            rows(&qkvz, per, 2 * dk, r * dv),
+        ]
+        .concat();
+        let gdn = |k: &str| stored_f32(&m, &format!("layers.{l}.gdn.{k}"));
+        bits_eq(&gdn("in_proj_qkv"), &qkv, "in_proj_qkv");
+        bits_eq(
+            &gdn("in_proj_z"),
+            &rows(&qkvz, per, 2 * dk + r * dv, r * dv),
+            "in_proj_z",
+        );
+        bits_eq(&gdn("in_proj_b"), &rows(&ba, 2 * r, 0, r), "in_proj_b");
+        bits_eq(&gdn("in_proj_a"), &rows(&ba, 2 * r, r, r), "in_proj_a");
+    }
+    // Zero-centred norms are shifted, the MTP head's too.
+    let w = bf16("mtp.pre_fc_norm_hidden.weight");
+    let shifted: Vec<f32> = w.iter().map(|x| 1.0 + x).collect();
+    bits_eq(
+        &stored_f32(&m, "layers.4.mtp.hidden_norm"),
+        &shifted,
+        "mtp.hidden_norm",
+    );
+
+    // The router renormalises only when the config says so.
+    let copy = d.path().join("copy");
+    std::fs::create_dir(&copy).unwrap();
+    for f in std::fs::read_dir(&input).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, copy.join(f.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = copy.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    cfg["norm_topk_prob"] = json!(false);
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    assert!(!read_checkpoint_config(&copy).unwrap().norm_topk_prob);
+}
+
+/// A legacy qwen3next GGUF (fused `ssm_in` = transformers' `in_proj_qkvz`,
+/// per key head `[q, k, v, z]`, instead of the converter's `attn_qkv` /
+/// `attn_gate`) imports to the very same model as the fixture it is
+/// rewritten from: every dense tensor and expert byte for byte.
+#[test]
+fn gguf_qwen3next_legacy_ssm_in_imports_like_the_split_tensors() {
+    use slipstream_gguf::{GgufFile, GgufWriter, TensorDecl};
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixtures_dir().join("gguf_qwen3next_q8_0/model.gguf");
+    let f = GgufFile::open(&src).unwrap();
+    // 4 key heads of 16, 2 value heads of 16 per key head, hidden 64.
+    let (nk, dk, vd) = (4usize, 16usize, 32usize);
+    let legacy = dir.path().join("legacy.gguf");
+    let mut decls = Vec::new();
+    let mut datas: Vec<(String, Vec<u8>)> = Vec::new();
+    for t in &f.tensors {
+        let Some(base) = t.name.strip_suffix(".attn_qkv.weight") else {
+            if !t.name.ends_with(".attn_gate.weight") {
+                decls.push(TensorDecl::new(t.name.clone(), &t.dims, t.ty));
+                datas.push((t.name.clone(), f.data(t).to_vec()));
+            }
+            continue;
+        };
+        let gate = f.tensor(&format!("{base}.attn_gate.weight")).unwrap();
+        let rb = t.row_bytes() as usize;
+        let (qkv, z) = (f.data(t), f.data(gate));
+        let row = |m: &[u8], r: usize| m[r * rb..(r + 1) * rb].to_vec();
+        let mut fused = Vec::new();
+        for g in 0..nk {
+            for r in 0..dk {
+                fused.extend(row(qkv, g * dk + r));
+            }
+            for r in 0..dk {
+                fused.extend(row(qkv, nk * dk + g * dk + r));
+            }
+            for r in 0..vd {
+                fused.extend(row(qkv, 2 * nk * dk + g * vd + r));
+            }
+            for r in 0..vd {
+                fused.extend(row(z, g * vd + r));
+            }
+        }
+        let name = format!("{base}.ssm_in.weight");
+        let rows = (nk * (2 * dk + 2 * vd)) as u64;
+        decls.push(TensorDecl::new(name.clone(), &[t.dims[0], rows], t.ty));
+        datas.push((name, fused));
+    }
+    let mut w = GgufWriter::create(&legacy, &f.metadata, decls, Default::default()).unwrap();
+    for (name, b) in &datas {
+        w.write_tensor(name, b).unwrap();
+    }
+    w.finish().unwrap();
+    assert!(GgufFile::open(&legacy)
+        .unwrap()
+        .tensor("blk.0.attn_qkv.weight")
+        .is_none());
+
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let ra = run(&src, &a, QuantChoice::Q4).unwrap();
+    let rb = run(&legacy, &b, QuantChoice::Q4).unwrap();
+    assert_eq!(ra.config, rb.config);
+    assert!(rb.ignored_tensors.is_empty(), "{:?}", rb.ignored_tensors);
+    let (ma, mb) = (SlipModel::open(&a).unwrap(), SlipModel::open(&b).unwrap());
+    for d in &ma.manifest.dense {
+        let (x, y) = (ma.tensor(&d.name).unwrap(), mb.tensor(&d.name).unwrap());
+        assert_eq!(x.qtype, y.qtype, "{}", d.name);
+        assert!(x.view().data == y.view().data, "{} differs", d.name);
+    }
+    assert_eq!(ma.manifest.experts.checksums, mb.manifest.experts.checksums);
 }

@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use slipstream_synth::{measure, options, Preset, Skew};
+use slipstream_synth::{measure, options, preset_config, Preset, Skew};
 
 fn main() {
     let a: Vec<String> = std::env::args().collect();
@@ -33,10 +33,7 @@ fn main() {
     let run = measure::run_routes(&path, &prompt, max_new).unwrap();
     let st = measure::replay(&run, slots);
     let full = opts.config.layer_types.len();
-    let scale = match preset {
-        Preset::Qwen36_35bA3b => 40.0,
-        Preset::Qwen3_30bA3b => 48.0,
-    } / full as f64;
+    let scale = preset_config(preset, None).num_layers() as f64 / full as f64;
     let distinct: std::collections::HashSet<u32> = run.tokens.iter().copied().collect();
     println!(
         "{} layers={layers} pop={} pers={} slots={slots}: LRU {:.2}/tok ({:.1} at full depth), Belady {:.2}/tok ({:.1}), requests {:.1}/tok; finite={} max|logit|={:.1} distinct generated tokens {} | gen {:.1}s ({:.0} MB/s) run {:.1}s",

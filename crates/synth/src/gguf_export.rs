@@ -1,5 +1,5 @@
 //! Synthetic models as GGUF files that llama.cpp loads (`qwen35moe`,
-//! `qwen3moe`), and the GGML Q4_0 generator they share with `.slip`
+//! `qwen3next`, `qwen3moe`), and the GGML Q4_0 generator they share with `.slip`
 //! (`--format slip --quant q4_0` writes the very same tensor bytes).
 //!
 //! The file is what llama.cpp's `convert_hf_to_gguf.py` followed by a Q4_0
@@ -12,7 +12,9 @@
 //! blocks since a value head spans whole blocks). Experts are the stacked
 //! `ffn_{gate,up,down}_exps` tensors. Matrices are Q4_0; norms, conv, `ssm_a`,
 //! `ssm_dt.bias` and the routers (`ffn_gate_inp`, `ffn_gate_inp_shexp`) are
-//! f32, as llama.cpp's quantizer keeps them. A synthetic gpt2-style
+//! f32, as llama.cpp's quantizer keeps them. qwen3next keeps transformers'
+//! head order (no tiling) and fuses b and a into `ssm_ba` (`[b r, a r]`
+//! rows per key head, as the converter leaves `in_proj_ba`). A synthetic gpt2-style
 //! tokenizer of `vocab_size` tokens (256 byte tokens, letter words built by
 //! merges, three ChatML specials at the end) is included.
 //!
@@ -187,10 +189,53 @@ fn gguf_name(cfg: &ModelConfig, t: &TensorSpec) -> crate::Result<(String, Vec<u6
     ))
 }
 
+/// qwen3next: replaces a layer's `gdn.in_proj_b` and `gdn.in_proj_a` by
+/// one tensor (at b's place) with their rows interleaved as `ssm_ba`
+/// holds them ([`slipstream_repack::qwen3next_ba_rows`]); no-op for a
+/// full-attention layer.
+fn fuse_ba(cfg: &ModelConfig, layer: &mut Vec<Dense>) -> crate::Result<()> {
+    let at = |key: &str| layer.iter().position(|d| d.name.ends_with(key));
+    let (Some(ib), Some(ia)) = (at("gdn.in_proj_b"), at("gdn.in_proj_a")) else {
+        return Ok(());
+    };
+    let a = layer.remove(ia);
+    let b = &mut layer[if ia < ib { ib - 1 } else { ib }];
+    if a.qtype != b.qtype || a.shape != b.shape {
+        return Err(SynthError::Invalid(format!(
+            "{} and {} differ in type or shape",
+            b.name, a.name
+        )));
+    }
+    let row = b.qtype.nbytes(1, b.shape[1]);
+    let mut fused = vec![0u8; 2 * b.bytes.len()];
+    for (src, is_b) in [(&b.bytes, true), (&a.bytes, false)] {
+        for (j, &to) in slipstream_repack::qwen3next_ba_rows(cfg, is_b)
+            .iter()
+            .enumerate()
+        {
+            fused[to * row..(to + 1) * row].copy_from_slice(&src[j * row..(j + 1) * row]);
+        }
+    }
+    b.bytes = fused;
+    b.shape[0] *= 2;
+    Ok(())
+}
+
 /// Applies the converter's value changes to one canonical tensor.
 fn forward(cfg: &ModelConfig, d: Dense) -> Vec<u8> {
     let base = d.name.rsplit_once("gdn.").map(|(_, b)| b);
     let Some(base) = base else { return d.bytes };
+    if cfg.architecture == Architecture::Qwen3Next {
+        // Heads in transformers' order: only `ssm_a = -exp(A_log)`.
+        if base != "A_log" {
+            return d.bytes;
+        }
+        return d
+            .bytes
+            .chunks_exact(4)
+            .flat_map(|c| (-f32::from_le_bytes([c[0], c[1], c[2], c[3]]).exp()).to_le_bytes())
+            .collect();
+    }
     let (nk, nv, dv) = (
         cfg.linear_num_key_heads,
         cfg.linear_num_value_heads,
@@ -286,8 +331,12 @@ fn vocab(n: usize) -> (Vec<String>, Vec<i32>, Vec<String>) {
 }
 
 fn metadata(cfg: &ModelConfig, name: &str) -> Vec<(String, Value)> {
-    let qwen35 = cfg.architecture == Architecture::Qwen35Moe;
-    let a = if qwen35 { "qwen35moe" } else { "qwen3moe" };
+    let qwen35 = cfg.architecture.is_hybrid();
+    let a = match cfg.architecture {
+        Architecture::Qwen35Moe => "qwen35moe",
+        Architecture::Qwen3Next => "qwen3next",
+        Architecture::Qwen3Moe => "qwen3moe",
+    };
     let u = |v: usize| Value::U32(v as u32);
     let mut m: Vec<(String, Value)> = vec![
         ("general.architecture".into(), Value::String(a.into())),
@@ -314,7 +363,8 @@ fn metadata(cfg: &ModelConfig, name: &str) -> Vec<(String, Value)> {
     k("attention.key_length", u(cfg.head_dim));
     k("attention.value_length", u(cfg.head_dim));
     k("expert_feed_forward_length", u(cfg.moe_intermediate_size));
-    if qwen35 {
+    // qwen3next's plain RoPE has no multimodal sections.
+    if cfg.architecture == Architecture::Qwen35Moe {
         let pairs = (cfg.rotary_dim / 2) as i32;
         let sections = if pairs == 32 {
             [11, 11, 10, 0]
@@ -328,6 +378,8 @@ fn metadata(cfg: &ModelConfig, name: &str) -> Vec<(String, Value)> {
                 items: sections.iter().map(|&x| Value::I32(x)).collect(),
             },
         );
+    }
+    if qwen35 {
         k(
             "expert_shared_feed_forward_length",
             u(cfg.shared_expert_intermediate_size),
@@ -365,7 +417,14 @@ fn metadata(cfg: &ModelConfig, name: &str) -> Vec<(String, Value)> {
     m.push(("tokenizer.ggml.model".into(), Value::String("gpt2".into())));
     m.push((
         "tokenizer.ggml.pre".into(),
-        Value::String(if qwen35 { "qwen35" } else { "qwen2" }.into()),
+        Value::String(
+            if cfg.architecture == Architecture::Qwen35Moe {
+                "qwen35"
+            } else {
+                "qwen2"
+            }
+            .into(),
+        ),
     ));
     m.push(("tokenizer.ggml.tokens".into(), Value::strings(tokens)));
     m.push((
@@ -417,8 +476,16 @@ pub fn synthesize_gguf(
     // Declared in the order written: embed, per layer its dense tensors
     // then its stacked experts (ggml dims [cols, rows, E]), the output.
     let mut decls = Vec::new();
+    let next = cfg.architecture == Architecture::Qwen3Next;
     let declare = |decls: &mut Vec<TensorDecl>, t: &TensorSpec| -> crate::Result<()> {
-        let (n, dims) = gguf_name(cfg, t)?;
+        // qwen3next: `ssm_ba` declared once, at b, twice its rows.
+        if next && t.key == "gdn.in_proj_a" {
+            return Ok(());
+        }
+        let (n, mut dims) = gguf_name(cfg, t)?;
+        if next && t.key == "gdn.in_proj_b" {
+            dims[1] *= 2;
+        }
         decls.push(TensorDecl::new(n, &dims, ggml(g.quant.qtype_of(t.kind))));
         Ok(())
     };
@@ -461,7 +528,11 @@ pub fn synthesize_gguf(
     put(&mut w, g.embed())?;
     let batch = opts.batch.max(1);
     for l in 0..n_layers {
-        for d in g.layer(l)? {
+        let mut layer = g.layer(l)?;
+        if next {
+            fuse_ba(cfg, &mut layer)?;
+        }
+        for d in layer {
             put(&mut w, d)?;
         }
         for k in 0..3 {

@@ -81,6 +81,11 @@ pub enum Preset {
     Qwen36_35bA3b,
     /// Qwen3 30B-A3B (`qwen3_moe`).
     Qwen3_30bA3b,
+    /// Qwen3-Next 80B-A3B (`qwen3_next`): 48 layers, 512 experts top-10.
+    Qwen3Next80bA3b,
+    /// Qwen3.5 122B-A10B (`qwen3_5_moe`): 48 layers, hidden 3072; some
+    /// shapes are inferred (see [`preset_config`]).
+    Qwen35_122bA10b,
 }
 
 impl Preset {
@@ -88,8 +93,18 @@ impl Preset {
         match self {
             Preset::Qwen36_35bA3b => "qwen3.6-35b-a3b",
             Preset::Qwen3_30bA3b => "qwen3-30b-a3b",
+            Preset::Qwen3Next80bA3b => "qwen3-next-80b-a3b",
+            Preset::Qwen35_122bA10b => "qwen3.5-122b-a10b",
         }
     }
+
+    /// Every preset, for listings and tests.
+    pub const ALL: [Preset; 4] = [
+        Preset::Qwen36_35bA3b,
+        Preset::Qwen3_30bA3b,
+        Preset::Qwen3Next80bA3b,
+        Preset::Qwen35_122bA10b,
+    ];
 }
 
 impl std::str::FromStr for Preset {
@@ -100,14 +115,47 @@ impl std::str::FromStr for Preset {
                 Ok(Preset::Qwen36_35bA3b)
             }
             "qwen3-30b-a3b" | "30b" => Ok(Preset::Qwen3_30bA3b),
+            "qwen3-next-80b-a3b" | "80b" => Ok(Preset::Qwen3Next80bA3b),
+            "qwen3.5-122b-a10b" | "122b" => Ok(Preset::Qwen35_122bA10b),
             _ => Err(format!(
-                "unknown preset {s:?}: expected qwen3.6-35b-a3b or qwen3-30b-a3b"
+                "unknown preset {s:?}: expected one of {}",
+                Preset::ALL.map(|p| p.name()).join(", ")
             )),
         }
     }
 }
 
+/// `n` hybrid layers with full attention every 4th (`full_attention_interval` 4).
+fn every_fourth_full(n: usize) -> Vec<LayerKind> {
+    (0..n)
+        .map(|i| {
+            if (i + 1) % 4 == 0 {
+                LayerKind::FullAttention
+            } else {
+                LayerKind::LinearAttention
+            }
+        })
+        .collect()
+}
+
 /// The config of a preset, optionally cut to its first `layers` layers.
+///
+/// Sources: the 35B and 30B presets are the published `config.json`s.
+/// `qwen3-next-80b-a3b` is `Qwen/Qwen3-Next-80B-A3B-Instruct`'s published
+/// `config.json`; every value but two equals transformers 5.23.0's
+/// `Qwen3NextConfig` defaults, which mirror that model: the defaults have
+/// `max_position_embeddings` 32768 where the model card gives 262144, and
+/// only the generic rope theta 1e4 where the config gives 1e7. Its MTP
+/// layer (the checkpoint has one) is opt-in here as for the 35B preset.
+/// `qwen3.5-122b-a10b`: published (model card and vendor pages) are 48
+/// layers, hidden 3072, 32 query heads, 256 experts with 8 routed plus 1
+/// shared, vocabulary 248320, context 262144, full attention every 4th
+/// layer. Not readable offline, so taken from `Qwen3_5MoeTextConfig`'s
+/// defaults (2 KV heads, head dim 256, 16 linear key heads of 128, value
+/// head dim 128, rope theta 1e7, partial rotary 0.25) and chosen to give
+/// the published 122B total / 10B active parameters: 64 linear value heads
+/// and expert / shared-expert intermediate 1024 (docs/BENCHMARKS.md says
+/// so beside its figures).
 pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
     let mut c = match preset {
         Preset::Qwen36_35bA3b => ModelConfig {
@@ -115,15 +163,7 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
             vocab_size: 248320,
             hidden_size: 2048,
             rms_norm_eps: 1e-6,
-            layer_types: (0..40)
-                .map(|i| {
-                    if (i + 1) % 4 == 0 {
-                        LayerKind::FullAttention
-                    } else {
-                        LayerKind::LinearAttention
-                    }
-                })
-                .collect(),
+            layer_types: every_fourth_full(40),
             tie_word_embeddings: false,
             max_position_embeddings: 262144,
             num_attention_heads: 16,
@@ -167,6 +207,60 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
             num_experts_per_tok: 8,
             moe_intermediate_size: 768,
             shared_expert_intermediate_size: 0,
+            norm_topk_prob: true,
+            mtp_num_layers: 0,
+        },
+        Preset::Qwen3Next80bA3b => ModelConfig {
+            architecture: Architecture::Qwen3Next,
+            vocab_size: 151936,
+            hidden_size: 2048,
+            rms_norm_eps: 1e-6,
+            layer_types: every_fourth_full(48),
+            tie_word_embeddings: false,
+            max_position_embeddings: 262144,
+            num_attention_heads: 16,
+            num_key_value_heads: 2,
+            head_dim: 256,
+            // partial_rotary_factor 0.25 of head dim 256.
+            rotary_dim: 64,
+            rope_theta: 1e7,
+            attn_output_gate: true,
+            linear_num_key_heads: 16,
+            linear_key_head_dim: 128,
+            linear_num_value_heads: 32,
+            linear_value_head_dim: 128,
+            linear_conv_kernel: 4,
+            num_experts: 512,
+            num_experts_per_tok: 10,
+            moe_intermediate_size: 512,
+            shared_expert_intermediate_size: 512,
+            norm_topk_prob: true,
+            mtp_num_layers: 0,
+        },
+        Preset::Qwen35_122bA10b => ModelConfig {
+            architecture: Architecture::Qwen35Moe,
+            vocab_size: 248320,
+            hidden_size: 3072,
+            rms_norm_eps: 1e-6,
+            layer_types: every_fourth_full(48),
+            tie_word_embeddings: false,
+            max_position_embeddings: 262144,
+            num_attention_heads: 32,
+            // Inferred (see the doc comment): from here to the experts.
+            num_key_value_heads: 2,
+            head_dim: 256,
+            rotary_dim: 64,
+            rope_theta: 1e7,
+            attn_output_gate: true,
+            linear_num_key_heads: 16,
+            linear_key_head_dim: 128,
+            linear_num_value_heads: 64,
+            linear_value_head_dim: 128,
+            linear_conv_kernel: 4,
+            num_experts: 256,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 1024,
+            shared_expert_intermediate_size: 1024,
             norm_topk_prob: true,
             mtp_num_layers: 0,
         },

@@ -10,7 +10,7 @@ use slipstream_synth::gguf_export::synthesize_gguf;
 use slipstream_synth::{measure, synthesize_q, Skew, SynthOptions, SynthQuant};
 
 fn tiny(arch: Architecture) -> ModelConfig {
-    let qwen35 = arch == Architecture::Qwen35Moe;
+    let qwen35 = arch.is_hybrid();
     ModelConfig {
         architecture: arch,
         vocab_size: 512,
@@ -63,7 +63,11 @@ fn opts(cfg: &ModelConfig, out: std::path::PathBuf) -> SynthOptions {
 #[test]
 fn gguf_export_imports_back_to_the_q4_0_slip() {
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Architecture::Qwen35Moe, Architecture::Qwen3Moe] {
+    for arch in [
+        Architecture::Qwen35Moe,
+        Architecture::Qwen3Next,
+        Architecture::Qwen3Moe,
+    ] {
         roundtrip(&tiny(arch), dir.path(), arch.name());
     }
 }
@@ -74,36 +78,61 @@ fn gguf_export_imports_back_to_the_q4_0_slip() {
 #[test]
 fn gguf_export_with_an_mtp_layer_imports_back() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = tiny(Architecture::Qwen35Moe);
-    cfg.mtp_num_layers = 1;
-    let gguf = roundtrip(&cfg, dir.path(), "mtp");
-    let f = slipstream_gguf::GgufFile::open(&gguf).unwrap();
-    let l = cfg.num_layers();
-    let meta = |k: &str| {
-        f.metadata
-            .iter()
-            .find(|(name, _)| name == k)
-            .map(|(_, v)| format!("{v:?}"))
-    };
-    assert_eq!(
-        meta("qwen35moe.block_count"),
-        Some(format!("{:?}", slipstream_gguf::Value::U32(l as u32 + 1)))
-    );
-    assert_eq!(
-        meta("qwen35moe.nextn_predict_layers"),
-        Some(format!("{:?}", slipstream_gguf::Value::U32(1)))
-    );
-    for name in [
-        "nextn.eh_proj.weight",
-        "nextn.enorm.weight",
-        "nextn.hnorm.weight",
-        "nextn.shared_head_norm.weight",
-        "attn_q.weight",
-        "ffn_gate_exps.weight",
+    for (arch, a) in [
+        (Architecture::Qwen35Moe, "qwen35moe"),
+        (Architecture::Qwen3Next, "qwen3next"),
     ] {
-        let full = format!("blk.{l}.{name}");
-        assert!(f.tensor(&full).is_some(), "{full} missing");
+        let mut cfg = tiny(arch);
+        cfg.mtp_num_layers = 1;
+        let gguf = roundtrip(&cfg, dir.path(), &format!("mtp-{a}"));
+        let f = slipstream_gguf::GgufFile::open(&gguf).unwrap();
+        let l = cfg.num_layers();
+        let meta = |k: &str| {
+            f.metadata
+                .iter()
+                .find(|(name, _)| name == k)
+                .map(|(_, v)| format!("{v:?}"))
+        };
+        assert_eq!(
+            meta(&format!("{a}.block_count")),
+            Some(format!("{:?}", slipstream_gguf::Value::U32(l as u32 + 1)))
+        );
+        assert_eq!(
+            meta(&format!("{a}.nextn_predict_layers")),
+            Some(format!("{:?}", slipstream_gguf::Value::U32(1)))
+        );
+        for name in [
+            "nextn.eh_proj.weight",
+            "nextn.enorm.weight",
+            "nextn.hnorm.weight",
+            "nextn.shared_head_norm.weight",
+            "attn_q.weight",
+            "ffn_gate_exps.weight",
+        ] {
+            let full = format!("blk.{l}.{name}");
+            assert!(f.tensor(&full).is_some(), "{full} missing");
+        }
     }
+}
+
+/// qwen3next as llama.cpp's converter leaves it: `ssm_ba` one tensor of
+/// both projections, no `ssm_beta` / `ssm_alpha`, no tiled value heads (the
+/// round trip above checks the values).
+#[test]
+fn qwen3next_gguf_fuses_ba_like_the_converter() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny(Architecture::Qwen3Next);
+    let gguf = dir.path().join("next.gguf");
+    synthesize_gguf(&opts(&cfg, gguf.clone()), &|_| {}).unwrap();
+    let f = slipstream_gguf::GgufFile::open(&gguf).unwrap();
+    let ba = f.tensor("blk.0.ssm_ba.weight").expect("ssm_ba");
+    assert_eq!(ba.dims, vec![256, 2 * 6]);
+    assert!(f.tensor("blk.0.ssm_beta.weight").is_none());
+    assert!(f.tensor("blk.0.ssm_alpha.weight").is_none());
+    assert!(
+        f.tensor("blk.2.ssm_ba.weight").is_none(),
+        "full attention layer"
+    );
 }
 
 /// Writes `cfg` as a Q4_0 .slip and as a GGUF, imports the GGUF and checks

@@ -4,7 +4,7 @@ use slipstream_format::SlipModel;
 use slipstream_synth::{measure, synthesize, Skew, SynthOptions};
 
 fn tiny(arch: Architecture) -> ModelConfig {
-    let qwen35 = arch == Architecture::Qwen35Moe;
+    let qwen35 = arch.is_hybrid();
     ModelConfig {
         architecture: arch,
         vocab_size: 512,
@@ -61,7 +61,11 @@ fn write(
 #[test]
 fn opens_loads_generates_finite_with_canonical_layout() {
     let dir = tempfile::tempdir().unwrap();
-    for arch in [Architecture::Qwen35Moe, Architecture::Qwen3Moe] {
+    for arch in [
+        Architecture::Qwen35Moe,
+        Architecture::Qwen3Next,
+        Architecture::Qwen3Moe,
+    ] {
         let cfg = tiny(arch);
         let p = write(&cfg, dir.path(), arch.name(), 1, Skew::DEFAULT);
         let m = SlipModel::open(&p).unwrap();
@@ -172,4 +176,80 @@ fn skew_raises_lru_hit_rate() {
         skewed > uniform + 0.15,
         "skewed {skewed} vs uniform {uniform}"
     );
+}
+
+/// The presets at their published shapes, checked by their config and
+/// sizes (never written whole): layer pattern, heads, experts, the bytes a
+/// q4 model would take, and `--layers` cuts.
+#[test]
+fn large_presets_have_the_published_shapes() {
+    use slipstream_core::schema::{find, layer_tensors};
+    use slipstream_synth::{dense_bytes_estimate, expert_layout, preset_config, Preset};
+    for p in Preset::ALL {
+        assert_eq!(p.name().parse::<Preset>().unwrap(), p);
+    }
+    let gb = |c: &ModelConfig| {
+        let pool = expert_layout(c);
+        let record: usize = pool
+            .parts
+            .iter()
+            .map(|(_, q, [r, k])| q.nbytes(*r, *k))
+            .sum();
+        (pool.num_layers as u64 * pool.num_experts as u64 * record as u64 + dense_bytes_estimate(c))
+            as f64
+            / 1e9
+    };
+
+    let next = preset_config(Preset::Qwen3Next80bA3b, None);
+    next.validate().unwrap();
+    assert_eq!(next.architecture, Architecture::Qwen3Next);
+    assert_eq!(
+        (next.num_layers(), next.hidden_size, next.vocab_size),
+        (48, 2048, 151936)
+    );
+    assert_eq!((next.num_experts, next.num_experts_per_tok), (512, 10));
+    assert_eq!(
+        (
+            next.moe_intermediate_size,
+            next.shared_expert_intermediate_size
+        ),
+        (512, 512)
+    );
+    assert_eq!((next.rope_theta, next.rotary_dim), (1e7, 64));
+    let full: Vec<usize> = (0..48)
+        .filter(|&l| next.layer_types[l] == LayerKind::FullAttention)
+        .collect();
+    assert_eq!(full, (0..12).map(|i| 4 * i + 3).collect::<Vec<_>>());
+    let l0 = layer_tensors(&next, 0);
+    // q, k: 16 heads x 128; v: 32 x 128.
+    assert_eq!(find(&l0, "gdn.in_proj_qkv").unwrap().shape, [8192, 2048]);
+    assert_eq!(find(&l0, "gdn.in_proj_z").unwrap().shape, [4096, 2048]);
+    let l3 = layer_tensors(&next, 3);
+    assert_eq!(
+        find(&l3, "attn.q_proj").unwrap().shape,
+        [16 * 256 * 2, 2048]
+    );
+    assert_eq!(find(&l3, "attn.k_proj").unwrap().shape, [2 * 256, 2048]);
+    // About 45 GB at 4 bits (issue 37).
+    let size = gb(&next);
+    assert!((40.0..50.0).contains(&size), "80B preset is {size:.1} GB");
+
+    let big = preset_config(Preset::Qwen35_122bA10b, None);
+    big.validate().unwrap();
+    assert_eq!(big.architecture, Architecture::Qwen35Moe);
+    assert_eq!(
+        (big.num_layers(), big.hidden_size, big.num_attention_heads),
+        (48, 3072, 32)
+    );
+    assert_eq!((big.num_experts, big.num_experts_per_tok), (256, 8));
+    assert!(big.shared_expert_intermediate_size > 0);
+    // About 69 GB at 4 bits (issue 37).
+    let size = gb(&big);
+    assert!((62.0..75.0).contains(&size), "122B preset is {size:.1} GB");
+
+    for p in [Preset::Qwen3Next80bA3b, Preset::Qwen35_122bA10b] {
+        let cut = preset_config(p, Some(3));
+        assert_eq!(cut.num_layers(), 3);
+        assert_eq!(cut.num_experts, preset_config(p, None).num_experts);
+    }
 }
