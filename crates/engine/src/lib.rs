@@ -508,6 +508,7 @@ impl Engine {
             layers: snapshot::LayerShape::of(&self.new_state()),
             vocab_size: self.model.config.vocab_size,
             num_experts: self.model.config.num_experts,
+            expert_layers: self.model.config.total_layers(),
         }
     }
 

@@ -20,7 +20,8 @@
 //!   per layer         u8 tag
 //!     tag 0 (attention)  u32 kv_dim, u64 rows, rows*kv_dim f32 K, then V
 //!     tag 1 (linear)     u64 n, n f32 conv; u64 m, m f32 recurrent
-//!   resident experts  u32 layers (0 or the layer count), per layer u32 n,
+//!   resident experts  u32 layers (0 or the expert pool's layer count, MTP
+//!                     layers included), per layer u32 n,
 //!                     then n x u32 expert ids
 //! ```
 //!
@@ -111,6 +112,9 @@ pub struct SnapshotExpect {
     pub layers: Vec<LayerShape>,
     pub vocab_size: usize,
     pub num_experts: usize,
+    /// Layers of the expert pool: `layers.len()` plus the MTP layers,
+    /// whose experts the store keeps resident too.
+    pub expert_layers: usize,
 }
 
 /// Bytes a snapshot of `state` with `resident` takes on disk.
@@ -499,12 +503,13 @@ pub fn read_snapshot(path: &Path, expect: &SnapshotExpect) -> Result<Snapshot, S
     }
     let res_layers = r.u32("resident layer count")? as usize;
     // 0: the writer recorded no resident experts (e.g. a resident store).
-    if res_layers != layers && res_layers != 0 {
+    if res_layers != expect.expert_layers && res_layers != 0 {
         return Err(SnapshotError::Shape(format!(
-            "resident experts for {res_layers} layers, the model has {layers}"
+            "resident experts for {res_layers} layers, the model's expert pool has {}",
+            expect.expert_layers
         )));
     }
-    let mut resident = Vec::with_capacity(layers);
+    let mut resident = Vec::with_capacity(res_layers);
     for _ in 0..res_layers {
         let n = r.u32("resident count")? as u64;
         let ids = r.u32s(n, "resident experts")?;
