@@ -426,3 +426,54 @@ fn a_blank_api_key_is_refused() {
         assert!(err.contains("empty or only whitespace"), "{err:?}");
     }
 }
+
+#[test]
+fn speculate_flags_keep_the_output_and_print_their_stats() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repack_fixture("qwen3_5_moe_mtp", "f32", tmp.path());
+    let run = |extra: &[&str]| {
+        ok(bin!()
+            .args(["run", "--model"])
+            .arg(&model)
+            .args(["--prompt-tokens", "5,9,5,9,5,9,5", "--max-new", "12"])
+            .args(["--print-ids"])
+            .args(extra)
+            .output()
+            .unwrap())
+    };
+    let (plain, _) = run(&[]);
+    for mode in ["mtp", "lookup", "both"] {
+        let (out, err) = run(&[
+            "--speculate",
+            mode,
+            "--draft-tokens",
+            "3",
+            "--speculate-always",
+            "--measure-verify",
+            "3",
+        ]);
+        assert_eq!(out, plain, "{mode}");
+        assert!(
+            err.contains(&format!("[speculate] mode {mode} k 3 | drafted")),
+            "{err}"
+        );
+        assert!(err.contains("[verify] 3 tokens:"), "{err}");
+    }
+    let plain_model = repack_fixture("qwen3_5_moe_fused", "f32", tmp.path());
+    let err = failed(
+        bin!()
+            .args(["run", "--model"])
+            .arg(&plain_model)
+            .args(["--prompt-tokens", "1,2", "--speculate", "mtp"])
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("needs an MTP head"), "{err}");
+    let err = failed(
+        bin!()
+            .args(["run", "--speculate", "sometimes"])
+            .output()
+            .unwrap(),
+    );
+    assert!(err.contains("unknown speculation mode"), "{err}");
+}

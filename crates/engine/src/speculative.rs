@@ -284,9 +284,10 @@ impl SpeculationStats {
 
 /// Verify steps per governor decision.
 const WINDOW: u64 = 8;
-/// Verify steps after which a window already decides when a token costs
-/// more than `EARLY_SLOWDOWN` times a plain step (a verify pass that reads
-/// many more experts than it saves should not run a whole window).
+/// Verify steps after which a window already decides when no draft was
+/// accepted or a token costs more than `EARLY_SLOWDOWN` times a plain
+/// step (a verify pass that reads many more experts than it saves should
+/// not run a whole window).
 const EARLY: u64 = 2;
 const EARLY_SLOWDOWN: f64 = 2.0;
 /// Acceptance under which speculation stops (after a window).
@@ -390,7 +391,8 @@ impl Governor {
         let acceptance = self.window_accepted as f64 / self.window_drafted.max(1) as f64;
         let per_token = self.window_s / self.window_emitted.max(1) as f64;
         let plain = self.plain_mean();
-        let early = self.window_steps >= EARLY && plain > 0.0 && per_token > EARLY_SLOWDOWN * plain;
+        let early = self.window_steps >= EARLY
+            && (self.window_accepted == 0 || (plain > 0.0 && per_token > EARLY_SLOWDOWN * plain));
         if self.window_steps < WINDOW && !early {
             return;
         }
