@@ -14,7 +14,7 @@ use slipstream_core::ExpertSource;
 use crate::backend::{add_into, Backend, CpuBackend, NormKind};
 use crate::blocks::{MoeTimes, Route};
 use crate::state::{LayerState, LinearState, ModelState};
-use crate::transformer::{Logits, Mixer, PhaseTimes, Transformer};
+use crate::transformer::{HiddenSink, Logits, Mixer, PhaseTimes, Transformer};
 use crate::ModelError;
 
 /// What a verify pass of `n` tokens recorded: enough to roll the state
@@ -146,33 +146,21 @@ impl Transformer {
         let mut hidden = Vec::new();
         let logits = {
             let mut backend = RecordingCpu { trail: &mut trail };
-            if want_hidden {
-                let mut sink = |rows: &Vec<f32>, _n: usize| {
-                    hidden.extend_from_slice(rows);
-                    Ok(())
-                };
-                self.run_with_hidden(
-                    &mut backend,
-                    state,
-                    tokens,
-                    experts,
-                    Logits::All,
-                    None,
-                    phases,
-                    Some(&mut sink),
-                )?
-            } else {
-                self.run_with_hidden(
-                    &mut backend,
-                    state,
-                    tokens,
-                    experts,
-                    Logits::All,
-                    None,
-                    phases,
-                    None,
-                )?
-            }
+            let mut sink = |rows: &Vec<f32>, _n: usize| {
+                hidden.extend_from_slice(rows);
+                Ok(())
+            };
+            let sink: Option<HiddenSink<'_, Vec<f32>>> = want_hidden.then_some(&mut sink);
+            self.run_with_hidden(
+                &mut backend,
+                state,
+                tokens,
+                experts,
+                Logits::All,
+                None,
+                phases,
+                sink,
+            )?
         };
         Ok(VerifyPass {
             logits,

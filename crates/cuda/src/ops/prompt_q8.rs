@@ -124,32 +124,28 @@ impl Gpu {
         bases: [u64; 3],
         io: &ExpertsIo,
     ) -> Result<()> {
-        let ExpertsIo {
-            xrow,
-            xn,
-            h,
-            k,
-            tokens,
-            ..
-        } = *io;
         let [gt, ut, dt] = parts;
-        let pairs = tokens * k;
-        let (xq, ds) = self.q8_split(xn, gt.cols(), tokens)?;
-        self.go(
-            &self.f.moe_gate_up_q8_pairs,
-            (gt.rows().div_ceil(Q8_GATE_UP_ROWS) as u32, pairs as u32, 1),
-            256,
-            &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xq, &ds, &h),
-        )?;
-        let (hq, hs) = self.q8_split(h, dt.cols(), pairs)?;
-        let v = self.scratch(&self.tc_down_buf, pairs * dt.rows() * 4)?;
-        self.go(
-            &self.f.moe_down_q8_pairs,
-            (dt.rows().div_ceil(Q8_BLOCK_ROWS) as u32, pairs as u32, 1),
-            256,
-            &mut args!(dt, &bases[2], &hq, &hs, &v),
-        )?;
-        self.moe_down_sum(v, dt.rows(), io)
+        let (xrow, h, pairs) = (io.xrow, io.h, (io.tokens * io.k) as u32);
+        self.q8_experts(
+            parts,
+            io,
+            |(xq, ds)| {
+                self.go(
+                    &self.f.moe_gate_up_q8_pairs,
+                    (gt.rows().div_ceil(Q8_GATE_UP_ROWS) as u32, pairs, 1),
+                    256,
+                    &mut args!(gt, ut, &bases[0], &bases[1], &xrow, &xq, &ds, &h),
+                )
+            },
+            |(hq, hs), v| {
+                self.go(
+                    &self.f.moe_down_q8_pairs,
+                    (dt.rows().div_ceil(Q8_BLOCK_ROWS) as u32, pairs, 1),
+                    256,
+                    &mut args!(dt, &bases[2], &hq, &hs, &v),
+                )
+            },
+        )
     }
 
     /// The routed experts of a pass grouped by expert (device routing:
@@ -163,45 +159,61 @@ impl Gpu {
         grp: (&DBuf, &DBuf),
         io: &ExpertsIo,
     ) -> Result<()> {
-        let ExpertsIo {
-            xrow,
-            xn,
-            h,
-            k,
-            tokens,
-            ..
-        } = *io;
         let [gt, ut, dt] = parts;
-        let pairs = tokens * k;
+        let (xrow, h) = (io.xrow, io.h);
         let (off, list) = grp;
         let [o0, o1, o2] = route.offsets;
-        let (xq, ds) = self.q8_split(xn, gt.cols(), tokens)?;
-        self.go(
-            &self.f.moe_gate_up_q8_grouped,
-            (gt.rows().div_ceil(Q8_GATE_UP_ROWS) as u32, e as u32, 1),
-            256,
-            &mut args!(
-                gt,
-                ut,
-                &route.addr,
-                &o0,
-                &o1,
-                &off.ptr,
-                &list.ptr,
-                &xrow,
-                &xq,
-                &ds,
-                &h
-            ),
-        )?;
-        let (hq, hs) = self.q8_split(h, dt.cols(), pairs)?;
+        self.q8_experts(
+            parts,
+            io,
+            |(xq, ds)| {
+                self.go(
+                    &self.f.moe_gate_up_q8_grouped,
+                    (gt.rows().div_ceil(Q8_GATE_UP_ROWS) as u32, e as u32, 1),
+                    256,
+                    &mut args!(
+                        gt,
+                        ut,
+                        &route.addr,
+                        &o0,
+                        &o1,
+                        &off.ptr,
+                        &list.ptr,
+                        &xrow,
+                        &xq,
+                        &ds,
+                        &h
+                    ),
+                )
+            },
+            |(hq, hs), v| {
+                self.go(
+                    &self.f.moe_down_q8_grouped,
+                    (dt.rows().div_ceil(Q8_BLOCK_ROWS) as u32, e as u32, 1),
+                    256,
+                    &mut args!(dt, &route.addr, &o2, &off.ptr, &list.ptr, &hq, &hs, &v),
+                )
+            },
+        )
+    }
+
+    /// What both expert forms do around their two launches: x split,
+    /// `gate_up` (given the split), h split by pair, `down` (given that
+    /// split and the per-pair output rows `v`, `[pairs, H]`), then each
+    /// token's ranks summed into `io.x`.
+    fn q8_experts(
+        &self,
+        parts: [&WDesc; 3],
+        io: &ExpertsIo,
+        gate_up: impl FnOnce((u64, u64)) -> Result<()>,
+        down: impl FnOnce((u64, u64), u64) -> Result<()>,
+    ) -> Result<()> {
+        let [gt, _, dt] = parts;
+        let pairs = io.tokens * io.k;
+        gate_up(self.q8_split(io.xn, gt.cols(), io.tokens)?)?;
+        let h_split = self.q8_split(io.h, dt.cols(), pairs)?;
         let v = self.scratch(&self.tc_down_buf, pairs * dt.rows() * 4)?;
-        self.go(
-            &self.f.moe_down_q8_grouped,
-            (dt.rows().div_ceil(Q8_BLOCK_ROWS) as u32, e as u32, 1),
-            256,
-            &mut args!(dt, &route.addr, &o2, &off.ptr, &list.ptr, &hq, &hs, &v),
-        )?;
+        down(h_split, v)?;
         self.moe_down_sum(v, dt.rows(), io)
     }
 
