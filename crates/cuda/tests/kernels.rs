@@ -12,6 +12,9 @@ use slipstream_kernels::scalar;
 use slipstream_models::ops;
 use slipstream_testkit::rel_err;
 
+mod common;
+use common::Rng64;
+
 fn gpu() -> Option<Gpu> {
     match slipstream_cuda::probe() {
         Ok(_) => Some(
@@ -25,8 +28,6 @@ fn gpu() -> Option<Gpu> {
         }
     }
 }
-
-type Rng64 = rand::rngs::StdRng;
 
 fn rvec(rng: &mut Rng64, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
@@ -499,7 +500,6 @@ fn grouped_experts_match_per_pair_launches() {
 
 fn grouped_case(g: &Gpu) {
     let mut rng = Rng64::seed_from_u64(12);
-    let align = |n: usize| n.div_ceil(256) * 256;
     for (q, h, inter, k, e, tokens, shared) in [
         (
             QuantType::Q4,
@@ -528,52 +528,9 @@ fn grouped_case(g: &Gpu) {
             true,
         ),
     ] {
-        let (gsz, dsz) = (q.nbytes(inter, h), q.nbytes(h, inter));
-        let offsets = [0u64, align(gsz) as u64, 2 * align(gsz) as u64];
-        let rec = 2 * align(gsz) + align(dsz);
-        let mut records = vec![0u8; e * rec];
-        let mut views = Vec::new();
-        for r in 0..e {
-            let (gb, ub, db) = (
-                rand_weight(&mut rng, q, inter, h),
-                rand_weight(&mut rng, q, inter, h),
-                rand_weight(&mut rng, q, h, inter),
-            );
-            let at = r * rec;
-            records[at..at + gsz].copy_from_slice(&gb);
-            records[at + offsets[1] as usize..][..gsz].copy_from_slice(&ub);
-            records[at + offsets[2] as usize..][..dsz].copy_from_slice(&db);
-            views.push((gb, ub, db));
-        }
-        let drec = g.upload(&records).unwrap();
-        let addr: Vec<u64> = (0..e).map(|r| drec.ptr + (r * rec) as u64).collect();
-        // Distinct experts per token (as top-k gives), drawn from e.
-        let mut ids = Vec::new();
-        for _ in 0..tokens {
-            let mut pick: Vec<i32> = Vec::new();
-            while pick.len() < k {
-                let c = rng.random_range(0..e as i32);
-                if !pick.contains(&c) {
-                    pick.push(c);
-                }
-            }
-            ids.extend(pick);
-        }
-        let pairs = tokens * k;
-        let mut table: Vec<u64> = Vec::new();
-        for off in offsets {
-            table.extend(ids.iter().map(|&i| addr[i as usize] + off));
-        }
-        let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
-        let dtable = g.upload(&tb).unwrap();
-        let ab: Vec<u8> = addr.iter().flat_map(|a| a.to_le_bytes()).collect();
-        let daddr = g.upload(&ab).unwrap();
-        let idb: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
-        let dids = g.upload(&idb).unwrap();
-        let xrow: Vec<u8> = (0..pairs)
-            .flat_map(|p| ((p / k) as i32).to_le_bytes())
-            .collect();
-        let dxrow = g.upload(&xrow).unwrap();
+        let ex = common::expert_records(g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
+        let (offsets, views, ids, pairs) = (ex.offsets, &ex.views, &ex.ids, tokens * k);
+        let (dtable, daddr, dids, dxrow) = (&ex.table, &ex.addr, &ex.dids, &ex.xrow);
         let x = rvec(&mut rng, tokens * h, 1.0);
         let x0 = rvec(&mut rng, tokens * h, 1.0);
         let wts = rvec(&mut rng, pairs, 1.0);

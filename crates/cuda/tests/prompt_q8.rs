@@ -14,7 +14,8 @@ use slipstream_kernels::scalar;
 use slipstream_models::ops;
 use slipstream_testkit::{rel_err, same_bits};
 
-type Rng64 = rand::rngs::StdRng;
+mod common;
+use common::Rng64;
 
 /// Relative error of the 8-bit prompt products against the exact ones on
 /// these random rows (the int8 rounding of x: about 2^-8 of a group's
@@ -198,7 +199,6 @@ fn dense_q8_matches_its_reference_at_every_pass_length() {
 fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng64::seed_from_u64(82);
-    let align = |n: usize| n.div_ceil(256) * 256;
     for (h, inter, k, e, tokens, shared, scale) in [
         (
             192usize,
@@ -214,50 +214,9 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
         (512, 256, 3, 2, 70, false, ScaleType::Bf16),
     ] {
         let q = q4(scale);
-        let (gsz, dsz) = (q.nbytes(inter, h), q.nbytes(h, inter));
-        let offsets = [0u64, align(gsz) as u64, 2 * align(gsz) as u64];
-        let rec = 2 * align(gsz) + align(dsz);
-        let mut records = vec![0u8; e * rec];
-        let mut views = Vec::new();
-        for r in 0..e {
-            let (gb, ub, db) = (
-                rand_weight(&mut rng, q, inter, h),
-                rand_weight(&mut rng, q, inter, h),
-                rand_weight(&mut rng, q, h, inter),
-            );
-            let at = r * rec;
-            records[at..at + gsz].copy_from_slice(&gb);
-            records[at + offsets[1] as usize..][..gsz].copy_from_slice(&ub);
-            records[at + offsets[2] as usize..][..dsz].copy_from_slice(&db);
-            views.push((gb, ub, db));
-        }
-        let drec = g.upload(&records).unwrap();
-        let addr: Vec<u64> = (0..e).map(|r| drec.ptr + (r * rec) as u64).collect();
-        let mut ids = Vec::new();
-        for _ in 0..tokens {
-            let mut pick: Vec<i32> = Vec::new();
-            while pick.len() < k {
-                let c = rng.random_range(0..e as i32);
-                if !pick.contains(&c) {
-                    pick.push(c);
-                }
-            }
-            ids.extend(pick);
-        }
-        let pairs = tokens * k;
-        let mut table: Vec<u64> = Vec::new();
-        for off in offsets {
-            table.extend(ids.iter().map(|&i| addr[i as usize] + off));
-        }
-        let le = |v: &[u64]| v.iter().flat_map(|a| a.to_le_bytes()).collect::<Vec<u8>>();
-        let dtable = g.upload(&le(&table)).unwrap();
-        let daddr = g.upload(&le(&addr)).unwrap();
-        let idb: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
-        let dids = g.upload(&idb).unwrap();
-        let xrow: Vec<u8> = (0..pairs)
-            .flat_map(|p| ((p / k) as i32).to_le_bytes())
-            .collect();
-        let dxrow = g.upload(&xrow).unwrap();
+        let ex = common::expert_records(&g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
+        let (offsets, views, ids, pairs) = (ex.offsets, &ex.views, &ex.ids, tokens * k);
+        let (dtable, daddr, dids, dxrow) = (&ex.table, &ex.addr, &ex.dids, &ex.xrow);
         let x = rand_rows(&mut rng, tokens * h);
         let x0: Vec<f32> = (0..tokens * h)
             .map(|_| rng.random_range(-1.0..1.0))
