@@ -97,11 +97,12 @@ done
 # key splits at 1024 and 2048) in 256-token passes and one token per pass.
 for len in ${LONG_PROMPTS:-4096 16384}; do
     PL=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range($len)))")
-    for attn in 1 0; do
+    for v in 1:exact 1:int8 0:exact; do
+        attn=${v%%:*} prec=${v#*:}
         SLIPSTREAM_CUDA_TC_ATTN=$attn timeout 300 $B/slipstream run --model $M --prompt-tokens "$PL" --max-new 8 \
-            --print-ids --backend cuda --resident > /dev/null 2> $W/long${len}_$attn.log
-        echo "--- prompt $len tokens, SLIPSTREAM_CUDA_TC_ATTN=$attn"
-        grep -h "^\[stats\]\|rror" $W/long${len}_$attn.log
+            --print-ids --backend cuda --resident --prompt-precision $prec > /dev/null 2> $W/long${len}_${attn}_$prec.log
+        echo "--- prompt $len tokens, SLIPSTREAM_CUDA_TC_ATTN=$attn, --prompt-precision $prec"
+        grep -h "^\[stats\]\|rror" $W/long${len}_${attn}_$prec.log
     done
 done
 P2100=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(2100)))")
@@ -128,12 +129,12 @@ done
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 if [ -x "$NCU" ]; then
     P64=$(python3 -c "print(','.join(str(1 + (i * 7919) % 240000) for i in range(64)))")
-    for cfg in ${NCU_TC:-prompt}; do
-    SLIPSTREAM_CUDA_TC=$cfg timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
+    for prec in ${NCU_PRECISION:-exact int8}; do
+    timeout 150 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
         $B/slipstream run --model $M --prompt-tokens "$P64" --max-new 1 --backend cuda --resident \
-        > $W/ncu64_$cfg.csv 2>/dev/null
-    echo "--- ncu: SLIPSTREAM_CUDA_TC=$cfg"
-    python3 scripts/ncu_sum.py pass $W/ncu64_$cfg.csv "64-token pass + 1 decode step"
+        --prompt-precision $prec > $W/ncu64_$prec.csv 2>/dev/null
+    echo "--- ncu: --prompt-precision $prec"
+    python3 scripts/ncu_sum.py pass $W/ncu64_$prec.csv "64-token pass + 1 decode step"
     done
     # NCU_DETAIL=regex: speed of light, warp stalls and memory sections of
     # the first 3 launches of the matching kernels in the same pass.
