@@ -6,6 +6,7 @@ pub mod hwbench_cmd;
 pub mod replay_cmd;
 pub mod sampling_args;
 pub mod serve_cmd;
+pub mod speculate_args;
 pub mod store_args;
 pub mod synth_cmd;
 

@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use slipstream_cli::demo;
+use slipstream_cli::speculate_args::SpeculateArgs;
 use slipstream_cli::store_args::StoreArgs;
 use slipstream_engine::npy;
 use slipstream_engine::parse_size;
@@ -149,19 +150,8 @@ struct RunArgs {
     /// token, latency ms, tokens/s) to this file.
     #[arg(long)]
     decode_curve: Option<PathBuf>,
-    /// Speculative decoding (CPU backend): off, mtp (the model's MTP
-    /// head), lookup (n-grams of the prompt and the text so far) or both.
-    /// The output is the same as without it. Default off.
-    #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<slipstream_engine::SpeculateMode>())]
-    speculate: Option<slipstream_engine::SpeculateMode>,
-    /// Draft tokens per verify pass with --speculate (default 4, from
-    /// docs/BENCHMARKS.md).
-    #[arg(long, value_name = "K")]
-    draft_tokens: Option<usize>,
-    /// Keep speculating where it does not pay (by default it turns itself
-    /// off on low acceptance or when slower than plain decoding).
-    #[arg(long)]
-    speculate_always: bool,
+    #[command(flatten)]
+    speculation: SpeculateArgs,
     /// After the run, time verify passes of 1 to N tokens from the final
     /// state (the cost of checking N-1 drafts against a plain step).
     #[arg(long, value_name = "N")]
@@ -403,19 +393,9 @@ fn run(args: RunArgs) -> Result<()> {
     if !matches!(plan.backend, slipstream_engine::BackendChoice::Cpu) {
         eprintln!("[backend] {}", engine.set_backend(&plan.backend)?);
     }
-    if let Some(mode) = args.speculate {
-        engine.set_speculation(slipstream_engine::Speculation {
-            mode,
-            draft_tokens: args
-                .draft_tokens
-                .unwrap_or(slipstream_engine::DEFAULT_DRAFT_TOKENS),
-            auto_off: !args.speculate_always,
-        })?;
-        if mode != slipstream_engine::SpeculateMode::Off && engine.cuda_stats().is_some() {
-            eprintln!(
-                "note: speculative decoding runs on the CPU backend only; decoding stays plain"
-            );
-        }
+    engine.set_speculation(args.speculation.settings())?;
+    if let Some(note) = engine.speculation_note() {
+        eprintln!("[speculate] {note}");
     }
 
     // A prompt leaves room for at least one generated token.

@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use slipstream_server::{BackendSpec, ServerConfig};
 
+use crate::speculate_args::SpeculateArgs;
 use crate::store_args::StoreArgs;
 use slipstream_engine::parse_size;
 
@@ -53,6 +54,9 @@ pub struct ServeArgs {
     /// The expert store and backend, as for `slipstream run`.
     #[command(flatten)]
     pub store: StoreArgs,
+    /// Speculative decoding, as for `slipstream run`.
+    #[command(flatten)]
+    pub speculation: SpeculateArgs,
     /// Persist conversation prefixes in this directory (snapshots at prefill
     /// chunk boundaries), so a restarted server prefills only new tokens.
     #[arg(long)]
@@ -188,6 +192,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         log_prompts: args.log_prompts,
         sampling: args.sampling.overrides(),
         conn_limits,
+        speculation: args.speculation.settings(),
     };
     let backend = match &args.test_script {
         Some(p) => {

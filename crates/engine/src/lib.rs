@@ -424,6 +424,25 @@ impl Engine {
         &self.speculation
     }
 
+    /// What [`Engine::set_speculation`] settled, for a start-up line: `None`
+    /// when off; on CUDA, that generation stays plain.
+    pub fn speculation_note(&self) -> Option<String> {
+        let s = &self.speculation;
+        match (s.mode, self.cuda.is_some()) {
+            (SpeculateMode::Off, _) => None,
+            (mode, true) => Some(format!(
+                "speculative decoding ({}) runs on the CPU backend only: decoding stays plain",
+                mode.name()
+            )),
+            (mode, false) => Some(format!(
+                "speculative decoding: {}, {} drafts per verify pass{}",
+                mode.name(),
+                s.draft_tokens,
+                if s.auto_off { "" } else { ", always on" }
+            )),
+        }
+    }
+
     /// Installs the drafter [`SpeculateMode::Custom`] drafts with.
     pub fn set_drafter(&mut self, drafter: Option<Box<dyn Drafter>>) -> Option<Box<dyn Drafter>> {
         std::mem::replace(&mut self.drafter, drafter)

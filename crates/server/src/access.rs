@@ -38,6 +38,9 @@ pub struct GenFigures {
     /// Seconds from the engine taking the job to the first token.
     pub time_to_first_token_s: Option<f64>,
     pub decode_tokens_per_s: Option<f64>,
+    /// Speculative decoding: tokens drafted, and those verified and kept.
+    pub drafted_tokens: u64,
+    pub accepted_drafts: u64,
     /// `stop`, `length`, `cancelled` or `error`; `None` while it runs.
     pub finish: Option<&'static str>,
 }
@@ -108,6 +111,9 @@ pub fn access_line(e: &AccessEntry) -> String {
         }
         if let Some(r) = g.decode_tokens_per_s {
             let _ = write!(s, " decode={r:.1}tok/s");
+        }
+        if g.drafted_tokens > 0 {
+            let _ = write!(s, " drafts={}/{}", g.accepted_drafts, g.drafted_tokens);
         }
         let _ = write!(s, " finish={}", g.finish.unwrap_or("running"));
     }
@@ -230,12 +236,14 @@ mod tests {
             wait_s: Some(0.5),
             time_to_first_token_s: Some(0.21),
             decode_tokens_per_s: Some(12.345),
+            drafted_tokens: 40,
+            accepted_drafts: 31,
             finish: Some("length"),
         });
         e.disconnected = true;
         assert_eq!(
             access_line(&e),
-            "POST /v1/messages 200 0.001s #3 prompt=120 reused=100 generated=50 wait=0.500s ttft=0.210s decode=12.3tok/s finish=length disconnected"
+            "POST /v1/messages 200 0.001s #3 prompt=120 reused=100 generated=50 wait=0.500s ttft=0.210s decode=12.3tok/s drafts=31/40 finish=length disconnected"
         );
     }
 }

@@ -72,6 +72,7 @@ impl Outcome {
             "expert_misses": self.stats.expert_misses,
             "expert_hit_rate": self.expert_hit_rate(),
             "peak_rss_bytes": self.stats.peak_rss_bytes,
+            "speculation": self.stats.speculation,
         })
     }
 }
@@ -461,6 +462,8 @@ impl Gen {
                 wait_s: None,
                 time_to_first_token_s: Some(o.stats.time_to_first_token_s),
                 decode_tokens_per_s: Some(o.stats.decode_tokens_per_s),
+                drafted_tokens: o.stats.speculation.as_ref().map_or(0, |s| s.drafted),
+                accepted_drafts: o.stats.speculation.as_ref().map_or(0, |s| s.accepted),
                 finish: Some(finish),
             },
             None => GenFigures {

@@ -88,6 +88,9 @@ pub struct ServerConfig {
     pub sampling: slipstream_engine::GenerationDefaults,
     /// Read deadlines and the connection limit (see [`conn`]).
     pub conn_limits: conn::ConnLimits,
+    /// Speculative decoding for every generation (off by default): the
+    /// replies are the same, drafted tokens verified in one pass.
+    pub speculation: slipstream_engine::Speculation,
 }
 
 impl Default for ServerConfig {
@@ -109,6 +112,7 @@ impl Default for ServerConfig {
             log_prompts: false,
             sampling: Default::default(),
             conn_limits: conn::ConnLimits::default(),
+            speculation: slipstream_engine::Speculation::default(),
         }
     }
 }
@@ -255,7 +259,10 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
+fn open_backend(
+    spec: BackendSpec,
+    speculation: slipstream_engine::Speculation,
+) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
     let (path, engine_config, backend, script, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
@@ -284,6 +291,8 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, I
         BackendChoice::Cpu => None,
         _ => Some(engine.set_backend(&backend)?),
     };
+    engine.set_speculation(speculation)?;
+    let speculation_note = engine.speculation_note();
     let codec = Arc::new(
         engine
             .codec
@@ -295,10 +304,15 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, I
         max_position: engine.model_config().max_position_embeddings,
         template: engine.template.take().map(Arc::new),
         template_source: engine.file.manifest.chat_template.clone(),
-        store: match &backend_note {
-            Some(b) => format!("{}, {b}", engine.store_description()),
-            None => engine.store_description(),
-        },
+        store: [
+            Some(engine.store_description()),
+            backend_note,
+            speculation_note,
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(", "),
         vocab_size: engine.model_config().vocab_size,
         generation: engine.generation_defaults(),
     };
@@ -379,7 +393,9 @@ impl Drop for RunningServer {
 /// Opens the model, binds and starts serving on a background runtime.
 pub fn start(config: ServerConfig, backend: BackendSpec) -> anyhow::Result<RunningServer> {
     check_bind(&config.host, config.api_key.as_deref())?;
-    let (worker, codec, info) = Worker::start(config.queue, move || open_backend(backend))?;
+    let speculation = config.speculation.clone();
+    let (worker, codec, info) =
+        Worker::start(config.queue, move || open_backend(backend, speculation))?;
     launch(config, worker, codec, info)
 }
 
@@ -395,7 +411,9 @@ pub fn serve_here(
     announce: impl FnOnce(&RunningServer),
 ) -> anyhow::Result<()> {
     check_bind(&config.host, config.api_key.as_deref())?;
-    let (worker, codec, info, engine) = Worker::here(config.queue, move || open_backend(backend))?;
+    let speculation = config.speculation.clone();
+    let (worker, codec, info, engine) =
+        Worker::here(config.queue, move || open_backend(backend, speculation))?;
     let mut server = launch(config, worker, codec, info)?;
     announce(&server);
     // Keep the shutdown sender (dropping it stops the server) but not the

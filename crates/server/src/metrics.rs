@@ -10,6 +10,8 @@
 //! - `slipstream_prompt_tokens_total`, `slipstream_reused_prompt_tokens_total`
 //!   (restored from a kept state instead of prefilled),
 //!   `slipstream_generated_tokens_total`.
+//! - `slipstream_draft_tokens_total`, `slipstream_accepted_draft_tokens_total`:
+//!   speculative decoding's drafts, and those verified and kept.
 //! - `slipstream_time_to_first_token_seconds` and
 //!   `slipstream_decode_tokens_per_second`: histograms over generations.
 //! - `slipstream_queue_depth`, `slipstream_queue_capacity`, `slipstream_busy`
@@ -87,6 +89,8 @@ struct Counters {
     prompt_tokens: u64,
     reused_prompt_tokens: u64,
     generated_tokens: u64,
+    draft_tokens: u64,
+    accepted_draft_tokens: u64,
     ttft: Histogram,
     decode: Histogram,
     /// Moving average of a job's seconds on the engine (for `Retry-After`).
@@ -109,6 +113,8 @@ impl Default for Metrics {
                 prompt_tokens: 0,
                 reused_prompt_tokens: 0,
                 generated_tokens: 0,
+                draft_tokens: 0,
+                accepted_draft_tokens: 0,
                 ttft: Histogram::new(&TTFT_BUCKETS),
                 decode: Histogram::new(&DECODE_BUCKETS),
                 job_seconds: None,
@@ -147,6 +153,8 @@ impl Metrics {
         c.prompt_tokens += g.prompt_tokens as u64;
         c.reused_prompt_tokens += g.reused_prompt_tokens as u64;
         c.generated_tokens += g.generated_tokens as u64;
+        c.draft_tokens += g.drafted_tokens;
+        c.accepted_draft_tokens += g.accepted_drafts;
         if let Some(t) = g.time_to_first_token_s {
             c.ttft.observe(t);
         }
@@ -209,6 +217,16 @@ impl Metrics {
                 "slipstream_generated_tokens_total",
                 "Tokens generated.",
                 c.generated_tokens,
+            ),
+            (
+                "slipstream_draft_tokens_total",
+                "Tokens drafted by speculative decoding.",
+                c.draft_tokens,
+            ),
+            (
+                "slipstream_accepted_draft_tokens_total",
+                "Drafted tokens verified and kept.",
+                c.accepted_draft_tokens,
             ),
         ] {
             let _ = writeln!(

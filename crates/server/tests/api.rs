@@ -959,3 +959,77 @@ fn a_max_context_above_the_model_is_refused_at_start() {
         "{e}"
     );
 }
+
+/// The text of a chat reply, non-streamed or joined from a stream's deltas.
+fn chat_text(v: &Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn speculative_decoding_gives_the_plain_replies_and_reports_its_drafts() {
+    let plain = server(config());
+    let spec = server(slipstream_server::ServerConfig {
+        speculation: slipstream_engine::Speculation {
+            mode: slipstream_engine::SpeculateMode::Both,
+            draft_tokens: 4,
+            auto_off: false,
+        },
+        ..config()
+    });
+    rt().block_on(async {
+        let prompt = "Count: one two three, one two three, one two three, one two";
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 0.8, "top_p": 0.95, "seed": 11}),
+        ] {
+            let mut body = json!({"model": "demo", "max_tokens": 48,
+                "messages": [{"role": "user", "content": prompt}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(sampling.as_object().unwrap().clone());
+            let (st, a) = post(&plain, "/v1/chat/completions", body.clone()).await;
+            assert_eq!(st, 200, "{a}");
+            let (st, b) = post(&spec, "/v1/chat/completions", body.clone()).await;
+            assert_eq!(st, 200, "{b}");
+            assert_eq!(chat_text(&a), chat_text(&b), "{sampling}");
+            assert!(!chat_text(&a).is_empty());
+            assert!(a["slipstream"]["speculation"].is_null());
+            let sp = &b["slipstream"]["speculation"];
+            assert!(sp["drafted"].as_u64().unwrap() > 0, "{b}");
+            assert!(sp["verify_passes"].as_u64().unwrap() > 0, "{b}");
+            // Streamed: the same text, drafts accepted in one pass arrive
+            // as their own deltas.
+            body["stream"] = json!(true);
+            let (st, ev) = post_stream(&spec, "/v1/chat/completions", body).await;
+            assert_eq!(st, 200);
+            let streamed: String = ev
+                .iter()
+                .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+                .filter_map(|v| {
+                    v["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .map(String::from)
+                })
+                .collect();
+            assert_eq!(streamed, chat_text(&a));
+        }
+        let text = reqwest::get(url(&spec, "/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let counter = |name: &str| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+        };
+        let drafted = counter("slipstream_draft_tokens_total");
+        assert!(drafted > 0);
+        assert!(counter("slipstream_accepted_draft_tokens_total") <= drafted);
+    });
+}
