@@ -81,7 +81,7 @@ CX="--prompt-precision exact"
 Q8="--prompt-precision int8"
 INT8=5e-2
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda $CX --dump-logits /tmp/demo.cuda.npy > /tmp/demo.cuda.ids 2>>"$OUT/model.stderr" || fail=1
-$B/slipstream run --max-new 16 --print-ids --resident --backend cuda $Q8 --dump-logits /tmp/demo.cuda8.npy > /tmp/demo.cuda8.ids 2>>"$OUT/model.stderr" || fail=1
+$B/slipstream run --max-new 16 --print-ids --resident --backend cuda $Q8 --dump-logits /tmp/demo.cuda8.npy --stats-json /tmp/demo.cuda8.json > /tmp/demo.cuda8.ids 2>>"$OUT/model.stderr" || fail=1
 $B/slipstream run --max-new 16 --print-ids --resident --backend cuda $CX --vram-slots 1 > /tmp/demo.cuda1.ids 2>>"$OUT/model.stderr" || fail=1
 # 300 tokens: the KV caches grow past their first 256 rows, so the pass
 # graph is captured again; graphs on and off must give the same bits.
@@ -126,6 +126,11 @@ rel = relf(g, c)
 bound8 = float(os.environ["INT8"])
 rel8 = relf(np.load("/tmp/demo.cuda8.npy"), c)
 t8 = open("/tmp/demo.cuda8.ids").read().split() == open("/tmp/demo.cpu.ids").read().split()
+import json
+sj = json.load(open("/tmp/demo.cuda8.json"))
+named = sj.get("prompt_precision") == "int8" and (sj.get("cuda_tuning") or {}).get("prompt_precision") == "int8"
+print(f"demo, --stats-json names the int8 prompt and the CUDA tuning: {named}")
+t8 = t8 and named
 print(f"demo, prompt in int8: max rel logit err vs cpu {rel8:.2e} (bound {bound8:g}); tokens equal to the cpu's: {t8} {'ok' if rel8 < bound8 and t8 else 'FAIL'}")
 t = [open(f"/tmp/demo.{k}.ids").read().split() for k in ["cpu", "cuda", "cuda1", "long", "longng", "longd"]]
 print(f"demo, prompt exact: max rel logit err vs cpu {rel:.2e} ({'ok' if rel < 1e-3 else 'FAIL'}); tokens cuda==cuda(1 slot): {t[1] == t[2]}; cpu==cuda: {t[0] == t[1]}")

@@ -691,6 +691,15 @@ fn run(args: RunArgs) -> Result<()> {
         }
     }
     if let Some(path) = &args.stats_json {
+        // The CUDA kernels' switches, when the run used the GPU.
+        let cuda_tuning = match &plan.backend {
+            slipstream_engine::BackendChoice::Cuda(o) | slipstream_engine::BackendChoice::Auto(o)
+                if engine.cuda_stats().is_some() =>
+            {
+                Some(&o.tuning)
+            }
+            _ => None,
+        };
         let json = serde_json::json!({
             "model": model_path.display().to_string(),
             "prompt_tokens": prompt,
@@ -699,6 +708,7 @@ fn run(args: RunArgs) -> Result<()> {
             "stats": s,
             "store": engine.store_description(),
             "prompt_precision": engine.prompt_precision(),
+            "cuda_tuning": cuda_tuning,
             "restore": restore_json,
             "restore_s": restore_s,
             "time_to_first_token_with_restore_s": restore_s + s.time_to_first_token_s,

@@ -18,7 +18,7 @@ pub const DEFAULT_PASS_TOKENS: usize = 256;
 /// Tuning of the CUDA backend. Each field names the variable
 /// [`CudaTuning::from_vars`] reads it from; [`Default`] is what no
 /// variable gives.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct CudaTuning {
     /// Register cap of the routed experts' wide kernels, in blocks of 256
     /// threads per SM (`SLIPSTREAM_CUDA_MOE_MINB`, default
@@ -136,7 +136,8 @@ impl CudaTuning {
 /// the exact kernels; either way a token's bits follow only from whether
 /// it is a prompt token, so every pass length and slot count gives the
 /// same logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PromptPrecision {
     /// Each input row quantized to int8 per group of 64 (scale: the
     /// group's largest |x| / 127) into int8 mma with the 4-bit codes as
@@ -165,7 +166,8 @@ impl PromptPrecision {
 /// only from whether it is a prompt token or a generated one, never from
 /// the cache size or the pass length, so every slot count still gives the
 /// same bits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TensorCoreUse {
     /// Every pass on the CUDA-core (a4v) kernels (`0`).
     Never,
@@ -192,7 +194,8 @@ impl TensorCoreUse {
 /// Which Gated DeltaNet recurrence kernel runs for heads up to 128 x 128
 /// (`SLIPSTREAM_CUDA_GDN`), for every pass alike (so a token's bits do not
 /// depend on the pass length or the cache).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum GdnForm {
     /// `gdn_step_w` (the default).
     Warp,
