@@ -61,7 +61,9 @@ struct ReplayArgs {
 
 #[derive(Args, Default)]
 struct RunArgs {
-    /// A .slip model directory; the embedded demo model when omitted.
+    /// A .slip model directory, or a GGUF file run in place (no repack; a
+    /// checksum table is built on first use); the embedded demo model when
+    /// omitted.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text.

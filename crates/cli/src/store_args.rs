@@ -80,8 +80,8 @@ fn opened<'a>(slot: &'a mut Option<SlipModel>, model: &Path) -> Result<&'a SlipM
     if let Some(file) = slot.take() {
         return Ok(slot.insert(file));
     }
-    let file =
-        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))?;
+    let file = slipstream_engine::open_model(model, crate::gguf_index_dir().as_deref())
+        .with_context(|| format!("opening model {}", model.display()))?;
     Ok(slot.insert(file))
 }
 
@@ -145,6 +145,7 @@ impl StoreArgs {
                 prefill_chunk,
                 store,
                 route_trace: self.route_trace.clone(),
+                gguf_index_dir: crate::gguf_index_dir(),
             },
             backend: self.backend_choice(model, &mut file)?,
         })

@@ -53,6 +53,7 @@ fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
             ("up".into(), q4, [64, 64]),
             ("down".into(), q4, [64, 64]),
         ],
+        layer_qtypes: Vec::new(),
     };
     let mut w = SlipWriter::create(&target, layout, Default::default()).unwrap();
     w.add_dense(
@@ -108,7 +109,7 @@ fn round_trip_is_bit_exact() {
     for l in 0..2 {
         for e in 0..3 {
             m.read_expert(l, e, &mut buf).unwrap();
-            let views = m.expert_views(&buf).unwrap();
+            let views = m.expert_views(l, e, &buf).unwrap();
             let seed = (l * 3 + e) as u8;
             assert_eq!(views.gate.data, &part_bytes(seed, n)[..]);
             assert_eq!(views.up.data, &part_bytes(seed + 50, n)[..]);
@@ -220,6 +221,7 @@ fn unfinished_writer_leaves_nothing() {
                     ("up".into(), QuantType::F32, [1, 4]),
                     ("down".into(), QuantType::F32, [4, 1]),
                 ],
+                layer_qtypes: Vec::new(),
             },
             Default::default(),
         )

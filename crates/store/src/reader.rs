@@ -96,11 +96,22 @@ struct Dest(*mut u8);
 // until the completion arrives, and the memory outlives the pool.
 unsafe impl Send for Dest {}
 
+/// One contiguous read of a job: `len` bytes at `offset` into `dest`, of
+/// which the first `need` must arrive (the rest may lie past the end of
+/// the file).
+#[derive(Clone, Copy)]
+pub struct Segment {
+    pub offset: u64,
+    pub len: usize,
+    pub need: usize,
+    dest: Dest,
+}
+
+/// A read job: one expert, as one or more segments (a `.slip` record is
+/// one; an expert read in place from a GGUF is its three parts).
 struct Job {
     id: usize,
-    offset: u64,
-    len: usize,
-    dest: Dest,
+    segments: Vec<Segment>,
 }
 
 /// The readers' shared state: queued jobs and demand reads in progress.
@@ -194,11 +205,37 @@ fn reader_loop(file: &File, shared: &Shared, done: &Sender<Done>) {
     }
 }
 
+/// Reads into `buf` from `offset` until at least `need` bytes arrived or
+/// `buf` is full; fewer than `need` (the file ends) is an error.
+fn read_at_least(file: &File, buf: &mut [u8], offset: u64, need: usize) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < need.min(buf.len()) {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the file ends {} bytes into a read of {need}", done),
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn read_demand(file: &File, job: &Job, shared: &Shared) -> std::io::Result<()> {
-    // SAFETY: see `Dest`: this thread is the only writer of `dest[..len]`
-    // until it sends `Done`.
-    let buf = unsafe { std::slice::from_raw_parts_mut(job.dest.0, job.len) };
-    let result = file.read_exact_at(buf, job.offset);
+    let mut result = Ok(());
+    for seg in &job.segments {
+        // SAFETY: see `Dest`: this thread is the only writer of
+        // `dest[..len]` until it sends `Done`.
+        let buf = unsafe { std::slice::from_raw_parts_mut(seg.dest.0, seg.len) };
+        result = read_at_least(file, buf, seg.offset, seg.need);
+        if result.is_err() {
+            break;
+        }
+    }
     shared.demand_done();
     result
 }
@@ -212,26 +249,41 @@ fn read_in_pieces(
     shared: &Shared,
     done: &Sender<Done>,
 ) -> Option<std::io::Result<()>> {
-    let mut at = 0;
-    while at < job.len {
-        while let Some(demand) = shared.demand_before_piece() {
-            let result = read_demand(file, &demand, shared);
-            done.send(Done {
-                id: demand.id,
-                result,
-            })
-            .ok()?;
+    for seg in &job.segments {
+        let mut at = 0;
+        while at < seg.need {
+            while let Some(demand) = shared.demand_before_piece() {
+                let result = read_demand(file, &demand, shared);
+                done.send(Done {
+                    id: demand.id,
+                    result,
+                })
+                .ok()?;
+            }
+            let n = (seg.len - at).min(BACKGROUND_PIECE);
+            // SAFETY: see `Dest`: this thread is the only writer of the
+            // job's ranges until it sends `Done`; `at + n <= len`.
+            let piece = unsafe { std::slice::from_raw_parts_mut(seg.dest.0.add(at), n) };
+            let need = (seg.need - at).min(n);
+            if let Err(e) = read_at_least(file, piece, seg.offset + at as u64, need) {
+                return Some(Err(e));
+            }
+            at += n;
         }
-        let n = (job.len - at).min(BACKGROUND_PIECE);
-        // SAFETY: see `Dest`: this thread is the only writer of the job's
-        // range until it sends `Done`; `at + n <= len`.
-        let piece = unsafe { std::slice::from_raw_parts_mut(job.dest.0.add(at), n) };
-        if let Err(e) = file.read_exact_at(piece, job.offset + at as u64) {
-            return Some(Err(e));
-        }
-        at += n;
     }
     Some(Ok(()))
+}
+
+impl Segment {
+    /// `len` bytes at `offset` into `dest`, the first `need` required.
+    pub fn new(offset: u64, len: usize, need: usize, dest: *mut u8) -> Self {
+        Segment {
+            offset,
+            len,
+            need: need.min(len),
+            dest: Dest(dest),
+        }
+    }
 }
 
 /// A finished read.
@@ -309,7 +361,18 @@ impl ReaderPool {
     /// the matching [`Done`] has been received.
     pub unsafe fn submit(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(id, offset, len, dest, false) };
+        unsafe { self.queue(id, vec![Segment::new(offset, len, len, dest)], false) };
+    }
+
+    /// Queues a demand read of several segments (one expert's parts) as one
+    /// job: one reader reads them back to back, and the job completes once.
+    ///
+    /// # Safety
+    /// Every segment's `dest..dest+len` must stay valid and untouched by
+    /// the caller until the matching [`Done`] has been received.
+    pub unsafe fn submit_segments(&self, id: usize, segments: Vec<Segment>, background: bool) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.queue(id, segments, background) };
     }
 
     /// Queues a background read: like [`ReaderPool::submit`], but taken
@@ -320,18 +383,14 @@ impl ReaderPool {
     /// As for [`ReaderPool::submit`].
     pub unsafe fn submit_background(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(id, offset, len, dest, true) };
+        unsafe { self.queue(id, vec![Segment::new(offset, len, len, dest)], true) };
     }
 
     /// # Safety
-    /// As for [`ReaderPool::submit`]: a reader writes `dest..dest+len`.
-    unsafe fn queue(&self, id: usize, offset: u64, len: usize, dest: *mut u8, background: bool) {
-        let job = Job {
-            id,
-            offset,
-            len,
-            dest: Dest(dest),
-        };
+    /// As for [`ReaderPool::submit`]: a reader writes each segment's
+    /// `dest..dest+len`.
+    unsafe fn queue(&self, id: usize, segments: Vec<Segment>, background: bool) {
+        let job = Job { id, segments };
         if let Some(mut q) = self.shared.lock() {
             if background {
                 q.background.push_back(job);
@@ -434,9 +493,7 @@ mod tests {
         let mut byte = 0u8;
         shared.lock().unwrap().demand.push_back(Job {
             id: 3,
-            offset: 0,
-            len: 1,
-            dest: Dest(&mut byte),
+            segments: vec![Segment::new(0, 1, 1, &mut byte)],
         });
         let job = shared.demand_before_piece().expect("queued demand read");
         assert_eq!(job.id, 3);
