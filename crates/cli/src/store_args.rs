@@ -80,9 +80,41 @@ fn opened<'a>(slot: &'a mut Option<SlipModel>, model: &Path) -> Result<&'a SlipM
     if let Some(file) = slot.take() {
         return Ok(slot.insert(file));
     }
-    let file = slipstream_engine::open_model(model, crate::gguf_index_dir().as_deref())
-        .with_context(|| format!("opening model {}", model.display()))?;
+    let file = if model.is_file() && slipstream_repack::is_gguf_file(model) {
+        open_gguf(model)?
+    } else {
+        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))?
+    };
     Ok(slot.insert(file))
+}
+
+/// Opens a GGUF in place, saying when its checksum table is built (the
+/// first open reads the whole file once).
+fn open_gguf(model: &Path) -> Result<SlipModel> {
+    use slipstream_repack::{InPlaceOptions, IndexUse};
+    let opts = InPlaceOptions {
+        index_dir: crate::gguf_index_dir(),
+    };
+    let known = slipstream_repack::index_locations(model, &opts)
+        .iter()
+        .any(|p| p.is_file());
+    if !known {
+        eprintln!(
+            "[gguf] {} runs in place; this first open reads the whole file once for its checksum table",
+            model.display()
+        );
+    }
+    let (file, used) = slipstream_repack::open_gguf_in_place_with(model, &opts)
+        .with_context(|| format!("opening model {}", model.display()))?;
+    match used {
+        IndexUse::Reused(_) => {}
+        IndexUse::Built(p) => eprintln!("[gguf] checksum table written to {}", p.display()),
+        IndexUse::BuiltUnsaved => eprintln!(
+            "[gguf] the checksum table could not be saved (beside the file or in {}): it is rebuilt at every open",
+            opts.index_dir.map(|d| d.display().to_string()).unwrap_or_default()
+        ),
+    }
+    Ok(file)
 }
 
 impl StoreArgs {
