@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -107,11 +108,41 @@ pub struct Segment {
     dest: Dest,
 }
 
-/// A read job: one expert, as one or more segments (a `.slip` record is
-/// one; an expert read in place from a GGUF is its three parts).
+/// A read job: one segment. An expert of several segments (a GGUF read in
+/// place: its three parts) is a group of jobs that readers take in
+/// parallel; the group completes once, when its last segment is read.
 struct Job {
     id: usize,
-    segments: Vec<Segment>,
+    seg: Segment,
+    group: Option<Arc<Group>>,
+}
+
+/// The segments of one submission still being read, and its first error.
+struct Group {
+    left: AtomicUsize,
+    error: Mutex<Option<std::io::Error>>,
+}
+
+impl Job {
+    /// Settles this job's read: the submission's result once every
+    /// segment of it is done, `None` while some are still being read.
+    fn finish(&self, result: std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let Some(g) = &self.group else {
+            return Some(result);
+        };
+        if let Err(e) = result {
+            if let Ok(mut first) = g.error.lock() {
+                first.get_or_insert(e);
+            }
+        }
+        if g.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return None;
+        }
+        match g.error.lock().ok().and_then(|mut e| e.take()) {
+            Some(e) => Some(Err(e)),
+            None => Some(Ok(())),
+        }
+    }
 }
 
 /// The readers' shared state: queued jobs and demand reads in progress.
@@ -199,8 +230,10 @@ fn reader_loop(file: &File, shared: &Shared, done: &Sender<Done>) {
         } else {
             read_demand(file, &job, shared)
         };
-        if done.send(Done { id: job.id, result }).is_err() {
-            return;
+        if let Some(result) = job.finish(result) {
+            if done.send(Done { id: job.id, result }).is_err() {
+                return;
+            }
         }
     }
 }
@@ -226,16 +259,11 @@ fn read_at_least(file: &File, buf: &mut [u8], offset: u64, need: usize) -> std::
 }
 
 fn read_demand(file: &File, job: &Job, shared: &Shared) -> std::io::Result<()> {
-    let mut result = Ok(());
-    for seg in &job.segments {
-        // SAFETY: see `Dest`: this thread is the only writer of
-        // `dest[..len]` until it sends `Done`.
-        let buf = unsafe { std::slice::from_raw_parts_mut(seg.dest.0, seg.len) };
-        result = read_at_least(file, buf, seg.offset, seg.need);
-        if result.is_err() {
-            break;
-        }
-    }
+    let seg = &job.seg;
+    // SAFETY: see `Dest`: this thread is the only writer of `dest[..len]`
+    // until the job's `Done` is sent.
+    let buf = unsafe { std::slice::from_raw_parts_mut(seg.dest.0, seg.len) };
+    let result = read_at_least(file, buf, seg.offset, seg.need);
     shared.demand_done();
     result
 }
@@ -249,27 +277,28 @@ fn read_in_pieces(
     shared: &Shared,
     done: &Sender<Done>,
 ) -> Option<std::io::Result<()>> {
-    for seg in &job.segments {
-        let mut at = 0;
-        while at < seg.need {
-            while let Some(demand) = shared.demand_before_piece() {
-                let result = read_demand(file, &demand, shared);
+    let seg = &job.seg;
+    let mut at = 0;
+    while at < seg.need {
+        while let Some(demand) = shared.demand_before_piece() {
+            let result = read_demand(file, &demand, shared);
+            if let Some(result) = demand.finish(result) {
                 done.send(Done {
                     id: demand.id,
                     result,
                 })
                 .ok()?;
             }
-            let n = (seg.len - at).min(BACKGROUND_PIECE);
-            // SAFETY: see `Dest`: this thread is the only writer of the
-            // job's ranges until it sends `Done`; `at + n <= len`.
-            let piece = unsafe { std::slice::from_raw_parts_mut(seg.dest.0.add(at), n) };
-            let need = (seg.need - at).min(n);
-            if let Err(e) = read_at_least(file, piece, seg.offset + at as u64, need) {
-                return Some(Err(e));
-            }
-            at += n;
         }
+        let n = (seg.len - at).min(BACKGROUND_PIECE);
+        // SAFETY: see `Dest`: this thread is the only writer of the job's
+        // range until its `Done` is sent; `at + n <= len`.
+        let piece = unsafe { std::slice::from_raw_parts_mut(seg.dest.0.add(at), n) };
+        let need = (seg.need - at).min(n);
+        if let Err(e) = read_at_least(file, piece, seg.offset + at as u64, need) {
+            return Some(Err(e));
+        }
+        at += n;
     }
     Some(Ok(()))
 }
@@ -364,8 +393,10 @@ impl ReaderPool {
         unsafe { self.queue(id, vec![Segment::new(offset, len, len, dest)], false) };
     }
 
-    /// Queues a demand read of several segments (one expert's parts) as one
-    /// job: one reader reads them back to back, and the job completes once.
+    /// Queues the reads of several segments (one expert's parts) as one
+    /// submission: the segments are queued together and taken by the
+    /// reader threads in parallel (so they overlap); one [`Done`] comes
+    /// for the submission, after its last segment.
     ///
     /// # Safety
     /// Every segment's `dest..dest+len` must stay valid and untouched by
@@ -390,12 +421,24 @@ impl ReaderPool {
     /// As for [`ReaderPool::submit`]: a reader writes each segment's
     /// `dest..dest+len`.
     unsafe fn queue(&self, id: usize, segments: Vec<Segment>, background: bool) {
-        let job = Job { id, segments };
+        let group = (segments.len() > 1).then(|| {
+            Arc::new(Group {
+                left: AtomicUsize::new(segments.len()),
+                error: Mutex::new(None),
+            })
+        });
         if let Some(mut q) = self.shared.lock() {
-            if background {
-                q.background.push_back(job);
-            } else {
-                q.demand.push_back(job);
+            for seg in segments {
+                let job = Job {
+                    id,
+                    seg,
+                    group: group.clone(),
+                };
+                if background {
+                    q.background.push_back(job);
+                } else {
+                    q.demand.push_back(job);
+                }
             }
             self.shared.changed.notify_all();
         }
@@ -466,6 +509,55 @@ mod tests {
     }
 
     #[test]
+    fn a_submission_of_segments_completes_once_with_its_bytes_or_an_error() {
+        // 3 pages; the last segment's page runs past the end of the file.
+        let data: Vec<u8> = (0..3 * 4096 - 100).map(|i| (i * 7 % 253) as u8).collect();
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&data).unwrap();
+        for threads in [1, 3] {
+            for background in [false, true] {
+                let pool = ReaderPool::new(File::open(f.path()).unwrap(), threads);
+                let mut buf = vec![0u8; 3 * 4096];
+                let p = buf.as_mut_ptr();
+                // SAFETY: `buf` outlives the reads, waited for below.
+                unsafe {
+                    pool.submit_segments(
+                        5,
+                        vec![
+                            Segment::new(8192, 4096, 4096 - 100, p),
+                            Segment::new(0, 4096, 4096, p.add(4096)),
+                            Segment::new(4096, 4096, 4096, p.add(8192)),
+                        ],
+                        background,
+                    );
+                }
+                let d = pool.wait();
+                assert_eq!(d.id, 5);
+                d.result.unwrap();
+                assert!(pool.try_wait().is_none(), "one completion per submission");
+                assert_eq!(&buf[..4096 - 100], &data[8192..]);
+                assert_eq!(&buf[4096..], &data[..8192]);
+                // A segment the file cannot give: the submission fails once.
+                // SAFETY: as above.
+                unsafe {
+                    pool.submit_segments(
+                        6,
+                        vec![
+                            Segment::new(0, 4096, 4096, p),
+                            Segment::new(8192, 4096, 4096, p.add(4096)),
+                        ],
+                        background,
+                    );
+                }
+                let d = pool.wait();
+                assert_eq!(d.id, 6);
+                assert!(d.result.is_err());
+                drop(pool);
+            }
+        }
+    }
+
+    #[test]
     fn background_pieces_wait_for_demand_reads_in_progress() {
         let shared = Arc::new(Shared::default());
         // A demand read taken by another reader.
@@ -493,7 +585,8 @@ mod tests {
         let mut byte = 0u8;
         shared.lock().unwrap().demand.push_back(Job {
             id: 3,
-            segments: vec![Segment::new(0, 1, 1, &mut byte)],
+            seg: Segment::new(0, 1, 1, &mut byte),
+            group: None,
         });
         let job = shared.demand_before_piece().expect("queued demand read");
         assert_eq!(job.id, 3);

@@ -211,9 +211,9 @@ impl StreamingStore {
         &mem[off..off + self.stride]
     }
 
-    /// Starts the reads of one expert into `place`: one job, whose
+    /// Starts the reads of one expert into `place`: one submission of its
     /// segments (one `.slip` record, or the three parts of an expert read
-    /// in place) one reader reads back to back.
+    /// in place, which reader threads take in parallel), one completion.
     fn submit(&mut self, layer: usize, expert: u32, id: usize, place: Place) {
         let reads = self.model.expert_reads(layer, expert as usize);
         let dest = match place {
