@@ -124,6 +124,17 @@ impl StoreArgs {
     /// slots here (the choice printed to stderr); `--direct-io auto` is
     /// settled against this machine's memory.
     pub fn plan(&self, model: &Path, context: usize, prefill_chunk: usize) -> Result<StorePlan> {
+        self.plan_opened(model, context, prefill_chunk).map(|p| p.0)
+    }
+
+    /// [`StoreArgs::plan`], also handing over the model when planning
+    /// opened it (so the engine need not open and verify it again).
+    pub fn plan_opened(
+        &self,
+        model: &Path,
+        context: usize,
+        prefill_chunk: usize,
+    ) -> Result<(StorePlan, Option<SlipModel>)> {
         let prefill_chunk = prefill_chunk.max(1);
         let mut file = None;
         let store = if self.resident {
@@ -172,15 +183,17 @@ impl StoreArgs {
                 background_fill: !self.no_background_fill,
             })
         };
-        Ok(StorePlan {
+        let backend = self.backend_choice(model, &mut file)?;
+        let plan = StorePlan {
             engine: EngineConfig {
                 prefill_chunk,
                 store,
                 route_trace: self.route_trace.clone(),
                 gguf_index_dir: crate::gguf_index_dir(),
             },
-            backend: self.backend_choice(model, &mut file)?,
-        })
+            backend,
+        };
+        Ok((plan, file))
     }
 
     /// `--backend` with the CUDA options (`--vram-slots`, `--vram-budget`,

@@ -240,6 +240,13 @@ impl Engine {
         // Before the model loads: measured faster than from the prefill on.
         heap::keep_freed_memory();
         let file = Arc::new(open_model(path, config.gguf_index_dir.as_deref())?);
+        Engine::open_file(file, config)
+    }
+
+    /// An engine over a model already opened (and so verified), e.g. by
+    /// the CLI's memory planning.
+    pub fn open_file(file: Arc<SlipModel>, config: EngineConfig) -> Result<Self, EngineError> {
+        heap::keep_freed_memory();
         let model = slipstream_models::load(&file.manifest.config, file.as_ref())?;
         let inner: Box<dyn ExpertStore> = match &config.store {
             StoreChoice::Resident => Box::new(
