@@ -140,8 +140,25 @@ fn the_checksum_table_is_built_reused_rebuilt_and_catches_corruption() {
     let beside = index_locations(&gguf, &opts)[0].clone();
     assert!(beside.starts_with(tmp.path()));
 
+    // What a table writer that died left (pid 0x7fff_fff0 is not running),
+    // and a file of someone else's under a temp-like name.
+    let dead = tmp.path().join(format!(
+        ".{}.tmp-{}-0",
+        beside.file_name().unwrap().to_string_lossy(),
+        0x7fff_fff0u32
+    ));
+    std::fs::write(&dead, b"{\"format\":\"slipstream-gguf-index\",\"vers").unwrap();
+    let foreign = dead.with_file_name(format!(
+        ".{}.tmp-{}-1",
+        beside.file_name().unwrap().to_string_lossy(),
+        0x7fff_fff0u32
+    ));
+    std::fs::write(&foreign, b"notes").unwrap();
+
     let (m, used) = open_gguf_in_place_with(&gguf, &opts).unwrap();
     assert_eq!(used, IndexUse::Built(beside.clone()));
+    assert!(!dead.exists(), "a dead writer's temp stays");
+    assert_eq!(std::fs::read(&foreign).unwrap(), b"notes");
     let hash = m.manifest.model_hash.clone();
     drop(m);
     let (m, used) = open_gguf_in_place_with(&gguf, &opts).unwrap();

@@ -159,6 +159,15 @@ fn write_index(path: &Path, t: &IndexFile) -> std::io::Result<()> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
+    // Temps of table writers that died: removed when they start as a
+    // table of ours does (anything else is left alone).
+    let _ = slipstream_outpath::clean_stale_temps(path, &|p: &Path| {
+        let prefix = format!("{{\"format\":\"{INDEX_FORMAT}\"");
+        let mut head = vec![0u8; prefix.len()];
+        std::fs::symlink_metadata(p).is_ok_and(|m| m.is_file() && m.len() <= MAX_INDEX_BYTES)
+            && File::open(p).is_ok_and(|f| f.read_exact_at(&mut head, 0).is_ok())
+            && head == prefix.as_bytes()
+    });
     let tmp = slipstream_outpath::temp_path(path)?;
     let json = serde_json::to_vec(t).map_err(std::io::Error::other)?;
     let result = (|| {
