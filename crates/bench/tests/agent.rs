@@ -43,6 +43,7 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
                 prefill_chunk: 16,
                 store: StoreChoice::Resident,
                 route_trace: None,
+                gguf_index_dir: None,
             },
             prompt_cache: None,
             state_cache: states,

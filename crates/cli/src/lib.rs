@@ -36,6 +36,12 @@ pub fn settle_direct_io(
     choice.direct
 }
 
+/// Where a GGUF run in place keeps its checksum table when the file's own
+/// directory cannot take it (read-only): the cache directory's `gguf-index`.
+pub fn gguf_index_dir() -> Option<std::path::PathBuf> {
+    Some(demo::cache_dir().join("gguf-index"))
+}
+
 /// Where `slipstream hwbench` leaves its last full report for other commands.
 pub fn hwbench_report_path() -> std::path::PathBuf {
     demo::cache_dir().join("hwbench.json")

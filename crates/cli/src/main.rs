@@ -62,7 +62,9 @@ struct ReplayArgs {
 
 #[derive(Args, Default)]
 struct RunArgs {
-    /// A .slip model directory; the embedded demo model when omitted.
+    /// A .slip model directory, or a GGUF file run in place (no repack; a
+    /// checksum table is built on first use); the embedded demo model when
+    /// omitted.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt text.
@@ -378,11 +380,18 @@ fn run(args: RunArgs) -> Result<()> {
             path.context("preparing the embedded demo model")?
         }
     };
-    let plan = args
-        .store
-        .plan(&model_path, args.max_new + 4096, args.prefill_chunk)?;
-    let mut engine = Engine::open(&model_path, plan.engine)
-        .with_context(|| format!("opening model {}", model_path.display()))?;
+    // Before planning opens the model (the engine's own open does this
+    // first too).
+    slipstream_engine::heap::keep_freed_memory();
+    let (plan, opened) =
+        args.store
+            .plan_opened(&model_path, args.max_new + 4096, args.prefill_chunk)?;
+    // The model planning opened (and verified) runs as is.
+    let mut engine = match opened {
+        Some(file) => Engine::open_file(std::sync::Arc::new(file), plan.engine),
+        None => Engine::open(&model_path, plan.engine),
+    }
+    .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
     if args.activations == "int16" {

@@ -12,7 +12,9 @@ use slipstream_engine::parse_size;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// A .slip model directory; the embedded demo model when omitted.
+    /// A .slip model directory, or a GGUF file run in place (no repack; a
+    /// checksum table is built on first use); the embedded demo model when
+    /// omitted.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Address to listen on. Anything but loopback requires --api-key.

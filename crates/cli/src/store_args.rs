@@ -80,9 +80,41 @@ fn opened<'a>(slot: &'a mut Option<SlipModel>, model: &Path) -> Result<&'a SlipM
     if let Some(file) = slot.take() {
         return Ok(slot.insert(file));
     }
-    let file =
-        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))?;
+    let file = if model.is_file() && slipstream_repack::is_gguf_file(model) {
+        open_gguf(model)?
+    } else {
+        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))?
+    };
     Ok(slot.insert(file))
+}
+
+/// Opens a GGUF in place, saying when its checksum table is built (the
+/// first open reads the whole file once).
+fn open_gguf(model: &Path) -> Result<SlipModel> {
+    use slipstream_repack::{InPlaceOptions, IndexUse};
+    let opts = InPlaceOptions {
+        index_dir: crate::gguf_index_dir(),
+    };
+    let known = slipstream_repack::index_locations(model, &opts)
+        .iter()
+        .any(|p| p.is_file());
+    if !known {
+        eprintln!(
+            "[gguf] {} runs in place; this first open reads the whole file once for its checksum table",
+            model.display()
+        );
+    }
+    let (file, used) = slipstream_repack::open_gguf_in_place_with(model, &opts)
+        .with_context(|| format!("opening model {}", model.display()))?;
+    match used {
+        IndexUse::Reused(_) => {}
+        IndexUse::Built(p) => eprintln!("[gguf] checksum table written to {}", p.display()),
+        IndexUse::BuiltUnsaved => eprintln!(
+            "[gguf] the checksum table could not be saved (beside the file or in {}): it is rebuilt at every open",
+            opts.index_dir.map(|d| d.display().to_string()).unwrap_or_default()
+        ),
+    }
+    Ok(file)
 }
 
 impl StoreArgs {
@@ -92,6 +124,17 @@ impl StoreArgs {
     /// slots here (the choice printed to stderr); `--direct-io auto` is
     /// settled against this machine's memory.
     pub fn plan(&self, model: &Path, context: usize, prefill_chunk: usize) -> Result<StorePlan> {
+        self.plan_opened(model, context, prefill_chunk).map(|p| p.0)
+    }
+
+    /// [`StoreArgs::plan`], also handing over the model when planning
+    /// opened it (so the engine need not open and verify it again).
+    pub fn plan_opened(
+        &self,
+        model: &Path,
+        context: usize,
+        prefill_chunk: usize,
+    ) -> Result<(StorePlan, Option<SlipModel>)> {
         let prefill_chunk = prefill_chunk.max(1);
         let mut file = None;
         let store = if self.resident {
@@ -140,14 +183,17 @@ impl StoreArgs {
                 background_fill: !self.no_background_fill,
             })
         };
-        Ok(StorePlan {
+        let backend = self.backend_choice(model, &mut file)?;
+        let plan = StorePlan {
             engine: EngineConfig {
                 prefill_chunk,
                 store,
                 route_trace: self.route_trace.clone(),
+                gguf_index_dir: crate::gguf_index_dir(),
             },
-            backend: self.backend_choice(model, &mut file)?,
-        })
+            backend,
+        };
+        Ok((plan, file))
     }
 
     /// `--backend` with the CUDA options (`--vram-slots`, `--vram-budget`,

@@ -477,3 +477,51 @@ fn speculate_flags_keep_the_output_and_print_their_stats() {
     );
     assert!(err.contains("unknown speculation mode"), "{err}");
 }
+
+/// `--model FILE.gguf` runs the GGUF in place: the tokens and logits of the
+/// same file repacked, bit for bit; the first run builds the checksum
+/// table beside the file and says so, the second reuses it.
+#[test]
+fn a_gguf_runs_in_place_like_its_repack() {
+    let tmp = tempfile::tempdir().unwrap();
+    let name = "gguf_qwen3next_q8_0";
+    let gguf = tmp.path().join("model.gguf");
+    std::fs::copy(fixture(name).join("model.gguf"), &gguf).unwrap();
+    let prompt: Vec<String> = reference_ids(name, "prompt_tokens")
+        .iter()
+        .map(|t| t.to_string())
+        .collect();
+    let run = |model: &Path, dump: &str| {
+        let dump = tmp.path().join(dump);
+        let (stdout, stderr) = ok(bin!()
+            .env("SLIPSTREAM_CACHE", tmp.path().join("cache"))
+            .args(["run", "--model"])
+            .arg(model)
+            .args(["--prompt-tokens", &prompt.join(","), "--max-new", "6"])
+            .args(["--print-ids", "--expert-cache-slots", "2", "--dump-logits"])
+            .arg(&dump)
+            .output()
+            .unwrap());
+        (stdout, stderr, std::fs::read(&dump).unwrap())
+    };
+    let (ids, first, logits) = run(&gguf, "a.npy");
+    assert!(first.contains("checksum table written to"), "{first}");
+    assert!(tmp
+        .path()
+        .join("model.gguf.slipstream-index.json")
+        .is_file());
+    let (again, second, _) = run(&gguf, "b.npy");
+    assert_eq!(again, ids);
+    assert!(!second.contains("checksum table"), "{second}");
+    let slip = tmp.path().join("m.slip");
+    ok(bin!()
+        .args(["repack", "--input"])
+        .arg(&gguf)
+        .arg("--output")
+        .arg(&slip)
+        .output()
+        .unwrap());
+    let (repacked_ids, _, repacked_logits) = run(&slip, "c.npy");
+    assert_eq!(repacked_ids, ids);
+    assert!(repacked_logits == logits, "logits differ from the repack's");
+}

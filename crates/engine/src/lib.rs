@@ -51,6 +51,9 @@ pub use text::{text_bytes_bound, Bounded, ChatMessage, ChatTemplate, StreamDecod
 pub enum EngineError {
     #[error(transparent)]
     Format(#[from] slipstream_format::FormatError),
+    /// A GGUF file opened in place could not be read as a model.
+    #[error(transparent)]
+    Gguf(#[from] slipstream_repack::RepackError),
     #[error(transparent)]
     Model(#[from] slipstream_models::ModelError),
     #[error("expert store: {0}")]
@@ -141,6 +144,9 @@ pub struct EngineConfig {
     pub store: StoreChoice,
     /// Record every expert request to this route trace file.
     pub route_trace: Option<std::path::PathBuf>,
+    /// Where a GGUF run in place keeps its checksum table when the file's
+    /// own directory cannot (docs/GGUF_IN_PLACE.md).
+    pub gguf_index_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -149,6 +155,7 @@ impl Default for EngineConfig {
             prefill_chunk: 4096,
             store: StoreChoice::Streaming(StreamConfig::default()),
             route_trace: None,
+            gguf_index_dir: None,
         }
     }
 }
@@ -214,12 +221,32 @@ pub enum BackendChoice {
     Auto(slipstream_cuda::CudaOptions),
 }
 
+/// Opens a model: a `.slip` directory, or a GGUF file read in place (its
+/// checksum table beside it or in `gguf_index_dir`, built on first use).
+pub fn open_model(path: &Path, gguf_index_dir: Option<&Path>) -> Result<SlipModel, EngineError> {
+    if path.is_file() && slipstream_repack::is_gguf_file(path) {
+        let opts = slipstream_repack::InPlaceOptions {
+            index_dir: gguf_index_dir.map(Path::to_path_buf),
+        };
+        return Ok(slipstream_repack::open_gguf_in_place(path, &opts)?);
+    }
+    Ok(SlipModel::open(path)?)
+}
+
 impl Engine {
-    /// Opens a `.slip` model directory with all experts resident.
+    /// Opens a model ([`open_model`]: a `.slip` directory or a GGUF file
+    /// in place) with the store `config` chooses.
     pub fn open(path: &Path, config: EngineConfig) -> Result<Self, EngineError> {
         // Before the model loads: measured faster than from the prefill on.
         heap::keep_freed_memory();
-        let file = Arc::new(SlipModel::open(path)?);
+        let file = Arc::new(open_model(path, config.gguf_index_dir.as_deref())?);
+        Engine::open_file(file, config)
+    }
+
+    /// An engine over a model already opened (and so verified), e.g. by
+    /// the CLI's memory planning.
+    pub fn open_file(file: Arc<SlipModel>, config: EngineConfig) -> Result<Self, EngineError> {
+        heap::keep_freed_memory();
         let model = slipstream_models::load(&file.manifest.config, file.as_ref())?;
         let inner: Box<dyn ExpertStore> = match &config.store {
             StoreChoice::Resident => Box::new(
@@ -299,6 +326,16 @@ impl Engine {
             BackendChoice::Cuda(o) => o,
         };
         let parts = &self.file.manifest.experts.parts;
+        if !self.file.manifest.experts.layer_parts.is_empty() {
+            let why = "the CUDA backend needs one expert type per part for all layers, and this model's differ between layers (a K-quant mix)";
+            if let BackendChoice::Auto(_) = choice {
+                self.cuda = None;
+                return Ok(format!("backend: cpu ({why})"));
+            }
+            return Err(EngineError::Request(format!(
+                "{why}: run it with --backend cpu"
+            )));
+        }
         if parts.len() != 3 {
             return Err(EngineError::Request(format!(
                 "the expert pool has {} parts per record, the CUDA backend needs gate, up, down",

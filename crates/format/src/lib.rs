@@ -23,9 +23,9 @@ mod writer;
 pub use files::{open_regular, read_regular, MAX_MANIFEST_BYTES, MAX_SIDE_FILE_BYTES};
 pub use manifest::{
     DenseEntry, ExpertPart, ExpertPoolIndex, GenerationDefaults, Manifest, SourceInfo, FORMAT_NAME,
-    FORMAT_VERSION,
+    FORMAT_VERSION, FORMAT_VERSION_LAYER_PARTS,
 };
-pub use reader::SlipModel;
+pub use reader::{record_checksum, ExpertRead, InPlaceModel, SlipModel, StackedPart};
 pub use slipstream_outpath::Overwrite;
 pub use target::check_model_target;
 pub use writer::{ExpertPoolLayout, ManifestInfo, SlipWriter};

@@ -6,6 +6,10 @@ use slipstream_core::{ModelConfig, QuantType};
 pub const FORMAT_NAME: &str = "slipstream";
 /// 2: `manifest_checksum` covers the manifest itself.
 pub const FORMAT_VERSION: u32 = 2;
+/// 3: the expert pool's part types differ between layers
+/// (`ExpertPoolIndex::layer_parts`); written only for such pools, so a
+/// uniform pool stays readable by version-2 builds.
+pub const FORMAT_VERSION_LAYER_PARTS: u32 = 3;
 
 /// One dense tensor inside `dense.bin`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -40,16 +44,39 @@ pub struct ExpertPart {
 pub struct ExpertPoolIndex {
     pub num_layers: usize,
     pub num_experts: usize,
-    /// Bytes of payload in each record (gate + up + down).
+    /// Bytes of payload in the largest record (gate + up + down); a layer's
+    /// own is [`ExpertPoolIndex::layer_record_bytes`].
     pub record_bytes: u64,
     /// Distance between records, a multiple of 4096.
     pub record_stride: u64,
+    /// The parts of every layer's records (of layer 0's when `layer_parts`
+    /// is given).
     pub parts: Vec<ExpertPart>,
-    /// `checksums[layer][expert]`: xxh3-64 of the record's `record_bytes`, hex.
+    /// `layer_parts[layer]`: the parts of that layer's records, when the
+    /// types differ between layers (a K-quant GGUF such as Q4_K_M keeps
+    /// some layers' `down` as Q6_K); empty when every layer uses `parts`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_parts: Vec<Vec<ExpertPart>>,
+    /// `checksums[layer][expert]`: xxh3-64 of the record's
+    /// `layer_record_bytes(layer)`, hex.
     pub checksums: Vec<Vec<String>>,
 }
 
 impl ExpertPoolIndex {
+    /// The parts of layer `layer`'s records.
+    pub fn parts_of(&self, layer: usize) -> &[ExpertPart] {
+        self.layer_parts.get(layer).unwrap_or(&self.parts)
+    }
+
+    /// Bytes of payload of a record of layer `layer`.
+    pub fn layer_record_bytes(&self, layer: usize) -> u64 {
+        self.parts_of(layer)
+            .iter()
+            .map(|p| p.offset.saturating_add(p.nbytes))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// File offset of a record.
     pub fn record_offset(&self, layer: usize, expert: usize) -> u64 {
         (layer * self.num_experts + expert) as u64 * self.record_stride

@@ -23,6 +23,81 @@ pub struct ExpertPoolLayout {
     pub num_experts: usize,
     /// `(name, qtype, [rows, cols])` for gate, up, down in record order.
     pub parts: Vec<(String, QuantType, [usize; 2])>,
+    /// `layer_qtypes[layer][part]`: the part types of each layer when they
+    /// differ between layers (else empty: every layer has `parts`' types).
+    pub layer_qtypes: Vec<Vec<QuantType>>,
+}
+
+impl ExpertPoolLayout {
+    /// The pool index a writer starts from: part offsets (64-byte aligned
+    /// in the record), per-layer parts when types differ, record size and
+    /// stride; checksums empty.
+    pub fn index(&self) -> Result<ExpertPoolIndex> {
+        let parts = record_parts(&self.parts, self.parts.iter().map(|p| p.1))?;
+        let mixed = self
+            .layer_qtypes
+            .iter()
+            .any(|q| q.len() != parts.len() || q.iter().zip(&parts).any(|(a, p)| *a != p.qtype));
+        let layer_parts = if mixed {
+            if self.layer_qtypes.len() != self.num_layers
+                || self.layer_qtypes.iter().any(|q| q.len() != parts.len())
+            {
+                return Err(FormatError::Invalid(format!(
+                    "expert part types given for {} layers, the pool has {} layers of {} parts",
+                    self.layer_qtypes.len(),
+                    self.num_layers,
+                    parts.len()
+                )));
+            }
+            self.layer_qtypes
+                .iter()
+                .map(|q| record_parts(&self.parts, q.iter().copied()))
+                .collect::<Result<Vec<_>>>()?
+        } else {
+            Vec::new()
+        };
+        let end = |ps: &[ExpertPart]| ps.last().map(|p| p.offset + p.nbytes).unwrap_or(0);
+        let record_bytes = layer_parts
+            .iter()
+            .map(|ps| end(ps))
+            .max()
+            .unwrap_or(0)
+            .max(end(&parts));
+        let record_stride = align_up(record_bytes.max(1) as usize, RECORD_ALIGN) as u64;
+        Ok(ExpertPoolIndex {
+            num_layers: self.num_layers,
+            num_experts: self.num_experts,
+            record_bytes,
+            record_stride,
+            parts,
+            layer_parts,
+            checksums: vec![vec![String::new(); self.num_experts]; self.num_layers],
+        })
+    }
+}
+
+/// Parts of one record: each 64-byte aligned inside it, for the kernels.
+fn record_parts(
+    parts: &[(String, QuantType, [usize; 2])],
+    qtypes: impl Iterator<Item = QuantType>,
+) -> Result<Vec<ExpertPart>> {
+    let mut out = Vec::new();
+    let mut off = 0u64;
+    for ((name, _, [rows, cols]), qtype) in parts.iter().zip(qtypes) {
+        qtype
+            .check_cols(*cols)
+            .map_err(|e| FormatError::Invalid(format!("expert {name}: {e}")))?;
+        let nbytes = qtype.nbytes(*rows, *cols) as u64;
+        out.push(ExpertPart {
+            name: name.clone(),
+            qtype,
+            shape: [*rows, *cols],
+            offset: off,
+            nbytes,
+        });
+        off = align_up((off + nbytes) as usize, DENSE_ALIGN) as u64;
+    }
+    Ok(out)
 }
 
 /// Builds a `.slip` directory. Nothing appears at the target path until
@@ -70,33 +145,7 @@ impl SlipWriter {
         let experts_path = tmp.join(EXPERTS_FILE);
         let experts = File::create(&experts_path).map_err(|e| FormatError::io(&experts_path, e))?;
 
-        let mut parts = Vec::new();
-        let mut off = 0u64;
-        for (name, qtype, [rows, cols]) in &layout.parts {
-            qtype
-                .check_cols(*cols)
-                .map_err(|e| FormatError::Invalid(format!("expert {name}: {e}")))?;
-            let nbytes = qtype.nbytes(*rows, *cols) as u64;
-            // Keep every part 64-byte aligned inside the record for the kernels.
-            parts.push(ExpertPart {
-                name: name.clone(),
-                qtype: *qtype,
-                shape: [*rows, *cols],
-                offset: off,
-                nbytes,
-            });
-            off = align_up((off + nbytes) as usize, DENSE_ALIGN) as u64;
-        }
-        let record_bytes = parts.last().map(|p| p.offset + p.nbytes).unwrap_or(0);
-        let record_stride = align_up(record_bytes.max(1) as usize, RECORD_ALIGN) as u64;
-        let pool = ExpertPoolIndex {
-            num_layers: layout.num_layers,
-            num_experts: layout.num_experts,
-            record_bytes,
-            record_stride,
-            parts,
-            checksums: vec![vec![String::new(); layout.num_experts]; layout.num_layers],
-        };
+        let pool = layout.index()?;
         experts
             .set_len(pool.file_bytes())
             .map_err(|e| FormatError::io(&experts_path, e))?;
@@ -165,11 +214,12 @@ impl SlipWriter {
                 "expert {expert} of layer {layer} is outside the pool"
             )));
         }
-        if parts.len() != self.pool.parts.len() {
+        let layout = self.pool.parts_of(layer);
+        if parts.len() != layout.len() {
             return Err(FormatError::Invalid("wrong number of expert parts".into()));
         }
-        let mut record = vec![0u8; self.pool.record_bytes as usize];
-        for (bytes, part) in parts.iter().zip(&self.pool.parts) {
+        let mut record = vec![0u8; self.pool.layer_record_bytes(layer) as usize];
+        for (bytes, part) in parts.iter().zip(layout) {
             if bytes.len() as u64 != part.nbytes {
                 return Err(FormatError::Invalid(format!(
                     "expert {expert} of layer {layer}: {} has {} bytes, layout needs {}",
@@ -226,7 +276,11 @@ impl SlipWriter {
 
         let mut manifest = Manifest {
             format: FORMAT_NAME.into(),
-            version: FORMAT_VERSION,
+            version: if self.pool.layer_parts.is_empty() {
+                FORMAT_VERSION
+            } else {
+                FORMAT_VERSION_LAYER_PARTS
+            },
             config: info.config,
             dense: std::mem::take(&mut self.dense_entries),
             dense_file_bytes: self.dense_pos,

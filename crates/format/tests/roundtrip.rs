@@ -53,6 +53,7 @@ fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
             ("up".into(), q4, [64, 64]),
             ("down".into(), q4, [64, 64]),
         ],
+        layer_qtypes: Vec::new(),
     };
     let mut w = SlipWriter::create(&target, layout, Default::default()).unwrap();
     w.add_dense(
@@ -108,7 +109,7 @@ fn round_trip_is_bit_exact() {
     for l in 0..2 {
         for e in 0..3 {
             m.read_expert(l, e, &mut buf).unwrap();
-            let views = m.expert_views(&buf).unwrap();
+            let views = m.expert_views(l, e, &buf).unwrap();
             let seed = (l * 3 + e) as u8;
             assert_eq!(views.gate.data, &part_bytes(seed, n)[..]);
             assert_eq!(views.up.data, &part_bytes(seed + 50, n)[..]);
@@ -220,6 +221,7 @@ fn unfinished_writer_leaves_nothing() {
                     ("up".into(), QuantType::F32, [1, 4]),
                     ("down".into(), QuantType::F32, [4, 1]),
                 ],
+                layer_qtypes: Vec::new(),
             },
             Default::default(),
         )
@@ -374,4 +376,82 @@ fn non_regular_files_and_foreign_paths_are_refused() {
     write_manifest(&path, &good);
     let m = SlipModel::open(&path).unwrap();
     assert!(m.read_file("../m.slip/manifest.json").is_err());
+}
+
+/// Expert types that differ between layers: per-layer parts, format
+/// version 3, each layer's records of its own size read back bit-exact
+/// with its types; the same types in every layer stay version 2; a
+/// version that does not match the parts is refused.
+#[test]
+fn per_layer_expert_types_round_trip_as_version_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let (q4, q8) = (QuantType::Q4, QuantType::Q8);
+    let write = |name: &str, layer_qtypes: Vec<Vec<QuantType>>| {
+        let target = dir.path().join(name);
+        let layout = ExpertPoolLayout {
+            num_layers: 2,
+            num_experts: 3,
+            parts: ["gate", "up", "down"]
+                .iter()
+                .map(|n| (n.to_string(), q4, [64, 64]))
+                .collect(),
+            layer_qtypes: layer_qtypes.clone(),
+        };
+        let mut w = SlipWriter::create(&target, layout, Default::default()).unwrap();
+        w.add_dense("embed", QuantType::F32, [16, 64], &part_bytes(1, 4096))
+            .unwrap();
+        for l in 0..2 {
+            let types = layer_qtypes.get(l).cloned().unwrap_or(vec![q4; 3]);
+            for e in 0..3 {
+                let parts: Vec<Vec<u8>> = (0..3)
+                    .map(|k| part_bytes((l * 9 + e * 3 + k) as u8, types[k].nbytes(64, 64)))
+                    .collect();
+                let refs: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+                w.write_expert(l, e, &refs).unwrap();
+            }
+        }
+        w.finish(ManifestInfo {
+            config: config(),
+            tokenizer: None,
+            chat_template: None,
+            eos_token_ids: vec![1],
+            special_tokens: Default::default(),
+            generation: None,
+            source: SourceInfo::default(),
+        })
+        .unwrap();
+        target
+    };
+    let mixed = write("mixed.slip", vec![vec![q4; 3], vec![q4, q4, q8]]);
+    let m = SlipModel::open(&mixed).unwrap();
+    assert_eq!(m.manifest.version, FORMAT_VERSION_LAYER_PARTS);
+    let pool = &m.manifest.experts;
+    assert!(pool.layer_record_bytes(1) > pool.layer_record_bytes(0));
+    assert_eq!(pool.record_bytes, pool.layer_record_bytes(1));
+    let mut buf = vec![0u8; m.expert_buf_bytes()];
+    for l in 0..2 {
+        for e in 0..3 {
+            m.read_expert(l, e, &mut buf).unwrap();
+            let w = m.expert_views(l, e, &buf).unwrap();
+            let down = if l == 1 { q8 } else { q4 };
+            assert_eq!((w.gate.qtype, w.down.qtype), (q4, down));
+            assert_eq!(
+                w.down.data,
+                &part_bytes((l * 9 + e * 3 + 2) as u8, down.nbytes(64, 64))[..]
+            );
+        }
+    }
+    drop(m);
+    let same = write("same.slip", vec![vec![q4; 3]; 2]);
+    let m = SlipModel::open(&same).unwrap();
+    assert_eq!(m.manifest.version, FORMAT_VERSION);
+    assert!(m.manifest.experts.layer_parts.is_empty());
+    // A version-2 manifest with per-layer parts (an older reader would
+    // misread it) is refused.
+    let mut edited = read_manifest(&mixed);
+    edited.version = FORMAT_VERSION;
+    edited.manifest_checksum = edited.self_checksum();
+    write_manifest(&mixed, &edited);
+    let e = SlipModel::open(&mixed).err().unwrap().to_string();
+    assert!(e.contains("per-layer expert parts"), "{e}");
 }

@@ -169,11 +169,11 @@ fn manifest(work: &Path, model: &Path) -> std::io::Result<Target> {
                 for d in &m.manifest.dense {
                     let _ = m.tensor(&d.name);
                 }
-                let record = m.manifest.experts.record_bytes as usize;
+                let record = m.expert_buf_bytes();
                 if record <= 64 << 20 {
                     let mut buf = vec![0u8; record];
                     if m.read_expert(0, 0, &mut buf).is_ok() {
-                        let _ = m.expert_views(&buf);
+                        let _ = m.expert_views(0, 0, &buf);
                     }
                 }
                 if let Some(t) = &m.manifest.tokenizer {
@@ -193,6 +193,7 @@ fn engine_with_state(model: &Path) -> Result<(Engine, slipstream_engine::ModelSt
             prefill_chunk: 16,
             store: StoreChoice::Resident,
             route_trace: None,
+            gguf_index_dir: None,
         },
     )
     .map_err(|e| e.to_string())?;

@@ -339,6 +339,11 @@ impl GgufFile {
         &self.map[t.offset as usize..(t.offset + t.nbytes) as usize]
     }
 
+    /// The bytes before the data section: header, metadata, tensor infos.
+    pub fn header(&self) -> &[u8] {
+        &self.map[..(self.data_offset as usize).min(self.map.len())]
+    }
+
     /// Size of the file in bytes.
     pub fn len(&self) -> u64 {
         self.map.len() as u64

@@ -41,6 +41,7 @@
 //! (`gpt2` BPE only: tokens, merges, token types; pre-tokenizer regex by
 //! `tokenizer.ggml.pre`), the chat template from `tokenizer.chat_template`.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
@@ -78,11 +79,11 @@ pub(crate) fn untile_heads(nk: usize, r: usize) -> Vec<usize> {
     (0..nk * r).map(|h| (h % r) * nk + h / r).collect()
 }
 
-struct Src<'a> {
-    f: &'a GgufFile,
-    path: String,
+pub(crate) struct Src<'a> {
+    pub f: &'a GgufFile,
+    pub path: String,
     /// Names of the tensors read so far (the rest is reported as ignored).
-    read: std::cell::RefCell<std::collections::HashSet<String>>,
+    pub read: std::cell::RefCell<std::collections::HashSet<String>>,
 }
 
 impl<'a> Src<'a> {
@@ -228,13 +229,15 @@ fn head_rows(total: usize, start: usize, nk: usize, r: usize, d: usize) -> Vec<u
     src
 }
 
-/// One dense tensor ready to write.
-struct Dense {
-    name: String,
-    qtype: QuantType,
-    shape: [usize; 2],
-    bytes: Vec<u8>,
-    bytes_in: u64,
+/// One dense tensor ready to write: borrowed from the file when kept as
+/// stored (`stored_at`: its offset in the file), else converted.
+pub(crate) struct Dense<'s> {
+    pub name: String,
+    pub qtype: QuantType,
+    pub shape: [usize; 2],
+    pub bytes: Cow<'s, [u8]>,
+    pub bytes_in: u64,
+    pub stored_at: Option<u64>,
 }
 
 fn arch_of(src: &Src) -> Result<(Architecture, &'static str)> {
@@ -255,7 +258,7 @@ fn arch_of(src: &Src) -> Result<(Architecture, &'static str)> {
     }
 }
 
-fn model_config(src: &Src) -> Result<ModelConfig> {
+pub(crate) fn model_config(src: &Src) -> Result<ModelConfig> {
     let (arch, a) = arch_of(src)?;
     // qwen35moe and qwen3next: hybrid layers, gated attention, shared expert.
     let qwen35 = arch.is_hybrid();
@@ -459,9 +462,12 @@ pub fn gguf_experts_name(l: usize, part: &PartSpec) -> String {
 }
 
 /// Everything dense, in canonical order.
-type Job<'s> = Box<dyn Fn() -> Result<Dense> + 's>;
+type Job<'s> = Box<dyn Fn() -> Result<Dense<'s>> + 's>;
 
-fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String, Job<'s>)>> {
+pub(crate) fn dense_tensors<'s>(
+    src: &'s Src<'s>,
+    cfg: &ModelConfig,
+) -> Result<Vec<(String, Job<'s>)>> {
     let h = cfg.hidden_size;
     let mut jobs: Vec<(String, Job<'s>)> = Vec::new();
 
@@ -474,8 +480,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                 name: out.clone(),
                 qtype: q,
                 shape: [rows, cols],
-                bytes: b.to_vec(),
+                bytes: Cow::Borrowed(b),
                 bytes_in: b.len() as u64,
+                stored_at: Some(t.offset),
             })
         })
     };
@@ -497,8 +504,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                 name: out.clone(),
                 qtype: QuantType::F32,
                 shape: [1, n],
-                bytes: f32_bytes(&vals),
+                bytes: Cow::Owned(f32_bytes(&vals)),
                 bytes_in: src.tensor(&gname)?.nbytes,
+                stored_at: None,
             })
         })
     };
@@ -517,8 +525,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                 name: out.clone(),
                 qtype: q,
                 shape: [rows, cols],
-                bytes: permute_rows(b, rb, &src_rows),
+                bytes: Cow::Owned(permute_rows(b, rb, &src_rows)),
                 bytes_in: b.len() as u64,
+                stored_at: None,
             })
         })
     };
@@ -569,8 +578,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                         name: out.clone(),
                         qtype: q,
                         shape: [rows, cols],
-                        bytes: permute_rows(b, q.nbytes(1, cols), &src_rows),
+                        bytes: Cow::Owned(permute_rows(b, q.nbytes(1, cols), &src_rows)),
                         bytes_in: b.len() as u64 / 2,
+                        stored_at: None,
                     })
                 })
             }
@@ -582,8 +592,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                         name: out.clone(),
                         qtype: QuantType::F32,
                         shape: [conv_dim, kk],
-                        bytes: f32_bytes(&vals),
+                        bytes: Cow::Owned(f32_bytes(&vals)),
                         bytes_in: src.tensor(&gname)?.nbytes,
+                        stored_at: None,
                     })
                 })
             }
@@ -605,8 +616,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                         name: out.clone(),
                         qtype: q,
                         shape: [rows, cols],
-                        bytes: permute_rows(b, q.nbytes(1, cols), &src_rows),
+                        bytes: Cow::Owned(permute_rows(b, q.nbytes(1, cols), &src_rows)),
                         bytes_in: b.len() as u64 * rows as u64 / total.max(1) as u64,
+                        stored_at: None,
                     })
                 })
             }
@@ -634,8 +646,9 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
                         name: out.clone(),
                         qtype: QuantType::F32,
                         shape: [conv_dim, kk],
-                        bytes: permute_rows(&b, 4 * kk, &perm),
+                        bytes: Cow::Owned(permute_rows(&b, 4 * kk, &perm)),
                         bytes_in: src.tensor(&gname)?.nbytes,
+                        stored_at: None,
                     })
                 })
             }
@@ -652,15 +665,15 @@ fn dense_tensors<'s>(src: &'s Src<'s>, cfg: &ModelConfig) -> Result<Vec<(String,
 }
 
 /// `ssm_out` `[H, nv*dv]` with its columns (value heads) back in grouped order.
-fn out_proj(
-    src: &Src,
+fn out_proj<'s>(
+    src: &Src<'s>,
     gname: &str,
     out: &str,
     h: usize,
     nk: usize,
     r: usize,
     dv: usize,
-) -> Result<Dense> {
+) -> Result<Dense<'s>> {
     let cols = nk * r * dv;
     let (t, q) = src.shaped(gname, &[cols, h])?;
     let b = src.bytes(t);
@@ -687,8 +700,9 @@ fn out_proj(
             name: out.to_string(),
             qtype: q,
             shape: [h, cols],
-            bytes: o,
+            bytes: Cow::Owned(o),
             bytes_in: b.len() as u64,
+            stored_at: None,
         });
     }
     // A value head does not span whole blocks (e.g. K-quants with head dim
@@ -707,8 +721,9 @@ fn out_proj(
         name: out.to_string(),
         qtype: QuantType::F32,
         shape: [h, cols],
-        bytes: f32_bytes(&vals),
+        bytes: Cow::Owned(f32_bytes(&vals)),
         bytes_in: b.len() as u64,
+        stored_at: None,
     })
 }
 
@@ -855,7 +870,7 @@ pub(crate) fn tokenizer(f: &GgufFile) -> GgufTokenizer {
 /// will at open, so broken metadata (a merge of tokens not in the list, a
 /// merge that is not a pair) fails the repack instead of every later open;
 /// its ids must lie inside the model's `vocab_size` embedding rows.
-fn check_tokenizer(json: &[u8], vocab_size: usize, path: &str) -> Result<()> {
+pub(crate) fn check_tokenizer(json: &[u8], vocab_size: usize, path: &str) -> Result<()> {
     let bad = |reason: String| RepackError::Corrupt {
         path: path.to_string(),
         reason: format!("tokenizer.ggml.* metadata does not make a tokenizer: {reason}"),
@@ -868,6 +883,51 @@ fn check_tokenizer(json: &[u8], vocab_size: usize, path: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Each layer's stacked routed-expert tensors (gate, up, down) with their
+/// types; ggml dims `[cols, rows, E]`. The pool holds the MTP layers'
+/// experts after the main layers'.
+pub(crate) fn expert_tensors<'s>(
+    src: &Src<'s>,
+    cfg: &ModelConfig,
+) -> Result<Vec<[(&'s TensorInfo, QuantType); 3]>> {
+    let parts = schema::expert_parts(cfg);
+    let mut exps = Vec::with_capacity(cfg.total_layers());
+    for l in 0..cfg.total_layers() {
+        let part = |k: usize| {
+            let [rows, cols] = parts[k].shape;
+            src.shaped(
+                &gguf_experts_name(l, &parts[k]),
+                &[cols, rows, cfg.num_experts],
+            )
+        };
+        exps.push([part(0)?, part(1)?, part(2)?]);
+    }
+    Ok(exps)
+}
+
+/// The expert pool of the stored types: layer 0's as `parts`, and every
+/// layer's in `layer_qtypes` when they differ between layers (K-quant
+/// mixes such as Q4_K_M, which keeps some layers' `down` as Q6_K).
+pub(crate) fn pool_layout(
+    cfg: &ModelConfig,
+    exps: &[[(&TensorInfo, QuantType); 3]],
+) -> ExpertPoolLayout {
+    let parts = schema::expert_parts(cfg);
+    let types: Vec<Vec<QuantType>> = exps.iter().map(|p| p.map(|x| x.1).to_vec()).collect();
+    let uniform = types.windows(2).all(|w| w[0] == w[1]);
+    ExpertPoolLayout {
+        num_layers: exps.len(),
+        num_experts: cfg.num_experts,
+        parts: (0..3)
+            .map(|k| {
+                let q = types.first().map_or(QuantType::F32, |t| t[k]);
+                (parts[k].name.to_string(), q, parts[k].shape)
+            })
+            .collect(),
+        layer_qtypes: if uniform { Vec::new() } else { types },
+    }
 }
 
 /// Converts a GGUF file into a `.slip` model.
@@ -896,45 +956,20 @@ pub(crate) fn repack_gguf(
         check_tokenizer(json, cfg.vocab_size, &path)?;
     }
 
-    // Expert tensors: one layout for the whole pool.
-    // ggml dims of a stacked expert tensor: [cols, rows, E].
-    let parts = schema::expert_parts(&cfg);
-    let mut exps = Vec::with_capacity(n_layers);
-    for l in 0..n_layers {
-        let part = |k: usize| {
-            let [rows, cols] = parts[k].shape;
-            let gname = gguf_experts_name(l, &parts[k]);
-            src.shaped(&gname, &[cols, rows, e_count])
-        };
-        exps.push([part(0)?, part(1)?, part(2)?]);
-    }
-    let names = parts.map(|p| p.name);
-    let mut layout: Vec<(String, QuantType, [usize; 2])> = (0..3)
-        .map(|k| (names[k].to_string(), exps[0][k].1, parts[k].shape))
-        .collect();
-    for (l, parts) in exps.iter().enumerate() {
-        for k in 0..3 {
-            if parts[k].1 != layout[k].1 {
-                return Err(RepackError::Unsupported(format!(
-                    "blk.{l}.ffn_{}_exps is {} but blk.0's is {}; the expert pool needs one layout for all layers",
-                    names[k],
-                    parts[k].1.name(),
-                    layout[k].1.name()
-                )));
-            }
-        }
-    }
-
+    let exps = expert_tensors(&src, &cfg)?;
+    let mut layout = pool_layout(&cfg, &exps);
     // A part converts to affine only when every layer's blocks do (one
     // layout for the pool).
     if opts.ggml_to_affine {
-        for (k, part) in layout.iter_mut().enumerate() {
+        for (k, part) in layout.parts.iter_mut().enumerate() {
             if let Some(q) = ggml_affine::affine_of(part.1) {
-                if exps
-                    .iter()
-                    .all(|p| ggml_affine::converts_exactly(part.1, src.bytes(p[k].0)))
-                {
+                if exps.iter().all(|p| {
+                    p[k].1 == part.1 && ggml_affine::converts_exactly(part.1, src.bytes(p[k].0))
+                }) {
                     part.1 = q;
+                    for types in &mut layout.layer_qtypes {
+                        types[k] = q;
+                    }
                 }
             }
         }
@@ -959,15 +994,8 @@ pub(crate) fn repack_gguf(
         kind: SourceKind::Gguf,
         architecture: cfg.architecture,
     });
-    let mut w = SlipWriter::create(
-        &opts.output,
-        ExpertPoolLayout {
-            num_layers: n_layers,
-            num_experts: e_count,
-            parts: layout.clone(),
-        },
-        opts.overwrite,
-    )?;
+    let expert_layout = layout.parts.clone();
+    let mut w = SlipWriter::create(&opts.output, layout, opts.overwrite)?;
     let mut bytes_in = 0u64;
     let mut li = 0usize;
     for (name, job) in &jobs {
@@ -992,7 +1020,7 @@ pub(crate) fn repack_gguf(
         let mut d = job()?;
         if opts.ggml_to_affine {
             if let Some((q, b)) = ggml_affine::to_affine(d.qtype, &d.bytes) {
-                (d.qtype, d.bytes) = (q, b);
+                (d.qtype, d.bytes) = (q, Cow::Owned(b));
             }
         }
         crate::finite::check_finite(&d.name, d.qtype, d.shape, &d.bytes)?;
@@ -1062,7 +1090,7 @@ pub(crate) fn repack_gguf(
         seconds,
         mb_per_s: bytes_in as f64 / 1e6 / seconds.max(1e-9),
         ignored_tensors: ignored,
-        expert_layout: layout,
+        expert_layout,
     })
 }
 
@@ -1077,7 +1105,7 @@ fn write_layer_experts(
 ) -> Result<()> {
     let data: Vec<&[u8]> = parts.iter().map(|(t, _)| src.bytes(t)).collect();
     let per: Vec<usize> = data.iter().map(|d| d.len() / e_count).collect();
-    let pool = w.pool().parts.clone();
+    let pool = w.pool().parts_of(l).to_vec();
     for e in 0..e_count {
         let stored: Vec<&[u8]> = (0..3)
             .map(|k| &data[k][e * per[k]..(e + 1) * per[k]])

@@ -51,10 +51,15 @@
 mod config;
 mod convert;
 mod finite;
+mod gguf_in_place;
 mod gguf_source;
 mod source;
 
+pub use gguf_in_place::{
+    index_locations, open_gguf_in_place, open_gguf_in_place_with, InPlaceOptions, IndexUse,
+};
 pub use gguf_source::{gguf_experts_name, gguf_tensor_name, qwen3next_ba_rows};
+pub use slipstream_gguf::is_gguf_file;
 
 use std::cell::RefCell;
 use std::collections::HashSet;
@@ -1083,6 +1088,7 @@ pub fn repack(opts: &RepackOptions, progress: &dyn Fn(ProgressEvent)) -> Result<
         num_layers: n_layers,
         num_experts: cfg.num_experts,
         parts: plan.expert_layout.clone(),
+        layer_qtypes: Vec::new(),
     };
     let mut writer = SlipWriter::create(&opts.output, layout, opts.overwrite)?;
     let record_bytes = writer.pool().record_bytes.max(1) as usize;

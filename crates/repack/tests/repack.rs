@@ -186,7 +186,7 @@ fn check_experts_f32(m: &SlipModel, src: &FloatMap, t: &Tiny, prefix: &str) {
     for l in 0..t.full.len() {
         for e in 0..t.experts {
             m.read_expert(l, e, &mut buf).unwrap();
-            let w = m.expert_views(&buf).unwrap();
+            let w = m.expert_views(l, e, &buf).unwrap();
             let want = expert_src(src, t, prefix, l, e);
             for (k, view) in [w.gate, w.up, w.down].iter().enumerate() {
                 assert_eq!(view.qtype, QuantType::F32);
@@ -416,7 +416,7 @@ fn qwen35_split_bf16_sharded_flat_config_tied() {
     assert!(pool.parts.iter().all(|p| p.qtype == QuantType::Bf16));
     let mut buf = vec![0u8; pool.record_stride as usize];
     m.read_expert(3, 2, &mut buf).unwrap();
-    let w = m.expert_views(&buf).unwrap();
+    let w = m.expert_views(3, 2, &buf).unwrap();
     let want = expert_src(&src, &t, prefix, 3, 2);
     assert_eq!(w.up.data, &to_bytes(&want[1], Dtype::BF16)[..]);
     assert_eq!(w.down.data, &to_bytes(&want[2], Dtype::BF16)[..]);
@@ -485,7 +485,7 @@ fn qwen3_moe_q4_and_q8_layouts() {
         assert!(m.manifest.experts.parts.iter().all(|p| p.qtype == main));
         let mut buf = vec![0u8; m.manifest.experts.record_stride as usize];
         m.read_expert(1, 3, &mut buf).unwrap();
-        let w = m.expert_views(&buf).unwrap();
+        let w = m.expert_views(1, 3, &buf).unwrap();
         let want = expert_src(&src, &t, "model.", 1, 3);
         let got = slipstream_kernels::quantize::to_f32(&w.down);
         let tol = if main == QuantType::Q4 { 0.15 } else { 0.01 };
@@ -860,7 +860,7 @@ fn mlx_4bit_is_copied_bit_exactly() {
     for (l, parts) in mlx.experts.iter().enumerate() {
         for e in 0..t.experts {
             m.read_expert(l, e, &mut buf).unwrap();
-            let w = m.expert_views(&buf).unwrap();
+            let w = m.expert_views(l, e, &buf).unwrap();
             for (k, view) in [w.gate, w.up, w.down].iter().enumerate() {
                 assert_eq!(
                     view.qtype,
@@ -1173,7 +1173,10 @@ fn mlx_fixture_matches_its_float_source() {
         for e in [0, pool.num_experts - 1] {
             f.read_expert(l, e, &mut fb).unwrap();
             m.read_expert(l, e, &mut mb).unwrap();
-            let (fw, mw) = (f.expert_views(&fb).unwrap(), m.expert_views(&mb).unwrap());
+            let (fw, mw) = (
+                f.expert_views(l, e, &fb).unwrap(),
+                m.expert_views(l, e, &mb).unwrap(),
+            );
             for (a, b) in [(fw.gate, mw.gate), (fw.up, mw.up), (fw.down, mw.down)] {
                 let (a, b) = (deq(&a), deq(&b));
                 let amax = a.iter().fold(0f32, |x, y| x.max(y.abs()));

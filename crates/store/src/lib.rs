@@ -231,8 +231,9 @@ impl ExpertSource for TracedStore {
 /// Every expert of every layer held in memory, read and verified once at open.
 pub struct ResidentStore {
     model: Arc<SlipModel>,
-    /// All records back to back, `record_bytes` apart, layer-major (an
-    /// anonymous mapping with transparent huge pages requested).
+    /// All experts back to back, `record_bytes` apart, layer-major (an
+    /// anonymous mapping with transparent huge pages requested); each as
+    /// [`SlipModel::read_expert`] lays it out.
     records: memmap2::MmapMut,
     /// Bytes of the pool (the mapping is at least one byte long).
     pool_bytes: usize,
@@ -246,7 +247,7 @@ impl ResidentStore {
     pub fn open(model: Arc<SlipModel>) -> Result<Self, BoxError> {
         use rayon::prelude::*;
         let pool = &model.manifest.experts;
-        let record_bytes = pool.record_bytes as usize;
+        let record_bytes = model.expert_buf_bytes();
         let num_experts = pool.num_experts;
         let pool_bytes = record_bytes * pool.num_layers * num_experts;
         let mut records = memmap2::MmapMut::map_anon(pool_bytes.max(1))?;
@@ -325,7 +326,7 @@ impl ExpertSource for ResidentStore {
                 .records
                 .get(start..start + self.record_bytes)
                 .ok_or_else(|| format!("layer {layer} is outside the expert pool"))?;
-            batch.push((e, self.model.expert_views(record)?));
+            batch.push((e, self.model.expert_views(layer, e_idx, record)?));
         }
         self.counters.hits += batch.len() as u64;
         compute(&batch);

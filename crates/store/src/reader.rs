@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -96,11 +97,52 @@ struct Dest(*mut u8);
 // until the completion arrives, and the memory outlives the pool.
 unsafe impl Send for Dest {}
 
+/// One contiguous read of a job: `len` bytes at `offset` into `dest`, of
+/// which the first `need` must arrive (the rest may lie past the end of
+/// the file).
+#[derive(Clone, Copy)]
+pub struct Segment {
+    pub offset: u64,
+    pub len: usize,
+    pub need: usize,
+    dest: Dest,
+}
+
+/// A read job: one segment. An expert of several segments (a GGUF read in
+/// place: its three parts) is a group of jobs that readers take in
+/// parallel; the group completes once, when its last segment is read.
 struct Job {
     id: usize,
-    offset: u64,
-    len: usize,
-    dest: Dest,
+    seg: Segment,
+    group: Option<Arc<Group>>,
+}
+
+/// The segments of one submission still being read, and its first error.
+struct Group {
+    left: AtomicUsize,
+    error: Mutex<Option<std::io::Error>>,
+}
+
+impl Job {
+    /// Settles this job's read: the submission's result once every
+    /// segment of it is done, `None` while some are still being read.
+    fn finish(&self, result: std::io::Result<()>) -> Option<std::io::Result<()>> {
+        let Some(g) = &self.group else {
+            return Some(result);
+        };
+        if let Err(e) = result {
+            if let Ok(mut first) = g.error.lock() {
+                first.get_or_insert(e);
+            }
+        }
+        if g.left.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return None;
+        }
+        match g.error.lock().ok().and_then(|mut e| e.take()) {
+            Some(e) => Some(Err(e)),
+            None => Some(Ok(())),
+        }
+    }
 }
 
 /// The readers' shared state: queued jobs and demand reads in progress.
@@ -188,17 +230,40 @@ fn reader_loop(file: &File, shared: &Shared, done: &Sender<Done>) {
         } else {
             read_demand(file, &job, shared)
         };
-        if done.send(Done { id: job.id, result }).is_err() {
-            return;
+        if let Some(result) = job.finish(result) {
+            if done.send(Done { id: job.id, result }).is_err() {
+                return;
+            }
         }
     }
 }
 
+/// Reads into `buf` from `offset` until at least `need` bytes arrived or
+/// `buf` is full; fewer than `need` (the file ends) is an error.
+fn read_at_least(file: &File, buf: &mut [u8], offset: u64, need: usize) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < need.min(buf.len()) {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!("the file ends {} bytes into a read of {need}", done),
+                ))
+            }
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn read_demand(file: &File, job: &Job, shared: &Shared) -> std::io::Result<()> {
+    let seg = &job.seg;
     // SAFETY: see `Dest`: this thread is the only writer of `dest[..len]`
-    // until it sends `Done`.
-    let buf = unsafe { std::slice::from_raw_parts_mut(job.dest.0, job.len) };
-    let result = file.read_exact_at(buf, job.offset);
+    // until the job's `Done` is sent.
+    let buf = unsafe { std::slice::from_raw_parts_mut(seg.dest.0, seg.len) };
+    let result = read_at_least(file, buf, seg.offset, seg.need);
     shared.demand_done();
     result
 }
@@ -212,26 +277,42 @@ fn read_in_pieces(
     shared: &Shared,
     done: &Sender<Done>,
 ) -> Option<std::io::Result<()>> {
+    let seg = &job.seg;
     let mut at = 0;
-    while at < job.len {
+    while at < seg.need {
         while let Some(demand) = shared.demand_before_piece() {
             let result = read_demand(file, &demand, shared);
-            done.send(Done {
-                id: demand.id,
-                result,
-            })
-            .ok()?;
+            if let Some(result) = demand.finish(result) {
+                done.send(Done {
+                    id: demand.id,
+                    result,
+                })
+                .ok()?;
+            }
         }
-        let n = (job.len - at).min(BACKGROUND_PIECE);
+        let n = (seg.len - at).min(BACKGROUND_PIECE);
         // SAFETY: see `Dest`: this thread is the only writer of the job's
-        // range until it sends `Done`; `at + n <= len`.
-        let piece = unsafe { std::slice::from_raw_parts_mut(job.dest.0.add(at), n) };
-        if let Err(e) = file.read_exact_at(piece, job.offset + at as u64) {
+        // range until its `Done` is sent; `at + n <= len`.
+        let piece = unsafe { std::slice::from_raw_parts_mut(seg.dest.0.add(at), n) };
+        let need = (seg.need - at).min(n);
+        if let Err(e) = read_at_least(file, piece, seg.offset + at as u64, need) {
             return Some(Err(e));
         }
         at += n;
     }
     Some(Ok(()))
+}
+
+impl Segment {
+    /// `len` bytes at `offset` into `dest`, the first `need` required.
+    pub fn new(offset: u64, len: usize, need: usize, dest: *mut u8) -> Self {
+        Segment {
+            offset,
+            len,
+            need: need.min(len),
+            dest: Dest(dest),
+        }
+    }
 }
 
 /// A finished read.
@@ -309,7 +390,20 @@ impl ReaderPool {
     /// the matching [`Done`] has been received.
     pub unsafe fn submit(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(id, offset, len, dest, false) };
+        unsafe { self.queue(id, vec![Segment::new(offset, len, len, dest)], false) };
+    }
+
+    /// Queues the reads of several segments (one expert's parts) as one
+    /// submission: the segments are queued together and taken by the
+    /// reader threads in parallel (so they overlap); one [`Done`] comes
+    /// for the submission, after its last segment.
+    ///
+    /// # Safety
+    /// Every segment's `dest..dest+len` must stay valid and untouched by
+    /// the caller until the matching [`Done`] has been received.
+    pub unsafe fn submit_segments(&self, id: usize, segments: Vec<Segment>, background: bool) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.queue(id, segments, background) };
     }
 
     /// Queues a background read: like [`ReaderPool::submit`], but taken
@@ -320,23 +414,31 @@ impl ReaderPool {
     /// As for [`ReaderPool::submit`].
     pub unsafe fn submit_background(&self, id: usize, offset: u64, len: usize, dest: *mut u8) {
         // SAFETY: forwarded from the caller.
-        unsafe { self.queue(id, offset, len, dest, true) };
+        unsafe { self.queue(id, vec![Segment::new(offset, len, len, dest)], true) };
     }
 
     /// # Safety
-    /// As for [`ReaderPool::submit`]: a reader writes `dest..dest+len`.
-    unsafe fn queue(&self, id: usize, offset: u64, len: usize, dest: *mut u8, background: bool) {
-        let job = Job {
-            id,
-            offset,
-            len,
-            dest: Dest(dest),
-        };
+    /// As for [`ReaderPool::submit`]: a reader writes each segment's
+    /// `dest..dest+len`.
+    unsafe fn queue(&self, id: usize, segments: Vec<Segment>, background: bool) {
+        let group = (segments.len() > 1).then(|| {
+            Arc::new(Group {
+                left: AtomicUsize::new(segments.len()),
+                error: Mutex::new(None),
+            })
+        });
         if let Some(mut q) = self.shared.lock() {
-            if background {
-                q.background.push_back(job);
-            } else {
-                q.demand.push_back(job);
+            for seg in segments {
+                let job = Job {
+                    id,
+                    seg,
+                    group: group.clone(),
+                };
+                if background {
+                    q.background.push_back(job);
+                } else {
+                    q.demand.push_back(job);
+                }
             }
             self.shared.changed.notify_all();
         }
@@ -407,6 +509,55 @@ mod tests {
     }
 
     #[test]
+    fn a_submission_of_segments_completes_once_with_its_bytes_or_an_error() {
+        // 3 pages; the last segment's page runs past the end of the file.
+        let data: Vec<u8> = (0..3 * 4096 - 100).map(|i| (i * 7 % 253) as u8).collect();
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&data).unwrap();
+        for threads in [1, 3] {
+            for background in [false, true] {
+                let pool = ReaderPool::new(File::open(f.path()).unwrap(), threads);
+                let mut buf = vec![0u8; 3 * 4096];
+                let p = buf.as_mut_ptr();
+                // SAFETY: `buf` outlives the reads, waited for below.
+                unsafe {
+                    pool.submit_segments(
+                        5,
+                        vec![
+                            Segment::new(8192, 4096, 4096 - 100, p),
+                            Segment::new(0, 4096, 4096, p.add(4096)),
+                            Segment::new(4096, 4096, 4096, p.add(8192)),
+                        ],
+                        background,
+                    );
+                }
+                let d = pool.wait();
+                assert_eq!(d.id, 5);
+                d.result.unwrap();
+                assert!(pool.try_wait().is_none(), "one completion per submission");
+                assert_eq!(&buf[..4096 - 100], &data[8192..]);
+                assert_eq!(&buf[4096..], &data[..8192]);
+                // A segment the file cannot give: the submission fails once.
+                // SAFETY: as above.
+                unsafe {
+                    pool.submit_segments(
+                        6,
+                        vec![
+                            Segment::new(0, 4096, 4096, p),
+                            Segment::new(8192, 4096, 4096, p.add(4096)),
+                        ],
+                        background,
+                    );
+                }
+                let d = pool.wait();
+                assert_eq!(d.id, 6);
+                assert!(d.result.is_err());
+                drop(pool);
+            }
+        }
+    }
+
+    #[test]
     fn background_pieces_wait_for_demand_reads_in_progress() {
         let shared = Arc::new(Shared::default());
         // A demand read taken by another reader.
@@ -434,9 +585,8 @@ mod tests {
         let mut byte = 0u8;
         shared.lock().unwrap().demand.push_back(Job {
             id: 3,
-            offset: 0,
-            len: 1,
-            dest: Dest(&mut byte),
+            seg: Segment::new(0, 1, 1, &mut byte),
+            group: None,
         });
         let job = shared.demand_before_piece().expect("queued demand read");
         assert_eq!(job.id, 3);

@@ -24,7 +24,7 @@ use slipstream_core::{BoxError, ExpertRequest, ExpertSource, ExpertWeights};
 use slipstream_format::SlipModel;
 
 use crate::policy::{LayerCache, Outcome, PolicyKind};
-use crate::reader::{open_pool_file, Readahead, ReaderPool};
+use crate::reader::{open_pool_file, Readahead, ReaderPool, Segment};
 use crate::{ExpertStore, StoreCounters};
 
 /// Settings of a [`StreamingStore`].
@@ -101,8 +101,8 @@ pub struct StreamingStore {
     slots: MmapMut,
     scratch: MmapMut,
     slots_per_layer: usize,
+    /// Bytes of one slot ([`SlipModel::expert_slot_bytes`]).
     stride: usize,
-    record_bytes: usize,
     pending: Option<Pending>,
     /// Background fills in flight, by read id.
     fills: HashMap<usize, Fill>,
@@ -125,10 +125,11 @@ impl StreamingStore {
         let layers = pool_index.num_layers;
         let experts = pool_index.num_experts;
         let slots_per_layer = config.slots.clamp(1, experts.max(1));
-        let stride = pool_index.record_stride as usize;
-        let record_bytes = pool_index.record_bytes as usize;
-        // Anonymous mappings are page aligned, and the stride is a multiple
-        // of 4096, so every slot satisfies O_DIRECT's alignment.
+        // A `.slip` record's stride, or in place the three parts' aligned
+        // regions. Anonymous mappings are page aligned, and the stride and
+        // every read's destination in a slot are multiples of 4096, so
+        // every read satisfies O_DIRECT's alignment.
+        let stride = model.expert_slot_bytes();
         let slots = MmapMut::map_anon((layers * slots_per_layer * stride).max(1))?;
         // Transparent huge pages where the kernel gives them only on request
         // (`madvise` mode): decode reads experts scattered over gigabytes of
@@ -151,7 +152,6 @@ impl StreamingStore {
             scratch,
             slots_per_layer,
             stride,
-            record_bytes,
             pending: None,
             fills: HashMap::new(),
             fill_cursor: 0,
@@ -208,31 +208,36 @@ impl StreamingStore {
             ),
             Place::Scratch(b) => (&self.scratch, b * self.stride),
         };
-        &mem[off..off + self.record_bytes]
+        &mem[off..off + self.stride]
     }
 
+    /// Starts the reads of one expert into `place`: one submission of its
+    /// segments (one `.slip` record, or the three parts of an expert read
+    /// in place, which reader threads take in parallel), one completion.
     fn submit(&mut self, layer: usize, expert: u32, id: usize, place: Place) {
-        let offset = self
-            .model
-            .manifest
-            .experts
-            .record_offset(layer, expert as usize);
+        let reads = self.model.expert_reads(layer, expert as usize);
         let dest = match place {
             Place::Slot(s) => self.slot_ptr(layer, s),
             Place::Scratch(b) => self.scratch_ptr(b),
         };
-        // SAFETY: `dest` is a whole stride-sized buffer that nothing reads
-        // until this job's completion is received (`with_experts` drains
-        // every demand read before returning; a fill's slot is held by
-        // `reserve_fill` until its completion is settled).
-        unsafe {
-            if id >= FILL_ID {
-                self.pool.submit_background(id, offset, self.stride, dest)
-            } else {
-                self.pool.submit(id, offset, self.stride, dest)
-            }
-        };
-        self.counters.bytes_read += self.stride as u64;
+        let mut bytes = 0u64;
+        let segments: Vec<Segment> = reads
+            .iter()
+            .filter(|r| r.dest + r.len <= self.stride)
+            .map(|r| {
+                bytes += r.len as u64;
+                // SAFETY: `r.dest + r.len <= stride` (filtered above), inside
+                // the stride-sized buffer at `dest`.
+                Segment::new(r.offset, r.len, r.need, unsafe { dest.add(r.dest) })
+            })
+            .collect();
+        // SAFETY: each segment lies in a whole stride-sized buffer that
+        // nothing reads until this job's completion is received
+        // (`with_experts` drains every demand read before returning; a
+        // fill's slot is held by `reserve_fill` until its completion is
+        // settled).
+        unsafe { self.pool.submit_segments(id, segments, id >= FILL_ID) };
+        self.counters.bytes_read += bytes;
     }
 
     fn submit_streamed(&mut self) {
@@ -483,7 +488,7 @@ impl ExpertSource for StreamingStore {
             for (i, o) in outcomes.iter().enumerate() {
                 if let Outcome::Hit { slot } = *o {
                     let bytes = self.place_bytes(layer, Place::Slot(slot));
-                    match self.model.expert_views(bytes) {
+                    match self.model.expert_views(layer, experts[i] as usize, bytes) {
                         Ok(w) => hits.push((experts[i], w)),
                         Err(e) => {
                             first_err = Some(e.into());
@@ -548,10 +553,12 @@ impl ExpertSource for StreamingStore {
             for (((i, _, _), ok), record) in landed.iter().zip(checked).zip(&records) {
                 let expert = experts[*i];
                 match ok {
-                    Ok(()) if first_err.is_none() => match model.expert_views(record) {
-                        Ok(w) => batch.push((expert, w)),
-                        Err(e) => first_err = Some(e.into()),
-                    },
+                    Ok(()) if first_err.is_none() => {
+                        match model.expert_views(layer, expert as usize, record) {
+                            Ok(w) => batch.push((expert, w)),
+                            Err(e) => first_err = Some(e.into()),
+                        }
+                    }
                     Ok(()) => {}
                     Err(e) => {
                         bad.push(expert);

@@ -397,6 +397,7 @@ pub fn expert_layout_q(cfg: &ModelConfig, quant: SynthQuant) -> ExpertPoolLayout
             .iter()
             .map(|p| (p.name.to_string(), q, p.shape))
             .collect(),
+        layer_qtypes: Vec::new(),
     }
 }
 

@@ -25,7 +25,9 @@ impl ExpertSource for FileExperts<'_> {
         for &e in request.experts {
             self.file
                 .read_expert(request.layer, e as usize, &mut self.buf)?;
-            let w = self.file.expert_views(&self.buf)?;
+            let w = self
+                .file
+                .expert_views(request.layer, e as usize, &self.buf)?;
             compute(e, w);
         }
         Ok(())
@@ -71,7 +73,7 @@ pub fn run_routes(model: &Path, prompt: &[u32], max_new: usize) -> Result<RouteR
     let m = slipstream_models::load(&cfg, &file)?;
     let mut src = FileExperts {
         file: &file,
-        buf: vec![0u8; file.manifest.experts.record_bytes as usize],
+        buf: vec![0u8; file.expert_buf_bytes()],
     };
     let mut state = m.new_state();
     let mut accesses = Vec::new();

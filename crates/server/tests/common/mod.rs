@@ -40,6 +40,7 @@ pub fn engine() -> EngineConfig {
         prefill_chunk: 16,
         store: StoreChoice::Resident,
         route_trace: None,
+        gguf_index_dir: None,
     }
 }
 
