@@ -702,7 +702,8 @@ fn run(args: RunArgs) -> Result<()> {
     if let Some(path) = &args.stats_json {
         // The CUDA kernels' switches, when the run used the GPU.
         let cuda_tuning = match &plan.backend {
-            slipstream_engine::BackendChoice::Cuda(o) | slipstream_engine::BackendChoice::Auto(o)
+            slipstream_engine::BackendChoice::Cuda(o)
+            | slipstream_engine::BackendChoice::Auto(o)
                 if engine.cuda_stats().is_some() =>
             {
                 Some(&o.tuning)

@@ -42,10 +42,8 @@
 //! `tokenizer.ggml.pre`), the chat template from `tokenizer.chat_template`.
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
 use std::time::Instant;
 
-use serde_json::{json, Value as Json};
 use slipstream_core::config::{LayerKind, MAX_CONFIG_COUNT};
 use slipstream_core::schema::{self, PartSpec, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType, TensorView};
@@ -54,6 +52,7 @@ use slipstream_gguf::{GgmlType, GgufFile, TensorInfo, Value};
 
 use slipstream_kernels::ggml::affine as ggml_affine;
 
+pub(crate) use crate::gguf_tokenizer::{check_tokenizer, tokenizer};
 use crate::{ProgressEvent, RepackError, RepackOptions, RepackReport, Result, SourceKind};
 
 const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K or Q6_K";
@@ -604,9 +603,10 @@ pub(crate) fn dense_tensors<'s>(
             {
                 let l = spec.layer.unwrap_or_default();
                 let fused = format!("blk.{l}.ssm_in.weight");
-                let (_, pick) = crate::qwen3_next_fused(cfg, spec.key).ok_or_else(|| {
-                    RepackError::Unsupported(format!("no split known for {}", spec.name))
-                })?;
+                let (_, pick) =
+                    crate::hf_plan::qwen3_next_fused(cfg, spec.key).ok_or_else(|| {
+                        RepackError::Unsupported(format!("no split known for {}", spec.name))
+                    })?;
                 let src_rows = pick.rows();
                 let total = pick.source_rows();
                 Box::new(move || {
@@ -725,164 +725,6 @@ fn out_proj<'s>(
         bytes_in: b.len() as u64,
         stored_at: None,
     })
-}
-
-/// Tokenizer fields of the manifest rebuilt from `tokenizer.*` metadata.
-pub(crate) struct GgufTokenizer {
-    pub tokenizer_json: Option<Vec<u8>>,
-    pub chat_template: Option<String>,
-    pub eos_token_ids: Vec<u32>,
-    pub special_tokens: BTreeMap<String, String>,
-    /// Sampling settings from `general.sampling.*` (llama.cpp's keys).
-    pub generation: Option<slipstream_format::GenerationDefaults>,
-    /// Why there is no tokenizer.json, when there is none.
-    pub note: Option<String>,
-}
-
-const GPT2_REGEX: &str =
-    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)";
-const QWEN2_REGEX: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const QWEN35_REGEX: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-
-fn strings(v: Option<&Value>) -> Option<Vec<String>> {
-    v?.as_array()?
-        .iter()
-        .map(|x| x.as_str().map(str::to_string))
-        .collect()
-}
-
-/// The sampling settings a GGUF records (`general.sampling.*`, as
-/// llama.cpp writes them); values out of range are left out.
-fn sampling_defaults(f: &GgufFile) -> slipstream_format::GenerationDefaults {
-    let float = |key: &str, ok: fn(f64) -> bool| {
-        f.get(key)
-            .and_then(|v| v.as_f64())
-            .filter(|x| x.is_finite() && ok(*x))
-            .map(|x| x as f32)
-    };
-    slipstream_format::GenerationDefaults {
-        temperature: float("general.sampling.temp", |x| x >= 0.0),
-        top_p: float("general.sampling.top_p", |x| x > 0.0 && x <= 1.0),
-        top_k: f
-            .get("general.sampling.top_k")
-            .and_then(|v| v.as_u64())
-            .and_then(|k| usize::try_from(k).ok()),
-        min_p: float("general.sampling.min_p", |x| (0.0..=1.0).contains(&x)),
-        repetition_penalty: float("general.sampling.penalty_repeat", |x| x > 0.0),
-        presence_penalty: None,
-        frequency_penalty: None,
-    }
-}
-
-pub(crate) fn tokenizer(f: &GgufFile) -> GgufTokenizer {
-    let mut t = GgufTokenizer {
-        tokenizer_json: None,
-        chat_template: f
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-            .map(str::to_string),
-        eos_token_ids: Vec::new(),
-        special_tokens: BTreeMap::new(),
-        generation: Some(sampling_defaults(f)),
-        note: None,
-    };
-    let tokens = strings(f.get("tokenizer.ggml.tokens"));
-    for (key, field) in [
-        ("eos_token", "tokenizer.ggml.eos_token_id"),
-        ("eos_token", "tokenizer.ggml.eot_token_id"),
-        ("bos_token", "tokenizer.ggml.bos_token_id"),
-        ("pad_token", "tokenizer.ggml.padding_token_id"),
-    ] {
-        if let Some(id) = f.get(field).and_then(|v| v.as_u64()) {
-            if key == "eos_token" && !t.eos_token_ids.contains(&(id as u32)) {
-                t.eos_token_ids.push(id as u32);
-            }
-            if let Some(s) = tokens.as_ref().and_then(|tk| tk.get(id as usize)) {
-                t.special_tokens
-                    .entry(key.to_string())
-                    .or_insert_with(|| s.clone());
-            }
-        }
-    }
-    let model = f
-        .get("tokenizer.ggml.model")
-        .and_then(|v| v.as_str())
-        .unwrap_or("");
-    if model != "gpt2" {
-        t.note = Some(format!("tokenizer.ggml.model {model:?} is not gpt2 BPE; no tokenizer written (use --prompt-tokens)"));
-        return t;
-    }
-    let (Some(tokens), Some(merges)) = (tokens, strings(f.get("tokenizer.ggml.merges"))) else {
-        t.note = Some("tokenizer.ggml.tokens or .merges missing; no tokenizer written".into());
-        return t;
-    };
-    let types: Vec<i64> = f
-        .get("tokenizer.ggml.token_type")
-        .and_then(|v| v.as_array())
-        .map(|a| a.iter().map(|x| x.as_f64().unwrap_or(1.0) as i64).collect())
-        .unwrap_or_default();
-    let pre = f
-        .get("tokenizer.ggml.pre")
-        .and_then(|v| v.as_str())
-        .unwrap_or("default");
-    let regex = match pre {
-        "qwen2" | "deepseek-r1-qwen" => QWEN2_REGEX,
-        "qwen35" => QWEN35_REGEX,
-        _ => GPT2_REGEX,
-    };
-    let mut vocab = serde_json::Map::new();
-    let mut added = Vec::new();
-    for (id, tok) in tokens.iter().enumerate() {
-        // ggml token types: 1 normal, 3 control, 4 user defined.
-        let ty = types.get(id).copied().unwrap_or(1);
-        if ty == 3 || ty == 4 {
-            added.push(json!({
-                "id": id, "content": tok, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": ty == 3
-            }));
-        }
-        vocab.insert(tok.clone(), json!(id));
-    }
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
-    let tj: Json = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
-            byte_level.clone()
-        ]},
-        "post_processor": byte_level.clone(),
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-            "ignore_merges": false, "vocab": vocab, "merges": merges
-        }
-    });
-    t.tokenizer_json = serde_json::to_vec(&tj).ok();
-    t
-}
-
-/// Builds the tokenizer rebuilt from `tokenizer.ggml.*` the way the engine
-/// will at open, so broken metadata (a merge of tokens not in the list, a
-/// merge that is not a pair) fails the repack instead of every later open;
-/// its ids must lie inside the model's `vocab_size` embedding rows.
-pub(crate) fn check_tokenizer(json: &[u8], vocab_size: usize, path: &str) -> Result<()> {
-    let bad = |reason: String| RepackError::Corrupt {
-        path: path.to_string(),
-        reason: format!("tokenizer.ggml.* metadata does not make a tokenizer: {reason}"),
-    };
-    let tok = tokenizers::Tokenizer::from_bytes(json).map_err(|e| bad(e.to_string()))?;
-    let ids = tok.get_vocab_size(true);
-    if ids > vocab_size {
-        return Err(bad(format!(
-            "{ids} tokens, but the model embeds only {vocab_size} (vocab_size)"
-        )));
-    }
-    Ok(())
 }
 
 /// Each layer's stacked routed-expert tensors (gate, up, down) with their
@@ -1140,157 +982,4 @@ fn write_layer_experts(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn untile_inverts_the_converter_reorder() {
-        // Converter: grouped [nk, r] -> tiled [r, nk]; tiled position
-        // j * nk + k holds grouped head k * r + j.
-        let (nk, r) = (2, 3);
-        let tiled: Vec<usize> = (0..r)
-            .flat_map(|j| (0..nk).map(move |k| k * r + j))
-            .collect();
-        let back: Vec<usize> = untile_heads(nk, r).iter().map(|&s| tiled[s]).collect();
-        assert_eq!(back, (0..nk * r).collect::<Vec<_>>());
-        let rows = head_rows(2 + nk * r * 2, 2, nk, r, 2);
-        assert_eq!(&rows[..2], &[0, 1]);
-        assert_eq!(rows.len(), 14);
-    }
-
-    #[test]
-    fn unsupported_architecture_and_corrupt_file_are_clear_errors() {
-        use slipstream_gguf::GgufWriter;
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("llama.gguf");
-        let meta = vec![(
-            "general.architecture".to_string(),
-            Value::String("llama".into()),
-        )];
-        GgufWriter::create(&path, &meta, vec![], Default::default())
-            .unwrap()
-            .finish()
-            .unwrap();
-        let opts = |input: std::path::PathBuf| RepackOptions {
-            input,
-            output: dir.path().join("out.slip"),
-            overwrite: Default::default(),
-            quant: Default::default(),
-            ggml_to_affine: false,
-        };
-        assert!(slipstream_gguf::is_gguf_file(&path));
-        let e = repack_gguf(&opts(path.clone()), &|_| {})
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("llama") && e.contains("qwen35moe"), "{e}");
-        // Truncated: the error names the file.
-        let bytes = std::fs::read(&path).unwrap();
-        std::fs::write(&path, &bytes[..30]).unwrap();
-        let e = repack_gguf(&opts(path.clone()), &|_| {})
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("llama.gguf") && e.contains("truncated"), "{e}");
-        assert!(!dir.path().join("out.slip").exists());
-    }
-
-    /// `ssm_out` columns: the f32 path (elements move) and the Q8_0 path with
-    /// a head of 16 columns (half a block: dequantized to f32) agree.
-    #[test]
-    fn out_proj_column_permutation_f32_and_dequantized_agree() {
-        use slipstream_gguf::{GgufWriter, TensorDecl};
-        let (h, nk, r, dv) = (3usize, 2usize, 2usize, 16usize);
-        let cols = nk * r * dv;
-        let q: Vec<i8> = (0..h * cols)
-            .map(|i| (i as i32 % 200 - 100) as i8)
-            .collect();
-        let mut q8 = Vec::new();
-        for row in q.chunks(cols) {
-            for blk in row.chunks(32) {
-                q8.extend_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
-                q8.extend(blk.iter().map(|&x| x as u8));
-            }
-        }
-        let f32s: Vec<u8> = q
-            .iter()
-            .flat_map(|&x| (x as f32 * 0.5).to_le_bytes())
-            .collect();
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("t.gguf");
-        let dims = [cols as u64, h as u64];
-        let mut w = GgufWriter::create(
-            &path,
-            &[],
-            vec![
-                TensorDecl::new("a", &dims, GgmlType::F32),
-                TensorDecl::new("b", &dims, GgmlType::Q8_0),
-            ],
-            Default::default(),
-        )
-        .unwrap();
-        w.write(&f32s).unwrap();
-        w.write(&q8).unwrap();
-        w.finish().unwrap();
-        let f = GgufFile::open(&path).unwrap();
-        let src = Src {
-            f: &f,
-            path: "t".into(),
-            read: Default::default(),
-        };
-        let a = out_proj(&src, "a", "x", h, nk, r, dv).unwrap();
-        let b = out_proj(&src, "b", "x", h, nk, r, dv).unwrap();
-        assert_eq!((a.qtype, b.qtype), (QuantType::F32, QuantType::F32));
-        assert_eq!(a.bytes, b.bytes);
-        // Grouped head 1 (key head 0, second value head) sits at tiled position nk.
-        let val = |bytes: &[u8], i: usize| {
-            f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().unwrap())
-        };
-        assert_eq!(val(&a.bytes, dv), q[nk * dv] as f32 * 0.5);
-        assert_ne!(a.bytes, f32s);
-    }
-
-    #[test]
-    fn broken_tokenizer_metadata_is_refused_before_any_tensor() {
-        use slipstream_gguf::GgufWriter;
-        let dir = tempfile::tempdir().unwrap();
-        let strs = |v: &[&str]| Value::strings(v.iter().map(|s| s.to_string()).collect());
-        let write = |name: &str, merges: &[&str]| {
-            let path = dir.path().join(name);
-            let meta = vec![
-                (
-                    "tokenizer.ggml.model".to_string(),
-                    Value::String("gpt2".into()),
-                ),
-                ("tokenizer.ggml.tokens".to_string(), strs(&["a", "b", "ab"])),
-                ("tokenizer.ggml.merges".to_string(), strs(merges)),
-            ];
-            GgufWriter::create(&path, &meta, vec![], Default::default())
-                .unwrap()
-                .finish()
-                .unwrap();
-            let f = GgufFile::open(&path).unwrap();
-            let json = tokenizer(&f).tokenizer_json.expect("a tokenizer is built");
-            check_tokenizer(&json, 8, name).map_err(|e| e.to_string())
-        };
-        write("good.gguf", &["a b"]).unwrap();
-        for (name, merges) in [
-            ("unknown.gguf", &["a zz"][..]),
-            ("single.gguf", &["ab"][..]),
-        ] {
-            let e = write(name, merges).unwrap_err();
-            assert!(
-                e.contains(name) && e.contains("does not make a tokenizer"),
-                "{e}"
-            );
-        }
-        // More tokens than the embedding has rows.
-        let path = dir.path().join("good.gguf");
-        let f = GgufFile::open(&path).unwrap();
-        let json = tokenizer(&f).tokenizer_json.unwrap();
-        let e = check_tokenizer(&json, 2, "good.gguf")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("vocab_size"), "{e}");
-    }
-}
+mod tests;

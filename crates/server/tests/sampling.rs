@@ -2,7 +2,8 @@
 //! refused by name (issue 31 item 6): structured output and forced tool
 //! calls by constrained decoding on the demo model, penalties, log
 //! probabilities, the checkpoint's generation_config and the server's
-//! flags as defaults, and the 400s for what is not supported.
+//! flags as defaults, the 400s for what is not supported, and the same
+//! replies with speculative decoding on.
 
 mod common;
 
@@ -682,5 +683,76 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
         )
         .await;
         assert_eq!(st, 200, "{v}");
+    });
+}
+
+/// Speculative decoding (`serve --speculate`) changes no reply.
+#[test]
+fn speculative_decoding_gives_the_plain_replies_and_reports_its_drafts() {
+    let plain = server(config());
+    let spec = server(ServerConfig {
+        speculation: slipstream_engine::Speculation {
+            mode: slipstream_engine::SpeculateMode::Both,
+            draft_tokens: 4,
+            auto_off: false,
+        },
+        ..config()
+    });
+    rt().block_on(async {
+        let prompt = "Count: one two three, one two three, one two three, one two";
+        // Greedy, seeded draws, and constrained decoding (the grammar's
+        // mask applies to each verified row in turn).
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 0.8, "top_p": 0.95, "seed": 11}),
+            json!({"temperature": 0, "response_format": {"type": "json_schema",
+                "json_schema": {"name": "thing", "schema": schema()}}}),
+        ] {
+            let mut body = json!({"model": "demo", "max_tokens": 48,
+                "messages": [{"role": "user", "content": prompt}]});
+            body.as_object_mut()
+                .unwrap()
+                .extend(sampling.as_object().unwrap().clone());
+            let (st, a) = post(&plain, "/v1/chat/completions", body.clone()).await;
+            assert_eq!(st, 200, "{a}");
+            let (st, b) = post(&spec, "/v1/chat/completions", body.clone()).await;
+            assert_eq!(st, 200, "{b}");
+            assert_eq!(content(&a), content(&b), "{sampling}");
+            assert!(!content(&a).is_empty());
+            assert!(a["slipstream"]["speculation"].is_null());
+            let sp = &b["slipstream"]["speculation"];
+            assert!(sp["drafted"].as_u64().unwrap() > 0, "{b}");
+            assert!(sp["verify_passes"].as_u64().unwrap() > 0, "{b}");
+            // Streamed: the same text, drafts accepted in one pass arrive
+            // as their own deltas.
+            body["stream"] = json!(true);
+            let (st, ev) = post_stream(&spec, "/v1/chat/completions", body).await;
+            assert_eq!(st, 200);
+            let streamed: String = ev
+                .iter()
+                .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+                .filter_map(|v| {
+                    v["choices"][0]["delta"]["content"]
+                        .as_str()
+                        .map(String::from)
+                })
+                .collect();
+            assert_eq!(streamed, content(&a));
+        }
+        let text = reqwest::get(url(&spec, "/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let counter = |name: &str| -> u64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(&format!("{name} ")))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{name} in {text}"))
+        };
+        let drafted = counter("slipstream_draft_tokens_total");
+        assert!(drafted > 0);
+        assert!(counter("slipstream_accepted_draft_tokens_total") <= drafted);
     });
 }

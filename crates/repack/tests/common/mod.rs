@@ -2,12 +2,15 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use half::bf16;
 use safetensors::tensor::TensorView as StView;
 use safetensors::Dtype;
 use serde_json::{json, Value};
+use slipstream_core::QuantType;
+use slipstream_format::SlipModel;
+use slipstream_repack::{repack, QuantChoice, RepackOptions, RepackReport, Result};
 
 /// Shapes of the tiny test model.
 #[derive(Clone, Debug)]
@@ -465,4 +468,56 @@ impl MlxQ {
         out.extend_from_slice(&b[i * cs..(i + 1) * cs]);
         out
     }
+}
+
+// ------------------------------------------------------------ repack runs
+
+pub fn run(input: &Path, output: &Path, quant: QuantChoice) -> Result<RepackReport> {
+    repack(
+        &RepackOptions {
+            input: input.to_path_buf(),
+            output: output.to_path_buf(),
+            overwrite: Default::default(),
+            quant,
+            ggml_to_affine: false,
+        },
+        &|_| {},
+    )
+}
+
+pub fn f32_of(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The stored f32 values of a dense tensor (must be F32).
+pub fn stored_f32(m: &SlipModel, name: &str) -> Vec<f32> {
+    let t = m.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(t.qtype, QuantType::F32, "{name} should be f32");
+    f32_of(t.view().data)
+}
+
+pub fn bits_eq(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+pub fn qwen3_checkpoint(input: &Path) -> (Tiny, FloatMap) {
+    let t = Tiny::qwen3();
+    let src = hf_tensors(&t, false, "model.", false, true);
+    save(input, &floats_to_raw(&src, Dtype::F32), 1);
+    write_json(&input.join("config.json"), &t.qwen3_config());
+    (t, src)
+}
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
