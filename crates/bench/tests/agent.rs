@@ -43,6 +43,7 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
                 prefill_chunk: 16,
                 store: StoreChoice::Resident,
                 route_trace: None,
+                memory_limit: None,
             },
             prompt_cache: None,
             state_cache: states,
@@ -65,6 +66,7 @@ fn replays_a_session_against_two_servers() {
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
+            memory: None,
         },
     );
     let peer = server(&model, StateCacheSpec::default());
@@ -213,6 +215,7 @@ fn replays_over_the_anthropic_api() {
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
+            memory: None,
         },
     );
     let out = tmp.path().join("out");

@@ -107,9 +107,10 @@ struct RunArgs {
     /// Write the run's statistics as JSON to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-    /// Most prompt tokens per prefill chunk.
-    #[arg(long, default_value_t = 4096)]
-    prefill_chunk: usize,
+    /// Most prompt tokens per prefill chunk (default 4096, less where memory
+    /// is short).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -233,7 +234,6 @@ fn main() {
         }
         None => run(RunArgs {
             max_new: 128,
-            prefill_chunk: 4096,
             ..Default::default()
         }),
     };
@@ -379,19 +379,26 @@ fn run(args: RunArgs) -> Result<()> {
             .build_global()
             .context("setting up compute threads")?;
     }
-    let model_path = match &args.model {
-        Some(p) => p.clone(),
+    // Opened (and its dense weights hashed) once: planning reads its
+    // manifest, the engine takes it over.
+    let file = match &args.model {
+        Some(p) => slipstream_format::SlipModel::open(p)
+            .with_context(|| format!("opening model {}", p.display()))?,
         None => {
             let bar = new_bar();
-            let path = demo::ensure_demo_model(&repack_progress(&bar));
+            let model = demo::open_demo_model(&repack_progress(&bar));
             bar.finish_and_clear();
-            path.context("preparing the embedded demo model")?
+            model.context("preparing the embedded demo model")?
         }
     };
-    let plan = args
+    let model_path = file.dir.clone();
+    let mut plan = args
         .store
-        .plan(&model_path, args.max_new + 4096, args.prefill_chunk)?;
-    let mut engine = Engine::open(&model_path, plan.engine)
+        .plan(&file, args.max_new + 4096, args.prefill_chunk)?;
+    if let Some(limit) = args.memory_limit {
+        plan.engine.memory_limit = Some(limit);
+    }
+    let mut engine = Engine::from_model(std::sync::Arc::new(file), plan.engine)
         .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
@@ -500,9 +507,6 @@ fn run(args: RunArgs) -> Result<()> {
         cancel: None,
     };
 
-    if let Some(limit) = args.memory_limit {
-        engine.set_memory_limit(Some(limit));
-    }
     let t_restore = std::time::Instant::now();
     let warm = !args.no_warm_experts;
     let mut state = engine.new_state();

@@ -44,9 +44,10 @@ pub struct ServeArgs {
     pub any_model: bool,
     /// Most prompt tokens per prefill chunk. A disconnected client's
     /// prefill stops at the next chunk boundary: smaller chunks cancel
-    /// sooner but read experts more often.
-    #[arg(long, default_value_t = 4096)]
-    pub prefill_chunk: usize,
+    /// sooner but read experts more often (default 4096, less where memory
+    /// is short).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -117,8 +118,9 @@ pub struct ServeArgs {
     pub test_script: Option<PathBuf>,
 }
 
-/// Builds the server's settings from the arguments (no I/O but the model
-/// path check, the chat template file and the test script).
+/// Builds the server's settings from the arguments (no I/O but opening the
+/// model for memory planning, the chat template file and the test script);
+/// prints the `[memory]` plan line.
 pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig, BackendSpec)> {
     slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
     if args.queue == 0 {
@@ -141,11 +143,11 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
             n => n,
         },
     };
-    let plan = args.store.plan(
-        &model,
-        args.max_context.unwrap_or(32768),
-        args.prefill_chunk,
-    )?;
+    let file = slipstream_format::SlipModel::open(&model)
+        .with_context(|| format!("opening model {}", model.display()))?;
+    let plan = args
+        .store
+        .plan(&file, args.max_context.unwrap_or(32768), args.prefill_chunk)?;
     let engine = plan.engine;
     let model_id = args.model_name.clone().unwrap_or_else(|| {
         let stem = model
@@ -211,6 +213,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
                 .map(|dir| (dir, args.prompt_cache_size)),
             state_cache: slipstream_server::StateCacheSpec {
                 max_bytes: args.state_cache_ram,
+                memory: plan.machine.usable(),
                 checkpoint_interval: args.state_checkpoint_interval.map(|n| n.max(1)),
             },
         },

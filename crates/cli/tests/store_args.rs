@@ -72,7 +72,8 @@ fn serve_lists_the_store_flags_of_run_with_the_same_help() {
 
 #[test]
 fn serve_plans_the_store_as_run_does_for_the_same_flags() {
-    let model = slipstream_cli::demo::ensure_demo_model(&|_| {}).unwrap();
+    let file = slipstream_cli::demo::open_demo_model(&|_| {}).unwrap();
+    let model = file.dir.clone();
     let flags = [
         "--memory-budget",
         "2G",
@@ -91,7 +92,7 @@ fn serve_plans_the_store_as_run_does_for_the_same_flags() {
     let store = Store::try_parse_from(std::iter::once("run").chain(flags))
         .unwrap()
         .store;
-    let plan = store.plan(&model, 1000, 64).unwrap();
+    let plan = store.plan(&file, 1000, Some(64)).unwrap();
     let slipstream_engine::StoreChoice::Streaming(sc) = &plan.engine.store else {
         panic!("streaming expected: {:?}", plan.engine.store);
     };

@@ -32,10 +32,11 @@ use slipstream_store::{
 pub use generate::{
     peak_rss_bytes, FinishReason, GenerateRequest, Generation, GenerationPhases, GenerationStats,
 };
-pub use guard::{default_memory_limit, GrowthPrediction};
+pub use guard::GrowthPrediction;
 pub use plan::{
-    available_memory, parse_size, predict_footprint, resolve_direct_io, settle_direct_io,
-    slots_for_budget, vram_slots_for_budget, DirectIoChoice, FootprintPrediction,
+    parse_size, plan_memory, predict_footprint, resolve_direct_io, slots_for_budget,
+    vram_slots_for_budget, DirectIoChoice, FootprintPrediction, MachineMemory, MemoryPlan,
+    MemoryRequest, ModelSizes, SlotsRequest,
 };
 pub use prompt_cache::PromptCache;
 pub use sampler::{Penalties, PenaltyTracker, Sampler, SamplingParams};
@@ -141,6 +142,9 @@ pub struct EngineConfig {
     pub store: StoreChoice,
     /// Record every expert request to this route trace file.
     pub route_trace: Option<std::path::PathBuf>,
+    /// The memory guard's limit in bytes (`None`: no guard); the
+    /// `slipstream` command passes [`MachineMemory::guard_limit`].
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -149,6 +153,7 @@ impl Default for EngineConfig {
             prefill_chunk: 4096,
             store: StoreChoice::Streaming(StreamConfig::default()),
             route_trace: None,
+            memory_limit: None,
         }
     }
 }
@@ -215,11 +220,17 @@ pub enum BackendChoice {
 }
 
 impl Engine {
-    /// Opens a `.slip` model directory with all experts resident.
+    /// Opens the `.slip` model directory at `path` with the store of
+    /// `config`.
     pub fn open(path: &Path, config: EngineConfig) -> Result<Self, EngineError> {
+        Self::from_model(Arc::new(SlipModel::open(path)?), config)
+    }
+
+    /// An engine over a model already opened (and so verified): the caller
+    /// that planned with its manifest opens and hashes it only once.
+    pub fn from_model(file: Arc<SlipModel>, config: EngineConfig) -> Result<Self, EngineError> {
         // Before the model loads: measured faster than from the prefill on.
         heap::keep_freed_memory();
-        let file = Arc::new(SlipModel::open(path)?);
         let model = slipstream_models::load(&file.manifest.config, file.as_ref())?;
         let inner: Box<dyn ExpertStore> = match &config.store {
             StoreChoice::Resident => Box::new(
@@ -258,6 +269,7 @@ impl Engine {
             Some(src) => Some(ChatTemplate::new(src)?),
             None => None,
         };
+        let memory_limit = config.memory_limit;
         Ok(Engine {
             file,
             model,
@@ -265,7 +277,7 @@ impl Engine {
             codec,
             template,
             config,
-            memory_limit: guard::default_memory_limit(),
+            memory_limit,
             dense_touched: false,
             prefill_hook: None,
             phases: None,
@@ -476,7 +488,7 @@ impl Engine {
     }
 
     /// Footprint limit of the memory guard (`None`: off). Defaults to
-    /// [`default_memory_limit`].
+    /// [`EngineConfig::memory_limit`].
     pub fn set_memory_limit(&mut self, limit: Option<u64>) {
         self.memory_limit = limit;
     }

@@ -181,6 +181,7 @@ fn replaying_the_route_trace_reproduces_the_runtime_counters() {
                         ..Default::default()
                     }),
                     route_trace: Some(trace.clone()),
+                    memory_limit: None,
                 },
             )
             .unwrap();

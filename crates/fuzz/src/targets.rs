@@ -193,6 +193,7 @@ fn engine_with_state(model: &Path) -> Result<(Engine, slipstream_engine::ModelSt
             prefill_chunk: 16,
             store: StoreChoice::Resident,
             route_trace: None,
+            memory_limit: None,
         },
     )
     .map_err(|e| e.to_string())?;

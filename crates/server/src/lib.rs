@@ -141,10 +141,14 @@ pub enum BackendSpec {
 /// Sizing of the RAM state cache (`slipstream_engine::StateCache`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateCacheSpec {
-    /// Most bytes held; `None`: a quarter of the memory available when the
-    /// model is open, at most 8 GiB. `Some(0)` keeps one conversation only
-    /// (the most valuable: its tokens over its age in requests).
+    /// Most bytes held; `None`: a quarter of `memory`, at most 8 GiB.
+    /// `Some(0)` keeps one conversation only (the most valuable: its tokens
+    /// over its age in requests).
     pub max_bytes: Option<u64>,
+    /// The memory the process may use, as the caller detected it
+    /// (`slipstream_engine::MachineMemory::usable`); `None`: unknown, the
+    /// default cache then holds 1 GiB.
+    pub memory: Option<u64>,
     /// Tokens between checkpoints inside a prefill; `None`: the model's
     /// default (`Engine::default_checkpoint_interval`).
     pub checkpoint_interval: Option<usize>,
@@ -155,7 +159,7 @@ impl StateCacheSpec {
     fn build(&self, engine: &Engine) -> StateCache {
         const DEFAULT_CAP: u64 = 8 << 30;
         let max_bytes = self.max_bytes.unwrap_or_else(|| {
-            slipstream_engine::available_memory()
+            self.memory
                 .map(|a| (a / 4).min(DEFAULT_CAP))
                 .unwrap_or(1 << 30)
         });

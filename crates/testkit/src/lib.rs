@@ -69,6 +69,7 @@ pub fn open(model: &Path, store: StoreChoice, chunk: usize) -> Engine {
             prefill_chunk: chunk,
             store,
             route_trace: None,
+            memory_limit: None,
         },
     )
     .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))

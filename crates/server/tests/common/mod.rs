@@ -40,6 +40,7 @@ pub fn engine() -> EngineConfig {
         prefill_chunk: 16,
         store: StoreChoice::Resident,
         route_trace: None,
+        memory_limit: None,
     }
 }
 
