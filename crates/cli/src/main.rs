@@ -107,10 +107,6 @@ struct RunArgs {
     /// Write the run's statistics as JSON to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-    /// Most prompt tokens per prefill chunk (default 4096, less where memory
-    /// is short).
-    #[arg(long)]
-    prefill_chunk: Option<usize>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -141,11 +137,6 @@ struct RunArgs {
     /// Do not warm the expert cache with the experts a snapshot recorded.
     #[arg(long)]
     no_warm_experts: bool,
-    /// Refuse a prefill chunk when the footprint plus its predicted growth
-    /// would exceed this, e.g. 20G (default: 90% of the smaller of physical
-    /// memory and the cgroup limit).
-    #[arg(long, value_parser = parse_size)]
-    memory_limit: Option<u64>,
     /// Write per-token decode latency as CSV (token, seconds since the first
     /// token, latency ms, tokens/s) to this file.
     #[arg(long)]
@@ -392,12 +383,7 @@ fn run(args: RunArgs) -> Result<()> {
         }
     };
     let model_path = file.dir.clone();
-    let mut plan = args
-        .store
-        .plan(&file, args.max_new + 4096, args.prefill_chunk)?;
-    if let Some(limit) = args.memory_limit {
-        plan.engine.memory_limit = Some(limit);
-    }
+    let plan = args.store.plan(&file, args.max_new + 4096)?;
     let mut engine = Engine::from_model(std::sync::Arc::new(file), plan.engine)
         .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());

@@ -42,16 +42,10 @@ pub struct ServeArgs {
     /// e.g. Claude Code).
     #[arg(long)]
     pub any_model: bool,
-    /// Most prompt tokens per prefill chunk. A disconnected client's
-    /// prefill stops at the next chunk boundary: smaller chunks cancel
-    /// sooner but read experts more often (default 4096, less where memory
-    /// is short).
-    #[arg(long)]
-    pub prefill_chunk: Option<usize>,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// The expert store and backend, as for `slipstream run`.
+    /// The expert store, memory and backend, as for `slipstream run`.
     #[command(flatten)]
     pub store: StoreArgs,
     /// Persist conversation prefixes in this directory (snapshots at prefill
@@ -145,9 +139,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
     };
     let file = slipstream_format::SlipModel::open(&model)
         .with_context(|| format!("opening model {}", model.display()))?;
-    let plan = args
-        .store
-        .plan(&file, args.max_context.unwrap_or(32768), args.prefill_chunk)?;
+    let plan = args.store.plan(&file, args.max_context.unwrap_or(32768))?;
     let engine = plan.engine;
     let model_id = args.model_name.clone().unwrap_or_else(|| {
         let stem = model

@@ -1,5 +1,5 @@
-//! The expert store and backend flags `run` and `serve` share, and the one
-//! place they become the engine's configuration.
+//! The expert store, memory and backend flags `run` and `serve` share, and
+//! the one place they become the engine's configuration.
 
 use std::path::PathBuf;
 
@@ -41,6 +41,17 @@ pub struct StoreArgs {
     /// nobody asked for yet into the free slots in the background.
     #[arg(long)]
     pub no_background_fill: bool,
+    /// Most prompt tokens per prefill chunk (default 4096, less where memory
+    /// is short). A disconnected client's prefill (`serve`) stops at the
+    /// next chunk boundary: smaller chunks cancel sooner but read experts
+    /// more often.
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Refuse a prefill chunk when the footprint plus its predicted growth
+    /// would exceed this, e.g. 20G (default: 90% of the smaller of physical
+    /// memory and the cgroup limit).
+    #[arg(long, value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
     /// Read every expert into memory at start (no streaming).
     #[arg(long)]
     pub resident: bool,
@@ -91,18 +102,12 @@ pub struct StorePlan {
 
 impl StoreArgs {
     /// The engine configuration and backend for the opened model `file`,
-    /// with sequences of at most `context` tokens (positions) prefilled
-    /// `prefill_chunk` tokens at a time (`None`: chosen from memory). Flags
-    /// win; what they leave open (slots, direct I/O, the chunk) follows this
-    /// machine's memory (`slipstream_engine::plan_memory`). The plan's
+    /// with sequences of at most `context` tokens (positions). Flags win;
+    /// what they leave open (slots, direct I/O, the prefill chunk) follows
+    /// this machine's memory (`slipstream_engine::plan_memory`). The plan's
     /// `[memory]` line is printed to stderr. The memory guard's limit is
-    /// 90 % of the detected memory.
-    pub fn plan(
-        &self,
-        file: &SlipModel,
-        context: usize,
-        prefill_chunk: Option<usize>,
-    ) -> Result<StorePlan> {
+    /// `--memory-limit`, else 90 % of the detected memory.
+    pub fn plan(&self, file: &SlipModel, context: usize) -> Result<StorePlan> {
         let machine = crate::machine_memory::detect();
         let planned_on = self.assume_memory.map_or(machine, MachineMemory::assume);
         let slots = match (self.resident, self.expert_cache_slots, self.memory_budget) {
@@ -114,7 +119,7 @@ impl StoreArgs {
         let request = MemoryRequest {
             slots,
             direct_io: self.direct_io,
-            prefill_chunk,
+            prefill_chunk: self.prefill_chunk,
             context,
             o_direct_supported: self.direct_io != DirectIo::Auto
                 || slipstream_store::supports_direct_io(file.experts_path()),
@@ -142,7 +147,7 @@ impl StoreArgs {
                 prefill_chunk: memory.prefill_chunk,
                 store,
                 route_trace: self.route_trace.clone(),
-                memory_limit: machine.guard_limit(),
+                memory_limit: self.memory_limit.or(machine.guard_limit()),
             },
             backend: self.backend_choice(file)?,
             machine,
