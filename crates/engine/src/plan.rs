@@ -336,12 +336,14 @@ impl MachineMemory {
     }
 }
 
-/// `b` bytes in words: GB (10^9) from 1 GB, else MB (10^6).
+/// `b` bytes in words: GB (10^9) from 1 GB, MB (10^6) from 1 MB, else kB.
 fn bytes(b: u64) -> String {
     if b >= 1_000_000_000 {
         format!("{:.2} GB", gb(b))
-    } else {
+    } else if b >= 1_000_000 {
         format!("{:.1} MB", b as f64 / 1e6)
+    } else {
+        format!("{:.1} kB", b as f64 / 1e3)
     }
 }
 
