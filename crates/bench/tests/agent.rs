@@ -37,6 +37,7 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
             ..Default::default()
         },
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path: model.to_path_buf(),
             engine: EngineConfig {

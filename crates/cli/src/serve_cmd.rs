@@ -197,6 +197,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         }
         None => BackendSpec::Model {
             path: model,
+            opened: Some(slipstream_server::OpenedModel(std::sync::Arc::new(file))),
             engine,
             backend: plan.backend,
             prompt_cache: args

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slipstream_core::ModelConfig;
-use slipstream_format::SlipModel;
+pub use slipstream_format::SlipModel;
 pub use slipstream_models::transformer::PhaseTimes;
 pub use slipstream_models::ModelState;
 use slipstream_models::{Logits, Transformer};

@@ -41,7 +41,7 @@ use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use slipstream_engine::{BackendChoice, Engine, EngineConfig, StateCache, TextCodec};
+use slipstream_engine::{BackendChoice, Engine, EngineConfig, SlipModel, StateCache, TextCodec};
 
 use crate::error::{ApiError, Flavor};
 use crate::worker::{Backend, Info, Worker};
@@ -121,6 +121,9 @@ pub enum BackendSpec {
     /// chunk boundaries and a prompt restores its longest cached prefix.
     Model {
         path: PathBuf,
+        /// The model at `path` when the caller already opened it (for
+        /// memory planning), so it is not opened and hashed again.
+        opened: Option<OpenedModel>,
         engine: EngineConfig,
         /// Where the model runs once open (`Engine::set_backend`).
         backend: BackendChoice,
@@ -136,6 +139,16 @@ pub enum BackendSpec {
         engine: EngineConfig,
         script: script::Script<String>,
     },
+}
+
+/// A model opened (and so verified) by the caller, handed to the server.
+#[derive(Clone)]
+pub struct OpenedModel(pub Arc<SlipModel>);
+
+impl std::fmt::Debug for OpenedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OpenedModel({})", self.0.dir.display())
+    }
 }
 
 /// Sizing of the RAM state cache (`slipstream_engine::StateCache`).
@@ -260,20 +273,30 @@ pub fn check_bind(host: &str, api_key: Option<&str>) -> anyhow::Result<()> {
 }
 
 fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
-    let (path, engine_config, backend, script, prompt_cache, state_cache) = match spec {
+    let (path, opened, engine_config, backend, script, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
+            opened,
             engine,
             backend,
             prompt_cache,
             state_cache,
-        } => (path, engine, backend, None, prompt_cache, state_cache),
+        } => (
+            path,
+            opened,
+            engine,
+            backend,
+            None,
+            prompt_cache,
+            state_cache,
+        ),
         BackendSpec::Script {
             path,
             engine,
             script,
         } => (
             path,
+            None,
             engine,
             BackendChoice::Cpu,
             Some(script),
@@ -281,8 +304,11 @@ fn open_backend(spec: BackendSpec) -> anyhow::Result<(Backend, Arc<TextCodec>, I
             StateCacheSpec::default(),
         ),
     };
-    let mut engine = Engine::open(&path, engine_config)
-        .with_context(|| format!("opening model {}", path.display()))?;
+    let mut engine = match opened {
+        Some(OpenedModel(file)) => Engine::from_model(file, engine_config),
+        None => Engine::open(&path, engine_config),
+    }
+    .with_context(|| format!("opening model {}", path.display()))?;
     // The CPU needs no set-up; another backend is named beside the store.
     let backend_note = match backend {
         BackendChoice::Cpu => None,

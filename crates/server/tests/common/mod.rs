@@ -62,6 +62,7 @@ pub fn server_with_states(config: ServerConfig, states: StateCacheSpec) -> Runni
     start(
         config,
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             engine: engine(),
