@@ -113,9 +113,20 @@ pub struct ServeArgs {
 }
 
 /// Builds the server's settings from the arguments (no I/O but opening the
-/// model for memory planning, the chat template file and the test script);
-/// prints the `[memory]` plan line.
+/// model at `model` for memory planning, the chat template file and the
+/// test script); prints the `[memory]` plan line.
 pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig, BackendSpec)> {
+    let file = slipstream_format::SlipModel::open(&model)
+        .with_context(|| format!("opening model {}", model.display()))?;
+    settings_for_model(args, file)
+}
+
+/// [`server_settings`] for a model already opened: the server takes it over.
+pub fn settings_for_model(
+    args: &ServeArgs,
+    file: slipstream_format::SlipModel,
+) -> Result<(ServerConfig, BackendSpec)> {
+    let model = file.dir.clone();
     slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
     if args.queue == 0 {
         bail!("--queue must be at least 1");
@@ -137,8 +148,6 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
             n => n,
         },
     };
-    let file = slipstream_format::SlipModel::open(&model)
-        .with_context(|| format!("opening model {}", model.display()))?;
     let plan = args.store.plan(&file, args.max_context.unwrap_or(32768))?;
     let engine = plan.engine;
     let model_id = args.model_name.clone().unwrap_or_else(|| {
@@ -224,13 +233,13 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     }
     // Refuse a bad bind before spending time on the model.
     slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
-    let model = match &args.model {
-        Some(p) => p.clone(),
-        None => {
-            crate::demo::ensure_demo_model(&|_| {}).context("preparing the embedded demo model")?
-        }
+    let (config, backend) = match &args.model {
+        Some(p) => server_settings(&args, p.clone())?,
+        None => settings_for_model(
+            &args,
+            crate::demo::open_demo_model(&|_| {}).context("preparing the embedded demo model")?,
+        )?,
     };
-    let (config, backend) = server_settings(&args, model)?;
     // The engine runs on this (the main) thread: see `serve_here`.
     slipstream_server::serve_here(config, backend, announce)
 }
