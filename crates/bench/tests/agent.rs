@@ -37,6 +37,7 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
             ..Default::default()
         },
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path: model.to_path_buf(),
             engine: EngineConfig {
@@ -44,6 +45,7 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
                 store: StoreChoice::Resident,
                 route_trace: None,
                 gguf_index_dir: None,
+                memory_limit: None,
             },
             prompt_cache: None,
             state_cache: states,
@@ -66,6 +68,7 @@ fn replays_a_session_against_two_servers() {
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
+            memory: None,
         },
     );
     let peer = server(&model, StateCacheSpec::default());
@@ -214,6 +217,7 @@ fn replays_over_the_anthropic_api() {
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
+            memory: None,
         },
     );
     let out = tmp.path().join("out");

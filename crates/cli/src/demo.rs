@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use slipstream_format::SlipModel;
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 
 /// The checkpoint files, as committed under `models/demo/`.
@@ -63,10 +64,20 @@ fn content_hash() -> String {
 pub fn ensure_demo_model(
     progress: &dyn Fn(slipstream_repack::ProgressEvent),
 ) -> anyhow::Result<PathBuf> {
+    open_demo_model(progress).map(|model| model.dir)
+}
+
+/// The repacked demo model, opened (and so verified), repacking it first
+/// when it is missing or does not open.
+pub fn open_demo_model(
+    progress: &dyn Fn(slipstream_repack::ProgressEvent),
+) -> anyhow::Result<SlipModel> {
     let dir = cache_dir();
     let target = dir.join(format!("demo-{}.slip", content_hash()));
-    if target.exists() && slipstream_format::SlipModel::open(&target).is_ok() {
-        return Ok(target);
+    if target.exists() {
+        if let Ok(model) = SlipModel::open(&target) {
+            return Ok(model);
+        }
     }
     std::fs::create_dir_all(&dir)
         .map_err(|e| anyhow::anyhow!("cannot create cache directory {}: {e}", dir.display()))?;
@@ -89,7 +100,7 @@ pub fn ensure_demo_model(
     })();
     let _ = std::fs::remove_dir_all(&src);
     result?;
-    Ok(target)
+    Ok(SlipModel::open(&target)?)
 }
 
 fn tempdir_in(dir: &Path) -> anyhow::Result<PathBuf> {

@@ -3,38 +3,13 @@
 
 pub mod demo;
 pub mod hwbench_cmd;
+pub mod machine_memory;
 pub mod replay_cmd;
 pub mod sampling_args;
 pub mod serve_cmd;
 pub mod speculate_args;
 pub mod store_args;
 pub mod synth_cmd;
-
-/// Settles `--direct-io` for a streaming run of `file` with `slots` expert
-/// slots per layer ([`slipstream_engine::settle_direct_io`]: `auto` against
-/// this machine's memory, capped by a `--memory-budget` `budget`) and logs
-/// the choice and why (`SLIPSTREAM_LOG=info`); the store description
-/// (`--stats-json`'s `store`) says `direct I/O` when on.
-pub fn settle_direct_io(
-    mode: slipstream_store::DirectIo,
-    file: &slipstream_format::SlipModel,
-    slots: usize,
-    context: usize,
-    chunk: usize,
-    budget: Option<u64>,
-) -> bool {
-    let choice = slipstream_engine::settle_direct_io(mode, file, slots, context, chunk, budget);
-    tracing::info!(
-        "expert reads {} ({})",
-        if choice.direct {
-            "direct (O_DIRECT)"
-        } else {
-            "buffered"
-        },
-        choice.reason
-    );
-    choice.direct
-}
 
 /// Where a GGUF run in place keeps its checksum table when the file's own
 /// directory cannot take it (read-only): the cache directory's `gguf-index`.

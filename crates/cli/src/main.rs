@@ -110,9 +110,6 @@ struct RunArgs {
     /// Write the run's statistics as JSON to this file.
     #[arg(long)]
     stats_json: Option<PathBuf>,
-    /// Most prompt tokens per prefill chunk.
-    #[arg(long, default_value_t = 4096)]
-    prefill_chunk: usize,
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -143,11 +140,6 @@ struct RunArgs {
     /// Do not warm the expert cache with the experts a snapshot recorded.
     #[arg(long)]
     no_warm_experts: bool,
-    /// Refuse a prefill chunk when the footprint plus its predicted growth
-    /// would exceed this, e.g. 20G (default: 90% of the smaller of physical
-    /// memory and the cgroup limit).
-    #[arg(long, value_parser = parse_size)]
-    memory_limit: Option<u64>,
     /// Write per-token decode latency as CSV (token, seconds since the first
     /// token, latency ms, tokens/s) to this file.
     #[arg(long)]
@@ -225,7 +217,6 @@ fn main() {
         }
         None => run(RunArgs {
             max_new: 128,
-            prefill_chunk: 4096,
             ..Default::default()
         }),
     };
@@ -371,27 +362,22 @@ fn run(args: RunArgs) -> Result<()> {
             .build_global()
             .context("setting up compute threads")?;
     }
-    let model_path = match &args.model {
-        Some(p) => p.clone(),
+    // Opened (and its dense weights hashed) once: planning reads its
+    // manifest, the engine takes it over.
+    let file = match &args.model {
+        Some(p) => slipstream_cli::store_args::open_model(p)?,
         None => {
             let bar = new_bar();
-            let path = demo::ensure_demo_model(&repack_progress(&bar));
+            let model = demo::open_demo_model(&repack_progress(&bar));
             bar.finish_and_clear();
-            path.context("preparing the embedded demo model")?
+            model.context("preparing the embedded demo model")?
         }
     };
-    // Before planning opens the model (the engine's own open does this
-    // first too).
-    slipstream_engine::heap::keep_freed_memory();
-    let (plan, opened) =
-        args.store
-            .plan_opened(&model_path, args.max_new + 4096, args.prefill_chunk)?;
-    // The model planning opened (and verified) runs as is.
-    let mut engine = match opened {
-        Some(file) => Engine::open_file(std::sync::Arc::new(file), plan.engine),
-        None => Engine::open(&model_path, plan.engine),
-    }
-    .with_context(|| format!("opening model {}", model_path.display()))?;
+    // The path as given: a GGUF run in place has no model directory.
+    let model_path = args.model.clone().unwrap_or_else(|| file.dir.clone());
+    let plan = args.store.plan(&file, args.max_new + 4096)?;
+    let mut engine = Engine::from_model(std::sync::Arc::new(file), plan.engine)
+        .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
     if args.activations == "int16" {
@@ -489,9 +475,6 @@ fn run(args: RunArgs) -> Result<()> {
         cancel: None,
     };
 
-    if let Some(limit) = args.memory_limit {
-        engine.set_memory_limit(Some(limit));
-    }
     let t_restore = std::time::Instant::now();
     let warm = !args.no_warm_experts;
     let mut state = engine.new_state();

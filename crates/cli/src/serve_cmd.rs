@@ -45,15 +45,10 @@ pub struct ServeArgs {
     /// e.g. Claude Code).
     #[arg(long)]
     pub any_model: bool,
-    /// Most prompt tokens per prefill chunk. A disconnected client's
-    /// prefill stops at the next chunk boundary: smaller chunks cancel
-    /// sooner but read experts more often.
-    #[arg(long, default_value_t = 4096)]
-    pub prefill_chunk: usize,
     /// Compute threads (default: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
-    /// The expert store and backend, as for `slipstream run`.
+    /// The expert store, memory and backend, as for `slipstream run`.
     #[command(flatten)]
     pub store: StoreArgs,
     /// Speculative decoding, as for `slipstream run`.
@@ -123,9 +118,20 @@ pub struct ServeArgs {
     pub test_script: Option<PathBuf>,
 }
 
-/// Builds the server's settings from the arguments (no I/O but the model
-/// path check, the chat template file and the test script).
+/// Builds the server's settings from the arguments (no I/O but opening the
+/// model at `model` for memory planning, the chat template file and the
+/// test script); prints the `[memory]` plan line.
 pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig, BackendSpec)> {
+    let file = crate::store_args::open_model(&model)?;
+    settings_for_model(args, file)
+}
+
+/// [`server_settings`] for a model already opened: the server takes it over.
+pub fn settings_for_model(
+    args: &ServeArgs,
+    file: slipstream_format::SlipModel,
+) -> Result<(ServerConfig, BackendSpec)> {
+    let model = file.dir.clone();
     slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
     if args.queue == 0 {
         bail!("--queue must be at least 1");
@@ -147,11 +153,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
             n => n,
         },
     };
-    let plan = args.store.plan(
-        &model,
-        args.max_context.unwrap_or(32768),
-        args.prefill_chunk,
-    )?;
+    let plan = args.store.plan(&file, args.max_context.unwrap_or(32768))?;
     let engine = plan.engine;
     let model_id = args.model_name.clone().unwrap_or_else(|| {
         let stem = model
@@ -210,6 +212,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
         }
         None => BackendSpec::Model {
             path: model,
+            opened: Some(slipstream_server::OpenedModel(std::sync::Arc::new(file))),
             engine,
             backend: plan.backend,
             prompt_cache: args
@@ -218,6 +221,7 @@ pub fn server_settings(args: &ServeArgs, model: PathBuf) -> Result<(ServerConfig
                 .map(|dir| (dir, args.prompt_cache_size)),
             state_cache: slipstream_server::StateCacheSpec {
                 max_bytes: args.state_cache_ram,
+                memory: plan.machine.usable(),
                 checkpoint_interval: args.state_checkpoint_interval.map(|n| n.max(1)),
             },
         },
@@ -235,13 +239,13 @@ pub fn serve_command(args: ServeArgs) -> Result<()> {
     }
     // Refuse a bad bind before spending time on the model.
     slipstream_server::check_bind(&args.host, args.api_key.as_deref())?;
-    let model = match &args.model {
-        Some(p) => p.clone(),
-        None => {
-            crate::demo::ensure_demo_model(&|_| {}).context("preparing the embedded demo model")?
-        }
+    let (config, backend) = match &args.model {
+        Some(p) => server_settings(&args, p.clone())?,
+        None => settings_for_model(
+            &args,
+            crate::demo::open_demo_model(&|_| {}).context("preparing the embedded demo model")?,
+        )?,
     };
-    let (config, backend) = server_settings(&args, model)?;
     // The engine runs on this (the main) thread: see `serve_here`.
     slipstream_server::serve_here(config, backend, announce)
 }

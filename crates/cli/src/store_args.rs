@@ -1,17 +1,21 @@
-//! The expert store and backend flags `run` and `serve` share, and the one
-//! place they become the engine's configuration.
+//! The expert store, memory and backend flags `run` and `serve` share, and
+//! the one place they become the engine's configuration.
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
-use slipstream_engine::{parse_size, BackendChoice, EngineConfig, StoreChoice};
+use anyhow::{Context, Result};
+use slipstream_engine::{
+    parse_size, plan_memory, BackendChoice, EngineConfig, MachineMemory, MemoryRequest, ModelSizes,
+    SlotsRequest, StoreChoice,
+};
 use slipstream_format::SlipModel;
-use slipstream_store::{PolicyKind, Readahead, StreamConfig};
+use slipstream_store::{DirectIo, PolicyKind, Readahead, StreamConfig};
 
 /// Where routed experts live, how they are read, and where the model runs.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct StoreArgs {
-    /// Expert slots per layer (the cache size).
+    /// Expert slots per layer (the cache size; default: what fits this
+    /// machine's memory, printed at start).
     #[arg(long, conflicts_with_all = ["memory_budget", "resident"])]
     pub expert_cache_slots: Option<usize>,
     /// Derive the slots from a memory budget, e.g. 8G (the choice is printed).
@@ -37,6 +41,17 @@ pub struct StoreArgs {
     /// nobody asked for yet into the free slots in the background.
     #[arg(long)]
     pub no_background_fill: bool,
+    /// Most prompt tokens per prefill chunk (default 4096, less where memory
+    /// is short). A disconnected client's prefill (`serve`) stops at the
+    /// next chunk boundary: smaller chunks cancel sooner but read experts
+    /// more often.
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Refuse a prefill chunk when the footprint plus its predicted growth
+    /// would exceed this, e.g. 20G (default: 90% of the smaller of physical
+    /// memory and the cgroup limit).
+    #[arg(long, value_parser = parse_size)]
+    pub memory_limit: Option<u64>,
     /// Read every expert into memory at start (no streaming).
     #[arg(long)]
     pub resident: bool,
@@ -64,6 +79,12 @@ pub struct StoreArgs {
     /// exact.
     #[arg(long, default_value = "exact", value_parser = ["exact", "int8"])]
     pub prompt_precision: String,
+    /// FOR TESTING: size the store (slots, direct I/O, prompt chunk) as if
+    /// this machine had this much memory, e.g. 2G, instead of what
+    /// /proc/meminfo and the cgroup limit say. The memory guard keeps the
+    /// detected limit.
+    #[arg(long, value_parser = parse_size, hide = true)]
+    pub assume_memory: Option<u64>,
 }
 
 /// What [`StoreArgs::plan`] settles: the engine to open and the backend to
@@ -72,20 +93,22 @@ pub struct StoreArgs {
 pub struct StorePlan {
     pub engine: EngineConfig,
     pub backend: BackendChoice,
+    /// This machine's memory as detected (also under `--assume-memory`,
+    /// which only sizes the store).
+    pub machine: MachineMemory,
+    /// The `[memory]` line: what was detected, what was chosen and why.
+    pub summary: String,
 }
 
-/// The model's manifest, opened on first need and then kept: planning
-/// reads it for several decisions.
-fn opened<'a>(slot: &'a mut Option<SlipModel>, model: &Path) -> Result<&'a SlipModel> {
-    if let Some(file) = slot.take() {
-        return Ok(slot.insert(file));
-    }
-    let file = if model.is_file() && slipstream_repack::is_gguf_file(model) {
-        open_gguf(model)?
+/// Opens the model at `model`: a `.slip` directory, or a GGUF file in place
+/// (docs/GGUF_IN_PLACE.md). Opened once: planning reads its manifest, the
+/// engine takes it over.
+pub fn open_model(model: &Path) -> Result<SlipModel> {
+    if model.is_file() && slipstream_repack::is_gguf_file(model) {
+        open_gguf(model)
     } else {
-        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))?
-    };
-    Ok(slot.insert(file))
+        SlipModel::open(model).with_context(|| format!("opening model {}", model.display()))
+    }
 }
 
 /// Opens a GGUF in place, saying when its checksum table is built (the
@@ -118,96 +141,70 @@ fn open_gguf(model: &Path) -> Result<SlipModel> {
 }
 
 impl StoreArgs {
-    /// The engine configuration and backend for the model at `model`, with
-    /// sequences of at most `context` tokens (positions) prefilled
-    /// `prefill_chunk` tokens at a time. A `--memory-budget` is turned into
-    /// slots here (the choice printed to stderr); `--direct-io auto` is
-    /// settled against this machine's memory.
-    pub fn plan(&self, model: &Path, context: usize, prefill_chunk: usize) -> Result<StorePlan> {
-        self.plan_opened(model, context, prefill_chunk).map(|p| p.0)
-    }
-
-    /// [`StoreArgs::plan`], also handing over the model when planning
-    /// opened it (so the engine need not open and verify it again).
-    pub fn plan_opened(
-        &self,
-        model: &Path,
-        context: usize,
-        prefill_chunk: usize,
-    ) -> Result<(StorePlan, Option<SlipModel>)> {
-        let prefill_chunk = prefill_chunk.max(1);
-        let mut file = None;
-        let store = if self.resident {
+    /// The engine configuration and backend for the opened model `file`,
+    /// with sequences of at most `context` tokens (positions). Flags win;
+    /// what they leave open (slots, direct I/O, the prefill chunk) follows
+    /// this machine's memory (`slipstream_engine::plan_memory`). The plan's
+    /// `[memory]` line is printed to stderr. The memory guard's limit is
+    /// `--memory-limit`, else 90 % of the detected memory.
+    pub fn plan(&self, file: &SlipModel, context: usize) -> Result<StorePlan> {
+        let machine = crate::machine_memory::detect();
+        let planned_on = self.assume_memory.map_or(machine, MachineMemory::assume);
+        let slots = match (self.resident, self.expert_cache_slots, self.memory_budget) {
+            (true, _, _) => SlotsRequest::Resident,
+            (false, Some(n), _) => SlotsRequest::Slots(n),
+            (false, None, Some(b)) => SlotsRequest::Budget(b),
+            (false, None, None) => SlotsRequest::Auto,
+        };
+        let request = MemoryRequest {
+            slots,
+            direct_io: self.direct_io,
+            prefill_chunk: self.prefill_chunk,
+            context,
+            o_direct_supported: self.direct_io != DirectIo::Auto
+                || slipstream_store::supports_direct_io(file.experts_path()),
+        };
+        let memory = plan_memory(&ModelSizes::of(file), &planned_on, &request)
+            .map_err(anyhow::Error::msg)?;
+        eprintln!("{}", memory.summary);
+        let store = if memory.resident {
             StoreChoice::Resident
         } else {
-            let slots = match (self.expert_cache_slots, self.memory_budget) {
-                (Some(n), _) => n,
-                (None, Some(budget)) => {
-                    let file = opened(&mut file, model)?;
-                    let n =
-                        slipstream_engine::slots_for_budget(file, budget, context, prefill_chunk)
-                            .map_err(anyhow::Error::msg)?;
-                    let p = slipstream_engine::predict_footprint(file, n, context, prefill_chunk);
-                    eprintln!(
-                        "[memory] budget {:.2} GB -> {n} expert slots per layer (predicted footprint {:.2} GB: dense {:.2}, slots {:.2}, state {:.2}, buffers {:.2})",
-                        budget as f64 / 1e9,
-                        p.total() as f64 / 1e9,
-                        p.dense as f64 / 1e9,
-                        p.slots as f64 / 1e9,
-                        p.state as f64 / 1e9,
-                        (p.scratch + p.activations + p.baseline) as f64 / 1e9
-                    );
-                    n
-                }
-                (None, None) => 64,
-            };
-            if slots == 0 {
-                bail!("--expert-cache-slots must be at least 1");
-            }
             StoreChoice::Streaming(StreamConfig {
-                slots,
+                slots: memory.slots,
                 policy: self.expert_cache_policy,
                 io_threads: self
                     .io_threads
                     .unwrap_or_else(crate::default_io_threads)
                     .max(1),
-                direct_io: crate::settle_direct_io(
-                    self.direct_io,
-                    opened(&mut file, model)?,
-                    slots,
-                    context,
-                    prefill_chunk,
-                    self.memory_budget,
-                ),
+                direct_io: memory.direct_io.direct,
                 readahead: self.readahead,
                 background_fill: !self.no_background_fill,
             })
         };
-        let backend = self.backend_choice(model, &mut file)?;
-        let plan = StorePlan {
+        Ok(StorePlan {
             engine: EngineConfig {
-                prefill_chunk,
+                prefill_chunk: memory.prefill_chunk,
                 store,
                 route_trace: self.route_trace.clone(),
                 gguf_index_dir: crate::gguf_index_dir(),
+                memory_limit: self.memory_limit.or(machine.guard_limit()),
             },
-            backend,
-        };
-        Ok((plan, file))
+            backend: self.backend_choice(file)?,
+            machine,
+            summary: memory.summary,
+        })
     }
 
     /// `--backend` with the CUDA options (`--vram-slots`, `--vram-budget`,
     /// `--ram-cache-slots`, the expert cache policy).
-    fn backend_choice(&self, model: &Path, file: &mut Option<SlipModel>) -> Result<BackendChoice> {
+    fn backend_choice(&self, file: &SlipModel) -> Result<BackendChoice> {
         if self.backend == "cpu" {
             return Ok(BackendChoice::Cpu);
         }
         let vram_slots = match (self.vram_slots, self.vram_budget) {
             (Some(n), _) => Some(n.max(1)),
-            (None, Some(b)) => Some(slipstream_engine::vram_slots_for_budget(
-                opened(file, model)?,
-                b,
-            )),
+            (None, Some(b)) => Some(slipstream_engine::vram_slots_for_budget(file, b)),
             (None, None) => None,
         };
         let opts = slipstream_cuda::CudaOptions {

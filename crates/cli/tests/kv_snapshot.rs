@@ -129,10 +129,7 @@ fn prompt_cache_and_memory_limit_flags() {
     assert_eq!(out2, plain2);
     assert!(err2.contains("[prompt-cache] restored 8 of 12"), "{err2}");
 
-    let out = run(&model, p1, &["--memory-limit", "1M"]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(stderr.starts_with("error:"), "{stderr}");
+    // A clear error after the [memory] plan line, not a panic.
+    let stderr = slipstream_testkit::cli::failed(run(&model, p1, &["--memory-limit", "1M"]));
     assert!(stderr.contains("memory guard"), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
 }

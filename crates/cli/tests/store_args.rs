@@ -1,6 +1,6 @@
-//! `run` and `serve` share one group of expert store and backend flags
-//! (`slipstream_cli::store_args::StoreArgs`): the same names and help, and
-//! the same flags give the same engine configuration.
+//! `run` and `serve` share one group of expert store, memory and backend
+//! flags (`slipstream_cli::store_args::StoreArgs`): the same names and help,
+//! and the same flags give the same engine configuration.
 
 use std::process::Command;
 
@@ -21,9 +21,11 @@ struct Serve {
     serve: ServeArgs,
 }
 
-const SHARED: [&str; 13] = [
+const SHARED: [&str; 15] = [
     "--expert-cache-slots",
     "--memory-budget",
+    "--prefill-chunk",
+    "--memory-limit",
     "--expert-cache-policy",
     "--io-threads",
     "--direct-io",
@@ -72,10 +74,15 @@ fn serve_lists_the_store_flags_of_run_with_the_same_help() {
 
 #[test]
 fn serve_plans_the_store_as_run_does_for_the_same_flags() {
-    let model = slipstream_cli::demo::ensure_demo_model(&|_| {}).unwrap();
+    let file = slipstream_cli::demo::open_demo_model(&|_| {}).unwrap();
+    let model = file.dir.clone();
     let flags = [
         "--memory-budget",
         "2G",
+        "--prefill-chunk",
+        "64",
+        "--memory-limit",
+        "20G",
         "--readahead",
         "random",
         "--no-background-fill",
@@ -91,7 +98,9 @@ fn serve_plans_the_store_as_run_does_for_the_same_flags() {
     let store = Store::try_parse_from(std::iter::once("run").chain(flags))
         .unwrap()
         .store;
-    let plan = store.plan(&model, 1000, 64).unwrap();
+    let plan = store.plan(&file, 1000).unwrap();
+    assert_eq!(plan.engine.prefill_chunk, 64);
+    assert_eq!(plan.engine.memory_limit, Some(20 << 30));
     let slipstream_engine::StoreChoice::Streaming(sc) = &plan.engine.store else {
         panic!("streaming expected: {:?}", plan.engine.store);
     };
@@ -105,17 +114,10 @@ fn serve_plans_the_store_as_run_does_for_the_same_flags() {
     ));
 
     let serve = Serve::try_parse_from(
-        [
-            "serve",
-            "--max-context",
-            "1000",
-            "--prefill-chunk",
-            "64",
-            "--model",
-        ]
-        .into_iter()
-        .chain([model.to_str().unwrap()])
-        .chain(flags),
+        ["serve", "--max-context", "1000", "--model"]
+            .into_iter()
+            .chain([model.to_str().unwrap()])
+            .chain(flags),
     )
     .unwrap()
     .serve;

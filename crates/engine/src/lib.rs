@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slipstream_core::ModelConfig;
-use slipstream_format::SlipModel;
+pub use slipstream_format::SlipModel;
 pub use slipstream_models::transformer::PhaseTimes;
 pub use slipstream_models::ModelState;
 use slipstream_models::{Logits, Transformer};
@@ -32,10 +32,11 @@ use slipstream_store::{
 pub use generate::{
     peak_rss_bytes, FinishReason, GenerateRequest, Generation, GenerationPhases, GenerationStats,
 };
-pub use guard::{default_memory_limit, GrowthPrediction};
+pub use guard::GrowthPrediction;
 pub use plan::{
-    available_memory, parse_size, predict_footprint, resolve_direct_io, settle_direct_io,
-    slots_for_budget, vram_slots_for_budget, DirectIoChoice, FootprintPrediction,
+    parse_size, plan_memory, predict_footprint, resolve_direct_io, slots_for_budget,
+    vram_slots_for_budget, DirectIoChoice, FootprintPrediction, MachineMemory, MemoryPlan,
+    MemoryRequest, ModelSizes, SlotsRequest,
 };
 pub use prompt_cache::PromptCache;
 pub use sampler::{Penalties, PenaltyTracker, Sampler, SamplingParams};
@@ -147,6 +148,9 @@ pub struct EngineConfig {
     /// Where a GGUF run in place keeps its checksum table when the file's
     /// own directory cannot (docs/GGUF_IN_PLACE.md).
     pub gguf_index_dir: Option<std::path::PathBuf>,
+    /// The memory guard's limit in bytes (`None`: no guard); the
+    /// `slipstream` command passes [`MachineMemory::guard_limit`].
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -156,6 +160,7 @@ impl Default for EngineConfig {
             store: StoreChoice::Streaming(StreamConfig::default()),
             route_trace: None,
             gguf_index_dir: None,
+            memory_limit: None,
         }
     }
 }
@@ -237,15 +242,14 @@ impl Engine {
     /// Opens a model ([`open_model`]: a `.slip` directory or a GGUF file
     /// in place) with the store `config` chooses.
     pub fn open(path: &Path, config: EngineConfig) -> Result<Self, EngineError> {
-        // Before the model loads: measured faster than from the prefill on.
-        heap::keep_freed_memory();
         let file = Arc::new(open_model(path, config.gguf_index_dir.as_deref())?);
-        Engine::open_file(file, config)
+        Self::from_model(file, config)
     }
 
-    /// An engine over a model already opened (and so verified), e.g. by
-    /// the CLI's memory planning.
-    pub fn open_file(file: Arc<SlipModel>, config: EngineConfig) -> Result<Self, EngineError> {
+    /// An engine over a model already opened (and so verified): the caller
+    /// that planned with its manifest opens and hashes it only once.
+    pub fn from_model(file: Arc<SlipModel>, config: EngineConfig) -> Result<Self, EngineError> {
+        // Before the model loads: measured faster than from the prefill on.
         heap::keep_freed_memory();
         let model = slipstream_models::load(&file.manifest.config, file.as_ref())?;
         let inner: Box<dyn ExpertStore> = match &config.store {
@@ -285,6 +289,7 @@ impl Engine {
             Some(src) => Some(ChatTemplate::new(src)?),
             None => None,
         };
+        let memory_limit = config.memory_limit;
         Ok(Engine {
             file,
             model,
@@ -292,7 +297,7 @@ impl Engine {
             codec,
             template,
             config,
-            memory_limit: guard::default_memory_limit(),
+            memory_limit,
             dense_touched: false,
             prefill_hook: None,
             phases: None,
@@ -532,7 +537,7 @@ impl Engine {
     }
 
     /// Footprint limit of the memory guard (`None`: off). Defaults to
-    /// [`default_memory_limit`].
+    /// [`EngineConfig::memory_limit`].
     pub fn set_memory_limit(&mut self, limit: Option<u64>) {
         self.memory_limit = limit;
     }

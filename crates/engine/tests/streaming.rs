@@ -182,6 +182,7 @@ fn replaying_the_route_trace_reproduces_the_runtime_counters() {
                     }),
                     route_trace: Some(trace.clone()),
                     gguf_index_dir: None,
+                    memory_limit: None,
                 },
             )
             .unwrap();

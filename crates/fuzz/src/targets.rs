@@ -194,6 +194,7 @@ fn engine_with_state(model: &Path) -> Result<(Engine, slipstream_engine::ModelSt
             store: StoreChoice::Resident,
             route_trace: None,
             gguf_index_dir: None,
+            memory_limit: None,
         },
     )
     .map_err(|e| e.to_string())?;

@@ -41,7 +41,7 @@ use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use slipstream_engine::{BackendChoice, Engine, EngineConfig, StateCache, TextCodec};
+use slipstream_engine::{BackendChoice, Engine, EngineConfig, SlipModel, StateCache, TextCodec};
 
 use crate::error::{ApiError, Flavor};
 use crate::worker::{Backend, Info, Worker};
@@ -125,6 +125,9 @@ pub enum BackendSpec {
     /// chunk boundaries and a prompt restores its longest cached prefix.
     Model {
         path: PathBuf,
+        /// The model at `path` when the caller already opened it (for
+        /// memory planning), so it is not opened and hashed again.
+        opened: Option<OpenedModel>,
         engine: EngineConfig,
         /// Where the model runs once open (`Engine::set_backend`).
         backend: BackendChoice,
@@ -142,13 +145,27 @@ pub enum BackendSpec {
     },
 }
 
+/// A model opened (and so verified) by the caller, handed to the server.
+#[derive(Clone)]
+pub struct OpenedModel(pub Arc<SlipModel>);
+
+impl std::fmt::Debug for OpenedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OpenedModel({})", self.0.dir.display())
+    }
+}
+
 /// Sizing of the RAM state cache (`slipstream_engine::StateCache`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StateCacheSpec {
-    /// Most bytes held; `None`: a quarter of the memory available when the
-    /// model is open, at most 8 GiB. `Some(0)` keeps one conversation only
-    /// (the most valuable: its tokens over its age in requests).
+    /// Most bytes held; `None`: a quarter of `memory`, at most 8 GiB.
+    /// `Some(0)` keeps one conversation only (the most valuable: its tokens
+    /// over its age in requests).
     pub max_bytes: Option<u64>,
+    /// The memory the process may use, as the caller detected it
+    /// (`slipstream_engine::MachineMemory::usable`); `None`: unknown, the
+    /// default cache then holds 1 GiB.
+    pub memory: Option<u64>,
     /// Tokens between checkpoints inside a prefill; `None`: the model's
     /// default (`Engine::default_checkpoint_interval`).
     pub checkpoint_interval: Option<usize>,
@@ -159,7 +176,7 @@ impl StateCacheSpec {
     fn build(&self, engine: &Engine) -> StateCache {
         const DEFAULT_CAP: u64 = 8 << 30;
         let max_bytes = self.max_bytes.unwrap_or_else(|| {
-            slipstream_engine::available_memory()
+            self.memory
                 .map(|a| (a / 4).min(DEFAULT_CAP))
                 .unwrap_or(1 << 30)
         });
@@ -263,20 +280,30 @@ fn open_backend(
     spec: BackendSpec,
     speculation: slipstream_engine::Speculation,
 ) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
-    let (path, engine_config, backend, script, prompt_cache, state_cache) = match spec {
+    let (path, opened, engine_config, backend, script, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
+            opened,
             engine,
             backend,
             prompt_cache,
             state_cache,
-        } => (path, engine, backend, None, prompt_cache, state_cache),
+        } => (
+            path,
+            opened,
+            engine,
+            backend,
+            None,
+            prompt_cache,
+            state_cache,
+        ),
         BackendSpec::Script {
             path,
             engine,
             script,
         } => (
             path,
+            None,
             engine,
             BackendChoice::Cpu,
             Some(script),
@@ -284,8 +311,11 @@ fn open_backend(
             StateCacheSpec::default(),
         ),
     };
-    let mut engine = Engine::open(&path, engine_config)
-        .with_context(|| format!("opening model {}", path.display()))?;
+    let mut engine = match opened {
+        Some(OpenedModel(file)) => Engine::from_model(file, engine_config),
+        None => Engine::open(&path, engine_config),
+    }
+    .with_context(|| format!("opening model {}", path.display()))?;
     // The CPU needs no set-up; another backend is named beside the store.
     let backend_note = match backend {
         BackendChoice::Cpu => None,

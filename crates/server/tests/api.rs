@@ -411,6 +411,7 @@ fn non_loopback_bind_without_key_is_refused() {
     let err = start(
         c,
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             state_cache: Default::default(),
@@ -892,6 +893,7 @@ fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
         start(
             config(),
             BackendSpec::Model {
+                opened: None,
                 backend: slipstream_engine::BackendChoice::Cpu,
                 path: demo_model(),
                 state_cache: Default::default(),
@@ -944,6 +946,7 @@ fn a_max_context_above_the_model_is_refused_at_start() {
     let e = match start(
         c,
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             engine: engine(),

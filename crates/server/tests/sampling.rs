@@ -584,6 +584,7 @@ fn generation_config_and_flags_are_the_defaults() {
     let with_config = start(
         config(),
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path,
             engine: engine(),

@@ -28,6 +28,7 @@ fn server(template: Option<&str>) -> RunningServer {
         StateCacheSpec {
             max_bytes: Some(1 << 30),
             checkpoint_interval: Some(8),
+            memory: None,
         },
     )
 }

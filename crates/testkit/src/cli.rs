@@ -24,7 +24,8 @@ pub fn ok(out: Output) -> (String, String) {
 }
 
 /// Stderr of a command that must have failed with a clear `error:` line,
-/// not a panic.
+/// not a panic. Only the command's bracketed status lines (`[memory] ...`,
+/// printed at start) may come before it.
 pub fn failed(out: Output) -> String {
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "should have failed: {stderr}");
@@ -32,7 +33,11 @@ pub fn failed(out: Output) -> String {
         !stderr.contains("panicked"),
         "panic instead of an error: {stderr}"
     );
-    assert!(stderr.starts_with("error:"), "unclear error: {stderr}");
+    let first_other = stderr.lines().find(|l| !l.starts_with('['));
+    assert!(
+        first_other.is_some_and(|l| l.starts_with("error:")),
+        "unclear error: {stderr}"
+    );
     stderr
 }
 

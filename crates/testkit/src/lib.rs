@@ -70,6 +70,7 @@ pub fn open(model: &Path, store: StoreChoice, chunk: usize) -> Engine {
             store,
             route_trace: None,
             gguf_index_dir: None,
+            memory_limit: None,
         },
     )
     .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))

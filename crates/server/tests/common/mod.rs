@@ -41,6 +41,7 @@ pub fn engine() -> EngineConfig {
         store: StoreChoice::Resident,
         route_trace: None,
         gguf_index_dir: None,
+        memory_limit: None,
     }
 }
 
@@ -62,6 +63,7 @@ pub fn server_with_states(config: ServerConfig, states: StateCacheSpec) -> Runni
     start(
         config,
         BackendSpec::Model {
+            opened: None,
             backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             engine: engine(),
