@@ -105,14 +105,39 @@ unsafe fn ld(p: *const u8) -> __m256i {
     unsafe { _mm256_loadu_si256(p.cast()) }
 }
 
-/// 32 codes of token `x` from element `e` (`e + 32 <= x.qs.len()`, which
-/// [`rows`] checks for every element of a row).
+/// How far ahead of the block being read the kernels ask for weight bytes
+/// (prefetches never fault, so running past a matrix's end is harmless):
+/// as the f32 kernels' `ROW_PREFETCH_BYTES`, without it rows streaming from
+/// beyond L2 run well below the memory rate.
+const PREFETCH_BYTES: usize = 2048;
+
+/// Asks for the `lines` cache lines from `PREFETCH_BYTES` past `p`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn codes(x: &Q8Row, e: usize) -> __m256i {
-    assert!(e + 32 <= x.qs.len());
-    // SAFETY: elements e..e + 32 are in bounds (asserted).
-    unsafe { ld(x.qs.as_ptr().add(e).cast()) }
+fn prefetch(p: *const u8, lines: usize) {
+    for l in 0..lines {
+        // A prefetch never faults: the address is only computed (wrapping).
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES + 64 * l).cast());
+    }
+}
+
+/// Per token: its codes' and block steps' base pointers, after checking
+/// that they cover a row of `nb` blocks of `be` elements.
+fn bases<const T: usize>(
+    x: [&Q8Row; T],
+    nb: usize,
+    be: usize,
+) -> ([*const u8; T], [*const f32; T]) {
+    for v in x {
+        assert!(
+            v.qs.len() >= nb * be && v.d.len() >= nb,
+            "quantized input shorter than the row"
+        );
+    }
+    (
+        std::array::from_fn(|t| x[t].qs.as_ptr().cast::<u8>()),
+        std::array::from_fn(|t| x[t].d.as_ptr()),
+    )
 }
 
 /// `Q4_0` / `Q8_0`.
@@ -124,7 +149,9 @@ fn dot_b32<const K: u8, const T: usize>(row: &[u8], x: [&Q8Row; T]) -> [f32; T] 
     let m4 = _mm_set1_epi8(0x0F);
     let eight = _mm256_set1_epi8(8);
     let mut acc = [_mm256_setzero_ps(); T];
+    let (xq, xd) = bases(x, row.len() / bb, QK);
     for (i, blk) in row.chunks_exact(bb).enumerate() {
+        prefetch(blk.as_ptr(), 1);
         let dw = f16(blk, 0);
         // SAFETY: a block is 18 (`Q4_0`: 16 code bytes at 2) or 34 (`Q8_0`:
         // 32 at 2) bytes.
@@ -140,9 +167,11 @@ fn dot_b32<const K: u8, const T: usize>(row: &[u8], x: [&Q8Row; T]) -> [f32; T] 
         };
         let aw = _mm256_sign_epi8(w, w);
         for t in 0..T {
-            let y = codes(x[t], i * QK);
+            // SAFETY: block i < nb of every token's codes and steps
+            // (`bases`).
+            let (y, dx) = unsafe { (ld(xq[t].add(i * QK)), *xd[t].add(i)) };
             let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(y, w)), ones);
-            let d = _mm256_set1_ps(dw * x[t].d[i]);
+            let d = _mm256_set1_ps(dw * dx);
             acc[t] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[t]);
         }
     }
@@ -159,9 +188,11 @@ fn dot_q45k<const K: u8, const T: usize>(row: &[u8], x: [&Q8Row; T]) -> [f32; T]
     let one8 = _mm256_set1_epi8(1);
     let mut acc = [_mm256_setzero_ps(); T];
     let mut accm = [0f32; T];
+    let (xq, _) = bases(x, row.len() / bb, QK_K);
     for (i, blk) in row.chunks_exact(bb).enumerate() {
         let (sc, m) = scale_min_k4(&blk[4..16]);
         let bp = blk.as_ptr();
+        prefetch(bp, bb.div_ceil(64));
         let qh = if five {
             // SAFETY: `Q5_K` blocks hold 32 high-bit bytes at 16.
             unsafe { ld(bp.add(16)) }
@@ -185,9 +216,13 @@ fn dot_q45k<const K: u8, const T: usize>(row: &[u8], x: [&Q8Row; T]) -> [f32; T]
             let s_lo = _mm256_set1_epi16(sc[2 * p] as i16);
             let s_hi = _mm256_set1_epi16(sc[2 * p + 1] as i16);
             for t in 0..T {
-                let e = i * QK_K + 64 * p;
-                let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, codes(x[t], e)), s_lo);
-                let b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, codes(x[t], e + 32)), s_hi);
+                // SAFETY: elements of super-block i < nb (`bases`).
+                let (ya, yb) = unsafe {
+                    let e = xq[t].add(i * QK_K + 64 * p);
+                    (ld(e), ld(e.add(32)))
+                };
+                let a = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, ya), s_lo);
+                let b = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yb), s_hi);
                 sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(a, b));
             }
         }
@@ -215,8 +250,10 @@ fn dot_q6k<const T: usize>(row: &[u8], x: [&Q8Row; T]) -> [f32; T] {
     let m30 = _mm256_set1_epi8(0x30);
     let m32 = _mm256_set1_epi8(32);
     let mut acc = [_mm256_setzero_ps(); T];
+    let (xq, _) = bases(x, row.len() / 210, QK_K);
     for (i, blk) in row.chunks_exact(210).enumerate() {
         let bp = blk.as_ptr();
+        prefetch(bp, 4);
         let sc = &blk[192..208];
         let mut sumi = [_mm256_setzero_si256(); T];
         for h in 0..2 {
@@ -242,7 +279,8 @@ fn dot_q6k<const T: usize>(row: &[u8], x: [&Q8Row; T]) -> [f32; T] {
                         _mm_set1_epi16(sc[e0 / 16] as i8 as i16),
                     );
                     for t in 0..T {
-                        let y = codes(x[t], i * QK_K + e0);
+                        // SAFETY: elements of super-block i < nb (`bases`).
+                        let y = unsafe { ld(xq[t].add(i * QK_K + e0)) };
                         let p = _mm256_sub_epi16(
                             _mm256_maddubs_epi16(q, y),
                             _mm256_maddubs_epi16(m32, y),
