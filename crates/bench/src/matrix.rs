@@ -239,11 +239,11 @@ pub fn parse_policies(s: &str) -> Result<Vec<String>> {
     })
 }
 
-/// `--activations f32,int16`.
+/// `--activations f32,int16,int8`.
 pub fn parse_activations(s: &str) -> Result<Vec<String>> {
     parse_list("--activations", s, |p| match p {
-        "f32" | "int16" => Ok(p.to_string()),
-        other => bail!("unknown activations {other:?}: expected f32 or int16"),
+        "f32" | "int16" | "int8" => Ok(p.to_string()),
+        other => bail!("unknown activations {other:?}: expected f32, int16 or int8"),
     })
 }
 
@@ -376,10 +376,10 @@ mod tests {
             assert!(e.contains("--slots"), "{bad:?}: {e}");
         }
         assert_eq!(
-            parse_activations("f32,int16").unwrap(),
-            vec!["f32", "int16"]
+            parse_activations("f32,int16,int8").unwrap(),
+            vec!["f32", "int16", "int8"]
         );
-        for bad in ["", "int8", "f32,"] {
+        for bad in ["", "int4", "f32,"] {
             let e = format!("{:#}", parse_activations(bad).unwrap_err());
             assert!(e.contains("--activations"), "{bad:?}: {e}");
         }

@@ -113,10 +113,12 @@ struct RunArgs {
     /// Compute threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// How inputs enter 4-bit products on the CPU: f32 (exact, the default)
-    /// or int16 (quantized per weight group: faster, off by a small rounding
-    /// error; see docs/BENCHMARKS.md).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "int16"])]
+    /// How inputs enter quantized products on the CPU: f32 (exact, the
+    /// default), int16 (4-bit affine weights: quantized per weight group)
+    /// or int8 (GGML block weights from a GGUF: quantized per block as
+    /// llama.cpp does, integer dot products). The integer modes are faster
+    /// and off by a small rounding error; see docs/KERNELS.md.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "int16", "int8"])]
     activations: String,
     /// Print generated token ids instead of text.
     #[arg(long)]
@@ -380,10 +382,14 @@ fn run(args: RunArgs) -> Result<()> {
         .with_context(|| format!("opening model {}", model_path.display()))?;
     tracing::info!("{}", engine.store_description());
     engine.set_phases(args.phases);
-    if args.activations == "int16" {
-        engine
+    match args.activations.as_str() {
+        "int16" => engine
             .model
-            .set_activations(slipstream_kernels::Activations::Int16);
+            .set_activations(slipstream_kernels::Activations::Int16),
+        "int8" => engine
+            .model
+            .set_activations(slipstream_kernels::Activations::Int8),
+        _ => {}
     }
     if !matches!(plan.backend, slipstream_engine::BackendChoice::Cpu) {
         eprintln!("[backend] {}", engine.set_backend(&plan.backend)?);

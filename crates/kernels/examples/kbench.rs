@@ -6,6 +6,9 @@
 //! GGML blocks against their exact affine group-32 conversion (what
 //! `repack` writes for a GGUF), interleaved rounds, one thread, CPU-time
 //! medians: `... --example kbench -- convert [q4_0|q8_0] [rounds]`.
+//! GGML blocks with exact f32 against int8 activations
+//! (`Activations::Int8`), same weights and inputs, interleaved rounds, one
+//! thread, CPU-time medians: `... --example kbench -- int8 [q4_0|q8_0|q4_k|q5_k|q6_k] [rounds]`.
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, TensorView};
 use slipstream_kernels::*;
@@ -17,6 +20,9 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("convert") {
         return convert();
     }
+    if std::env::args().nth(1).as_deref() == Some("int8") {
+        return int8();
+    }
     let threads: usize = std::env::args()
         .nth(1)
         .map(|s| s.parse().unwrap())
@@ -25,9 +31,11 @@ fn main() {
         .num_threads(threads)
         .build()
         .unwrap();
-    // Activation mode from the second argument: `exact` (default) or `int16`.
+    // Activation mode from the second argument: `exact` (default), `int16`
+    // (affine weights) or `int8` (GGML block weights).
     let act = match std::env::args().nth(2).as_deref() {
         Some("int16") => Activations::Int16,
+        Some("int8") => Activations::Int8,
         _ => Activations::Exact,
     };
     let q = match std::env::args().nth(3).as_deref() {
@@ -225,6 +233,71 @@ fn convert() {
             q.name(),
             aq.name(),
             g / a
+        );
+    }
+}
+
+/// One GGML type with exact f32 and with int8 activations, same weights and
+/// inputs: decode (1 token) and a 256-token prompt on `[2048x2048]` and
+/// `[8192x2048]`. Rounds alternate the two modes; each prints the median
+/// CPU time per product (the thread's schedstat time).
+fn int8() {
+    let q = match std::env::args().nth(2).as_deref() {
+        None | Some("q4_0") => QuantType::Q4_0,
+        Some("q8_0") => QuantType::Q8_0,
+        Some("q4_k") => QuantType::Q4K,
+        Some("q5_k") => QuantType::Q5K,
+        Some("q6_k") => QuantType::Q6K,
+        Some(o) => panic!("int8 takes a GGML type, not {o}"),
+    };
+    let rounds: usize = std::env::args()
+        .nth(3)
+        .map(|s| s.parse().unwrap())
+        .unwrap_or(9);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let isa = Isa::detect();
+    println!(
+        "isa: {isa:?}; {} exact vs int8, {rounds} interleaved rounds, median CPU time per product",
+        q.name()
+    );
+    for &(rows, cols, n) in &[
+        (2048usize, 2048usize, 1usize),
+        (8192, 2048, 1),
+        (2048, 2048, 256),
+        (8192, 2048, 256),
+    ] {
+        let data = ggml_weights(&mut rng, q, rows, cols);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..n * cols)
+            .map(|_| rng.random_range(-1.0f32..1.0))
+            .collect();
+        let mut y = vec![0f32; n * rows];
+        let iters = ((1e9 / data.len() as f64 / n as f64) as usize).clamp(2, 20000);
+        let acts = [Activations::Exact, Activations::Int8];
+        let mut times = [Vec::new(), Vec::new()];
+        pool.install(|| {
+            for _ in 0..rounds {
+                for (k, &act) in acts.iter().enumerate() {
+                    let c0 = cpu_ns();
+                    for _ in 0..iters {
+                        matmul_act(isa, act, &w, &x, n, &mut y);
+                    }
+                    times[k].push((cpu_ns() - c0) as f64 * 1e-3 / iters as f64);
+                }
+            }
+        });
+        let med = |v: &mut Vec<f64>| {
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let (e, i) = (med(&mut times[0]), med(&mut times[1]));
+        println!(
+            "[{rows}x{cols}] n={n}: exact {e:.1} us, int8 {i:.1} us, speed-up {:.2}x",
+            e / i
         );
     }
 }

@@ -16,7 +16,8 @@
 //! kernels (`avx2` submodule) keep the codes in registers and evaluate, per
 //! block or sub-block, `scale * sum(q * x)` (minus `min * sum(x)` for the
 //! K-quants with mins); they agree with the reference to rounding.
-//! Activations are f32 (no int8 quantization of the input).
+//! Activations are f32; [`crate::Activations::Int8`] instead quantizes them
+//! to 8 bits per block and takes integer dot products ([`q8`]).
 //!
 //! # Quantizers
 //! [`quantize_q4_0`] and [`quantize_q8_0`] match llama.cpp's
@@ -36,6 +37,9 @@ pub(crate) mod avx2;
 pub mod check;
 #[cfg(target_arch = "x86_64")]
 mod gemm;
+pub mod q8;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod q8_avx2;
 #[cfg(test)]
 mod tests;
 

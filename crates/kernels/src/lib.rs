@@ -128,8 +128,10 @@ fn avx512_supported() -> bool {
     false
 }
 
-/// How the input vector enters products with 4-bit affine weights (other
-/// weight types always take f32 inputs).
+/// How the input vector enters products: [`Activations::Int16`] concerns
+/// 4-bit affine weights, [`Activations::Int8`] GGML block weights; every
+/// other (mode, weight type) pair takes f32 inputs, as
+/// [`Activations::Exact`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Activations {
     /// f32 inputs: the product is exact up to f32 rounding. The default:
@@ -145,6 +147,13 @@ pub enum Activations {
     /// parity fixture that compounds to 2e-3 relative logit error, so it is
     /// opt-in.
     Int16,
+    /// GGML block weights (`Q4_0`, `Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) take the
+    /// input quantized to 8 bits per block as llama.cpp's CPU backend does
+    /// (`q8_0` blocks of 32 for `Q4_0` / `Q8_0`, `q8_K` blocks of 256 for the
+    /// K-quants) and integer dot products ([`ggml::q8`]). Each input moves by
+    /// at most half a step (`max|x_block| / 254`). Other weight types take
+    /// f32 inputs.
+    Int8,
 }
 
 /// Work (multiply-adds) below which a product runs on the calling thread.
@@ -263,6 +272,8 @@ pub(crate) struct Token<'a> {
     pub xp: AlignedF32,
     /// 4-bit affine weights with [`Activations::Int16`]: the quantized input.
     pub(crate) qx: Option<q4i16::QuantizedInput>,
+    /// GGML block weights with [`Activations::Int8`]: the quantized input.
+    pub(crate) q8: Option<ggml::q8::Q8Row>,
 }
 
 impl<'a> Token<'a> {
@@ -277,6 +288,16 @@ impl<'a> Token<'a> {
                 gsum: Vec::new(),
                 xp: AlignedF32::zeroed(0),
                 qx: Some(q4i16::quantize_input(x, group)),
+                q8: None,
+            };
+        }
+        if act == Activations::Int8 && ggml::q8::supports(w.qtype) {
+            return Token {
+                x,
+                gsum: Vec::new(),
+                xp: AlignedF32::zeroed(0),
+                qx: None,
+                q8: Some(ggml::q8::quantize_input(w.qtype, x)),
             };
         }
         let (gsum, xp) = match w.qtype {
@@ -296,6 +317,7 @@ impl<'a> Token<'a> {
             gsum,
             xp,
             qx: None,
+            q8: None,
         }
     }
 }
@@ -368,6 +390,16 @@ fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
 
 /// Computes rows `r0..r1` for all tokens into `out` (`[r1 - r0, toks.len()]`).
 fn kernel_rows(isa: Isa, w: &TensorView, r0: usize, r1: usize, toks: &[Token], out: &mut [f32]) {
+    if toks.first().is_some_and(|t| t.q8.is_some()) {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 | Isa::Avx512 => ggml::q8_avx2::rows(w, r0, r1, toks, out),
+            // No AVX-512 (VNNI) or NEON form: AVX-512 runs the AVX2 code,
+            // the rest the scalar reference.
+            _ => ggml::q8::scalar_rows(w, r0, r1, toks, out),
+        }
+        return;
+    }
     if toks.first().is_some_and(|t| t.qx.is_some()) {
         match isa {
             Isa::Scalar => q4i16::scalar_rows(w, r0, r1, toks, out),

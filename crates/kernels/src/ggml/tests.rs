@@ -292,3 +292,182 @@ mod fixture {
         assert_eq!(quantize_q8_0(&vals), read("q8_0.quant.bin"));
     }
 }
+
+// ---------------------------------------------------------------------------
+// 8-bit activations (`Activations::Int8`, `q8`)
+// ---------------------------------------------------------------------------
+
+/// A random input for the 8-bit cases: magnitudes varying per 32 elements
+/// (1e-3x to 1e3x), with `extreme` some all-zero blocks and single spikes.
+fn q8_input(rng: &mut SplitMix, len: usize, extreme: bool) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..len).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    for b in x.chunks_mut(32) {
+        let pick = rng.next_u64() % 8;
+        let m = if extreme && pick == 0 {
+            0.0
+        } else if extreme && pick == 1 {
+            1e-30
+        } else {
+            10f32.powf(rng.uniform(-3.0, 3.0))
+        };
+        for v in b.iter_mut() {
+            *v *= m;
+        }
+        if extreme && pick == 2 {
+            b[(rng.next_u64() % 32) as usize] = 3e4;
+        }
+    }
+    x
+}
+
+fn int8_kernel(isa: Isa) -> impl Fn(&TensorView, &[f32], usize, &mut [f32]) {
+    move |w, x, n, y| crate::matmul_act(isa, crate::Activations::Int8, w, x, n, y)
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(p, q)| p.to_bits() == q.to_bits() || (p.is_nan() && q.is_nan()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    /// Every ISA's 8-bit product is the scalar reference's bits, and `n`
+    /// tokens at once are each token's one-token bits (ragged rows across
+    /// the 4-token and 32-token blocks, several blocks, extreme scales).
+    #[test]
+    fn int8_isas_match_reference_and_one_token(
+        (q, rows, cols, n, seed, extreme) in gemm_case(),
+        n_extra in 0usize..40,
+    ) {
+        // Up to 56 tokens: past the AVX2 kernel's 32-token block.
+        let n = n + if n_extra > 30 { n_extra } else { 0 };
+        let data = random_blocks(q, rows, cols, seed, extreme);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let mut rng = SplitMix(seed ^ 0x5eed);
+        let x = q8_input(&mut rng, n * cols, extreme);
+        let mut reference = vec![0f32; n * rows];
+        int8_kernel(Isa::Scalar)(&w, &x, n, &mut reference);
+        // The reference is `q8::dot` of the quantized input, element by element.
+        for t in 0..n {
+            let qx = q8::quantize_input(q, &x[t * cols..(t + 1) * cols]);
+            for r in 0..rows {
+                let v = q8::dot(q, row_bytes(&w, r), &qx);
+                prop_assert!(same_bits(&[v], &[reference[t * rows + r]]));
+            }
+        }
+        for isa in Isa::available() {
+            let mut y = vec![0f32; n * rows];
+            int8_kernel(isa)(&w, &x, n, &mut y);
+            prop_assert!(same_bits(&y, &reference), "{:?} != scalar reference", isa);
+            for t in 0..n {
+                let mut y1 = vec![0f32; rows];
+                crate::matvec_act(isa, crate::Activations::Int8, &w, &x[t * cols..(t + 1) * cols], &mut y1);
+                prop_assert!(same_bits(&y1, &y[t * rows..(t + 1) * rows]), "{:?} token {}", isa, t);
+            }
+        }
+    }
+
+    /// The 8-bit product is within its rounding bound of the exact one:
+    /// each input moves by at most ~0.5 code step (plus the f16 rounding of
+    /// the `q8_0` step: 0.6 steps in all), so an output moves by at most
+    /// `sum_j |w_j| * 0.6 * amax_block(j) / 127`, plus f32 rounding.
+    #[test]
+    fn int8_within_bound_of_exact((q, rows, cols, _n, seed, _e) in gemm_case()) {
+        let data = random_blocks(q, rows, cols, seed, false);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let mut rng = SplitMix(seed ^ 0xb0b);
+        let x = q8_input(&mut rng, cols, false);
+        let mut y = vec![0f32; rows];
+        crate::matvec_act(Isa::detect(), crate::Activations::Int8, &w, &x, &mut y);
+        let (be, _) = q.ggml_block().unwrap();
+        let amax: Vec<f64> = x
+            .chunks_exact(be.min(QK_K))
+            .map(|b| b.iter().fold(0f64, |a, &v| a.max(v.abs() as f64)))
+            .collect();
+        let mut wr = vec![0f32; cols];
+        for (r, &yr) in y.iter().enumerate() {
+            dequantize_row(&w, r, &mut wr);
+            let (mut exact, mut bound, mut mag) = (0f64, 0f64, 0f64);
+            for j in 0..cols {
+                let (wj, xj) = (wr[j] as f64, x[j] as f64);
+                exact += wj * xj;
+                mag += (wj * xj).abs();
+                bound += wj.abs() * 0.6 * amax[j / be] / 127.0;
+            }
+            let err = (yr as f64 - exact).abs();
+            prop_assert!(
+                err <= bound + 1e-5 * (mag + bound) + 1e-30,
+                "{} row {}: |{} - {}| = {} > bound {}", q.name(), r, yr, exact, err, bound
+            );
+        }
+    }
+
+    /// The `q8_0` input codes and steps are the `Q8_0` quantizer's (llama.cpp's
+    /// `quantize_row_q8_0_ref`, checked against gguf-py above).
+    #[test]
+    fn q8_0_input_is_quantize_row_q8_0_ref(seed in any::<u64>(), nb in 1usize..6) {
+        let mut rng = SplitMix(seed);
+        let x = q8_input(&mut rng, nb * QK, true);
+        let qx = q8::quantize_q8_0(&x);
+        let bytes = quantize_q8_0(&x);
+        for (b, blk) in bytes.chunks_exact(34).enumerate() {
+            prop_assert_eq!(qx.d[b].to_bits(), f16_at(blk, 0).to_bits());
+            for j in 0..QK {
+                prop_assert_eq!(qx.qs[b * QK + j], blk[2 + j] as i8);
+            }
+        }
+    }
+}
+
+/// `q8_K` rounding: `iscale = -127 / max` (the first element of largest
+/// magnitude), codes rounded half to even (`nearest_int`), `d = 1 / iscale`,
+/// sums per 16; an all-zero block is all zeros with `d = 0`.
+#[test]
+fn q8_k_input_known_block() {
+    let mut x = vec![0f32; 2 * QK_K];
+    // max = -127 (first of the largest magnitude) so iscale = 1.
+    x[0] = -127.0;
+    x[1] = 127.0;
+    x[2] = 2.5;
+    x[3] = 3.5;
+    x[4] = -0.5;
+    x[5] = -1.5;
+    x[16] = 100.0;
+    let q = q8::quantize_q8_k(&x);
+    assert_eq!(q.d, vec![1.0, 0.0]);
+    assert_eq!(&q.qs[..6], &[-127, 127, 2, 4, 0, -2]);
+    assert_eq!(q.qs[16], 100);
+    assert_eq!(q.bsums[0], 4); // -127 + 127 + 2 + 4 + 0 - 2
+    assert_eq!(q.bsums[1], 100);
+    // A positive max: iscale = -1, d = -1, codes of the opposite sign.
+    let mut y = vec![0f32; QK_K];
+    y[7] = 127.0;
+    y[8] = -2.5;
+    let q = q8::quantize_q8_k(&y);
+    assert_eq!(q.d, vec![-1.0]);
+    assert_eq!((q.qs[7], q.qs[8]), (-127, 2));
+    assert!(q.qs[QK_K..].iter().all(|&v| v == 0));
+    assert!(q.bsums[16..].iter().all(|&v| v == 0));
+}
+
+/// Every GGML type has an 8-bit kernel, and the other types ignore the mode
+/// (their f32 products, bit for bit).
+#[test]
+fn int8_mode_scope() {
+    for q in GGML_TYPES {
+        assert!(q8::supports(q), "{}", q.name());
+    }
+    for q in [QuantType::F32, QuantType::Q4] {
+        let (rows, cols) = (5, 64);
+        let data = super::check::random_weights(q, rows, cols, 3, false);
+        let w = TensorView::new(q, rows, cols, &data).unwrap();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (mut a, mut b) = (vec![0f32; rows], vec![0f32; rows]);
+        crate::matvec_act(Isa::detect(), crate::Activations::Int8, &w, &x, &mut a);
+        crate::matvec_act(Isa::detect(), crate::Activations::Exact, &w, &x, &mut b);
+        assert!(same_bits(&a, &b));
+    }
+}
