@@ -34,15 +34,16 @@ pub enum BenchSubcommand {
 /// Arguments of `slipstream bench` (the matrix).
 #[derive(clap::Args, Debug, Clone)]
 pub struct BenchArgs {
-    /// The .slip model directory.
+    /// The .slip model directory, or a GGUF file run in place.
     #[arg(long, required = true)]
     pub model: Option<PathBuf>,
     /// The same weights as GGUF, for --peer.
     #[arg(long)]
     pub gguf: Option<PathBuf>,
     /// Expert slots per layer, comma separated: numbers, `all` (as many
-    /// slots as experts, streaming) or `resident` (every expert read at
-    /// start); `none` runs only the peer rows.
+    /// slots as experts, streaming), `resident` (every expert read at
+    /// start) or `auto` (no slot flag: the run's own memory plan, as a plain
+    /// `slipstream run`); `none` runs only the peer rows.
     #[arg(long, default_value = "16,64,all")]
     pub slots: String,
     /// Cache policies, comma separated: aging, lfu, lru.
@@ -122,8 +123,15 @@ pub struct BenchArgs {
     pub commit: Option<String>,
 }
 
-/// Parses the arguments into options; `runner` is the `slipstream` binary.
-pub fn options(args: &BenchArgs, runner: PathBuf, progress: bool) -> Result<BenchOptions> {
+/// Parses the arguments into options; `runner` is the `slipstream` binary,
+/// `gguf_index_dir` where checksum tables of GGUF files run in place go when
+/// the file's own directory cannot take one.
+pub fn options(
+    args: &BenchArgs,
+    runner: PathBuf,
+    progress: bool,
+    gguf_index_dir: Option<PathBuf>,
+) -> Result<BenchOptions> {
     let memory_cap = args
         .memory_cap
         .as_deref()
@@ -178,21 +186,30 @@ pub fn options(args: &BenchArgs, runner: PathBuf, progress: bool) -> Result<Benc
         cgroup_parent: args.cgroup_parent.clone(),
         text: args.text.clone(),
         progress,
+        gguf_index_dir,
     })
 }
 
 /// `slipstream bench [agent]`: runs the matrix or the agent replay with
-/// `runner` as the slipstream binary.
-pub fn bench_command(args: BenchCommand, runner: PathBuf) -> Result<()> {
+/// `runner` as the slipstream binary (`gguf_index_dir`: see [`options`]).
+pub fn bench_command(
+    args: BenchCommand,
+    runner: PathBuf,
+    gguf_index_dir: Option<PathBuf>,
+) -> Result<()> {
     match args.command {
         Some(BenchSubcommand::Agent(a)) => agent_command(&a, runner),
-        None => matrix_command(&args.matrix, runner),
+        None => matrix_command(&args.matrix, runner, gguf_index_dir),
     }
 }
 
 /// Runs the matrix, prints the tables and where the files went.
-fn matrix_command(args: &BenchArgs, runner: PathBuf) -> Result<()> {
-    let opts = options(args, runner, true)?;
+fn matrix_command(
+    args: &BenchArgs,
+    runner: PathBuf,
+    gguf_index_dir: Option<PathBuf>,
+) -> Result<()> {
+    let opts = options(args, runner, true, gguf_index_dir)?;
     let report = crate::run_bench(&opts)?;
     print!("{}", crate::report::markdown(&report));
     eprintln!(

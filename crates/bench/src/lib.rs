@@ -40,7 +40,7 @@ use report::{Meta, Record, Report, Status};
 /// Everything a benchmark run needs.
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
-    /// The `.slip` model directory.
+    /// The `.slip` model directory, or a GGUF file run in place.
     pub model: PathBuf,
     /// The same weights as GGUF, for peers.
     pub gguf: Option<PathBuf>,
@@ -70,6 +70,9 @@ pub struct BenchOptions {
     pub text: Option<PathBuf>,
     /// Show the progress bar.
     pub progress: bool,
+    /// Where checksum tables of a GGUF `model` run in place go when the
+    /// file's own directory cannot take one (as `slipstream run` keeps them).
+    pub gguf_index_dir: Option<PathBuf>,
 }
 
 /// Runs the whole matrix and writes its files; returns the report.
@@ -80,7 +83,7 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
     if opts.threads == 0 {
         bail!("--threads must be at least 1");
     }
-    let info = prompt::ModelInfo::read(&opts.model)?;
+    let info = prompt::ModelInfo::read(&opts.model, opts.gguf_index_dir.as_deref())?;
     let slip_files = cache::model_files(&opts.model)?;
     let peer_bin = match &opts.peer {
         Some(p) => {
@@ -355,6 +358,7 @@ fn run_one(
                 Slots::Resident => {
                     c.arg("--resident");
                 }
+                Slots::Auto => {}
             }
             if !matches!(slots, Slots::Resident) {
                 c.args(["--expert-cache-policy", policy]);

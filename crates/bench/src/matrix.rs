@@ -15,6 +15,9 @@ pub enum Slots {
     All,
     /// `--resident`: every expert read into memory before the first token.
     Resident,
+    /// No slot flag: the run's memory plan picks slots and direct I/O from
+    /// the memory it finds (cgroup cap included), as a user's plain run does.
+    Auto,
 }
 
 /// File cache state put in place before each run.
@@ -148,6 +151,7 @@ impl Setting {
                     Slots::Count(n) => format!("{n} slots"),
                     Slots::All => "all slots".to_string(),
                     Slots::Resident => "resident".to_string(),
+                    Slots::Auto => "auto slots".to_string(),
                 };
                 let dio = match direct_io.as_str() {
                     "on" => ", direct I/O",
@@ -207,7 +211,7 @@ pub fn parse_list<T>(flag: &str, s: &str, item: impl Fn(&str) -> Result<T>) -> R
     Ok(out)
 }
 
-/// `--slots 16,64,all,resident`, or `none` (no slipstream rows: peers only).
+/// `--slots 16,64,all,resident,auto`, or `none` (no slipstream rows: peers only).
 pub fn parse_slots(s: &str) -> Result<Vec<Slots>> {
     if s.trim() == "none" {
         return Ok(Vec::new());
@@ -215,6 +219,7 @@ pub fn parse_slots(s: &str) -> Result<Vec<Slots>> {
     parse_list("--slots", s, |p| match p {
         "all" => Ok(Slots::All),
         "resident" => Ok(Slots::Resident),
+        "auto" => Ok(Slots::Auto),
         n => match n.parse::<usize>() {
             Ok(0) => bail!("slot count 0: a layer needs at least one slot"),
             Ok(v) => Ok(Slots::Count(v)),
@@ -363,12 +368,13 @@ mod tests {
     fn slots_parse_and_reject() {
         assert!(parse_slots("none").unwrap().is_empty());
         assert_eq!(
-            parse_slots("16, 64,all,resident").unwrap(),
+            parse_slots("16, 64,all,resident,auto").unwrap(),
             vec![
                 Slots::Count(16),
                 Slots::Count(64),
                 Slots::All,
-                Slots::Resident
+                Slots::Resident,
+                Slots::Auto
             ]
         );
         for bad in ["", "16,,64", "sixteen", "0", "-3", "16;64"] {

@@ -28,17 +28,56 @@ pub struct ModelInfo {
 }
 
 impl ModelInfo {
-    /// Reads `DIR/manifest.json` (and the tokenizer it names).
-    pub fn read(dir: &Path) -> Result<Self> {
-        let path = dir.join("manifest.json");
+    /// Reads `DIR/manifest.json` (and the tokenizer it names), or for a
+    /// GGUF file run in place the manifest its importer derives
+    /// (`gguf_index_dir`: where that importer keeps checksum tables of files
+    /// whose own directory cannot take one, as `slipstream run` does).
+    pub fn read(model: &Path, gguf_index_dir: Option<&Path>) -> Result<Self> {
+        if slipstream_repack::is_gguf_file(model) {
+            return Self::read_gguf(model, gguf_index_dir);
+        }
+        let path = model.join("manifest.json");
         let bytes = std::fs::read(&path).with_context(|| {
             format!(
-                "reading {}: --model must be a .slip model directory",
+                "reading {}: --model must be a .slip model directory or a GGUF file",
                 path.display()
             )
         })?;
         let m: serde_json::Value = serde_json::from_slice(&bytes)
             .with_context(|| format!("parsing {}", path.display()))?;
+        let tokenizer = match m["tokenizer"].as_str() {
+            Some(name) => {
+                let p = model.join(name);
+                Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?)
+            }
+            None => None,
+        };
+        Self::from_manifest(&m, tokenizer, &path)
+    }
+
+    /// A GGUF file's manifest as the in-place importer sees it. Opening
+    /// reads the dense tensors; every run puts the file cache in its stated
+    /// state afterwards.
+    fn read_gguf(path: &Path, gguf_index_dir: Option<&Path>) -> Result<Self> {
+        let opts = slipstream_repack::InPlaceOptions {
+            index_dir: gguf_index_dir.map(Path::to_path_buf),
+        };
+        let model = slipstream_repack::open_gguf_in_place(path, &opts)
+            .with_context(|| format!("opening {} in place", path.display()))?;
+        let m = serde_json::to_value(&model.manifest).context("reading the manifest")?;
+        let tokenizer = match m["tokenizer"].as_str() {
+            Some(name) => Some(model.read_file(name)?),
+            None => None,
+        };
+        Self::from_manifest(&m, tokenizer, path)
+    }
+
+    /// The fields of a manifest (`path` names it in errors).
+    fn from_manifest(
+        m: &serde_json::Value,
+        tokenizer: Option<Vec<u8>>,
+        path: &Path,
+    ) -> Result<Self> {
         let num = |v: &serde_json::Value, what: &str| -> Result<usize> {
             v.as_u64()
                 .map(|n| n as usize)
@@ -59,13 +98,6 @@ impl ModelInfo {
                     .collect()
             })
             .unwrap_or_default();
-        let tokenizer = match m["tokenizer"].as_str() {
-            Some(name) => {
-                let p = dir.join(name);
-                Some(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?)
-            }
-            None => None,
-        };
         Ok(Self {
             vocab_size,
             num_experts,

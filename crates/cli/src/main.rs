@@ -213,7 +213,9 @@ fn main() {
         Some(Command::Hwbench(args)) => slipstream_cli::hwbench_cmd::hwbench_command(args),
         Some(Command::Bench(args)) => std::env::current_exe()
             .context("locating the slipstream binary")
-            .and_then(|exe| slipstream_bench::cli::bench_command(*args, exe)),
+            .and_then(|exe| {
+                slipstream_bench::cli::bench_command(*args, exe, slipstream_cli::gguf_index_dir())
+            }),
         Some(Command::Replay(args)) => {
             slipstream_cli::replay_cmd::replay_command(&args.trace, &args.slots, &args.policies)
         }

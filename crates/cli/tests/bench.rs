@@ -88,6 +88,69 @@ fn tiny_matrix_writes_results_with_drift_check() {
     check_charts(&out);
 }
 
+/// A GGUF file as `--model`: read in place (its manifest from the importer,
+/// the file itself evicted), and `--slots auto` leaves the slot choice to
+/// the child's memory plan, which it prints.
+#[test]
+fn gguf_in_place_with_auto_slots() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::copy(
+        slipstream_testkit::fixture("gguf_qwen3moe_q4_0").join("model.gguf"),
+        &gguf,
+    )
+    .unwrap();
+    let out = tmp.path().join("out");
+    let (stdout, _) = ok(bin!()
+        .args(["bench", "--model"])
+        .arg(&gguf)
+        .args(["--slots", "auto,all", "--prompt-lens", "8", "--gen", "6"])
+        .args(["--skip-steps", "1", "--threads", "1", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap());
+    assert!(
+        stdout.contains("| slipstream, auto slots, aging |"),
+        "{stdout}"
+    );
+    let recs = results(&out)["records"].as_array().unwrap().clone();
+    assert_eq!(recs.len(), 3, "two runs and the drift repeat");
+    for r in &recs {
+        assert_eq!(r["status"], "ok", "{r}");
+        assert_eq!(r["tokens_done"], 6, "{r}");
+    }
+    let auto = recs[0]["command"].as_str().unwrap();
+    assert!(!auto.contains("--expert-cache-slots"), "{auto}");
+    assert!(recs[1]["command"]
+        .as_str()
+        .unwrap()
+        .contains("--expert-cache-slots"));
+    let runs = out.join("runs");
+    let first = std::fs::read_dir(&runs)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("00-"))
+        .unwrap();
+    let stderr = std::fs::read_to_string(first.join("stderr.txt")).unwrap();
+    assert!(stderr.contains("[memory]"), "{stderr}");
+    // The same greedy tokens whatever the slot count.
+    let ids = |i: usize| {
+        let dir = std::fs::read_dir(&runs)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with(&format!("{i:02}-"))
+            })
+            .unwrap();
+        std::fs::read_to_string(dir.join("stdout.txt")).unwrap()
+    };
+    assert!(ids(0).split_whitespace().count() >= 6, "{}", ids(0));
+    assert_eq!(ids(0), ids(1));
+}
+
 #[test]
 fn timeout_gives_did_not_finish_rows() {
     let tmp = tempfile::tempdir().unwrap();
