@@ -7,6 +7,7 @@
 #      plan) against llama.cpp mmap; 1,024-token prompt, $GEN tokens, cold;
 #   3. the same under a $CAP cgroup cap (page cache counted), llama.cpp
 #      also with --mmap 0 (which must hold every weight and cannot run);
+#      CAP=none skips it;
 #   4. disk bytes per decoded token of llama.cpp: two decode-only llama-bench
 #      runs from a cold cache, $SHORT and $LONG tokens, the difference of
 #      their reads over the difference of their tokens (slipstream's own
@@ -55,9 +56,11 @@ common=(--model "$G" --gguf "$G" --peer "llama.cpp=$L" --slots "$slots" --prompt
         --gen "$GEN" --evict drop-caches --timeout-s 1500)
 echo "== uncapped" | tee -a "$OUTD/summary.txt"
 $S bench "${common[@]}" --peer-modes mmap --out "$OUTD/uncapped" | tee -a "$OUTD/summary.txt"
+if [ "$CAP" != none ]; then
 echo "== capped at $CAP" | tee -a "$OUTD/summary.txt"
 $S bench "${common[@]}" --peer-modes mmap,no-mmap --memory-cap "$CAP" --cap-runs capped \
     --out "$OUTD/capped" | tee -a "$OUTD/summary.txt"
+fi
 
 echo "== llama.cpp disk reads per decoded token (mmap, uncapped)" | tee -a "$OUTD/summary.txt"
 reads() { # tokens -> bytes the process read from disk
