@@ -123,6 +123,34 @@ fn in_place_runs_are_bit_identical_to_the_repacked_gguf() {
     }
 }
 
+/// The memory guard measures the dense weights still to come from the map:
+/// in place, tensors the importer converted at open are on the heap
+/// (already in the footprint), so the mapped share is the dense bytes less
+/// those; a repacked model maps every dense byte. Both fixtures have
+/// tensors converted at open (qwen3next's `A_log` and norms, qwen3moe's
+/// few small ones).
+#[test]
+fn the_mapped_dense_share_leaves_out_converted_tensors() {
+    for name in ["gguf_qwen3next_q8_0", "gguf_qwen3moe_q4_0"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let gguf = copy_gguf(name, tmp.path());
+        let opts = InPlaceOptions { index_dir: None };
+        let (m, _) = open_gguf_in_place_with(&gguf, &opts).unwrap();
+        let (_, mapped) = m.dense_mapping();
+        let dense = m.manifest.dense_file_bytes as usize;
+        assert!(mapped > 0, "{name}");
+        assert!(mapped < dense, "{name}: {mapped} of {dense}");
+        let slip = tmp.path().join("m.slip");
+        repack_gguf(&gguf, &slip);
+        let r = SlipModel::open(&slip).unwrap();
+        assert_eq!(
+            r.dense_mapping().1,
+            r.manifest.dense_file_bytes as usize,
+            "{name}"
+        );
+    }
+}
+
 /// Sets a file's modification time to `t`.
 fn set_mtime(path: &Path, t: std::time::SystemTime) {
     std::fs::File::options()

@@ -429,12 +429,17 @@ impl SlipModel {
     }
 
     /// Where the dense weights are mapped: `(address, bytes of dense
-    /// weights)` (for measuring how much of them is resident). In place
-    /// the mapping is the whole file, of which only the dense tensors are
-    /// ever touched through the map (experts are read, not mapped).
+    /// weights read through the map)` (for measuring how much of them is
+    /// resident). In place the mapping is the whole file, of which only the
+    /// dense tensors are ever touched through the map (experts are read, not
+    /// mapped), and tensors converted at open live on the heap instead: they
+    /// are already in the process's memory, so they are not counted here.
     pub fn dense_mapping(&self) -> (usize, usize) {
         let bytes = match &self.in_place {
-            Some(_) => self.manifest.dense_file_bytes as usize,
+            Some(ip) => {
+                let converted: u64 = ip.converted.values().map(|v| v.len() as u64).sum();
+                self.manifest.dense_file_bytes.saturating_sub(converted) as usize
+            }
             None => self.dense.len(),
         };
         (self.dense.as_ptr() as usize, bytes)
