@@ -235,7 +235,8 @@ pub struct AgentArgs {
     /// http://127.0.0.1:8091.
     #[arg(long, conflicts_with = "model")]
     pub server: Option<String>,
-    /// A .slip model: the bench starts `slipstream serve` on it.
+    /// A .slip model, or a GGUF file (served in place, so both servers can
+    /// read the same file): the bench starts `slipstream serve` on it.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// One more `slipstream serve` argument (repeatable), e.g.
@@ -327,8 +328,11 @@ pub fn agent_options(args: &AgentArgs, runner: PathBuf, progress: bool) -> Resul
     match (&args.server, &args.model) {
         (Some(url), None) => targets.push(("slipstream".to_string(), Target::Url(check_url(url)?))),
         (None, Some(model)) => {
-            if !model.join("manifest.json").is_file() {
-                bail!("--model {} is not a .slip model directory", model.display());
+            if !model.join("manifest.json").is_file() && !slipstream_repack::is_gguf_file(model) {
+                bail!(
+                    "--model {} is neither a .slip model directory nor a GGUF file",
+                    model.display()
+                );
             }
             targets.push((
                 "slipstream".to_string(),

@@ -257,3 +257,35 @@ fn replays_over_the_anthropic_api() {
     assert_eq!(report.speedup, None, "one server: nothing to compare");
     s.shutdown();
 }
+
+/// `--model` takes a .slip directory or a GGUF file (served in place, the
+/// same bytes the peer reads); anything else is refused before a server starts.
+#[test]
+fn model_may_be_a_slip_directory_or_a_gguf_file() {
+    use clap::Parser;
+    use slipstream_bench::cli::{agent_options, AgentArgs};
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        agent: AgentArgs,
+    }
+    let options = |model: &Path| {
+        let cli = Cli::try_parse_from(["bench", "--model", model.to_str().unwrap()]).unwrap();
+        agent_options(&cli.agent, PathBuf::from("slipstream"), false)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let gguf = tmp.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\0\0\0").unwrap();
+    let opts = options(&gguf).unwrap();
+    assert!(
+        matches!(&opts.targets[0].1, Target::Slipstream { model, .. } if model == &gguf),
+        "{:?}",
+        opts.targets
+    );
+    let slip = demo_model(tmp.path());
+    options(&slip).unwrap();
+    let other = tmp.path().join("notes.txt");
+    std::fs::write(&other, b"not a model").unwrap();
+    let e = format!("{:#}", options(&other).unwrap_err());
+    assert!(e.contains("neither a .slip model directory nor a GGUF file"), "{e}");
+}
