@@ -287,5 +287,8 @@ fn model_may_be_a_slip_directory_or_a_gguf_file() {
     let other = tmp.path().join("notes.txt");
     std::fs::write(&other, b"not a model").unwrap();
     let e = format!("{:#}", options(&other).unwrap_err());
-    assert!(e.contains("neither a .slip model directory nor a GGUF file"), "{e}");
+    assert!(
+        e.contains("neither a .slip model directory nor a GGUF file"),
+        "{e}"
+    );
 }
