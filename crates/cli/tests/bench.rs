@@ -28,19 +28,27 @@ fn check_charts(dir: &Path) {
     }
 }
 
+/// `slipstream bench` on `model`: 8-token prompts, `gen` tokens, one
+/// thread, results in `out`; its stdout (the tables).
+fn small_matrix(model: &Path, slots: &str, gen: usize, skip_steps: usize, out: &Path) -> String {
+    let (gen, skip_steps) = (gen.to_string(), skip_steps.to_string());
+    ok(bin!()
+        .args(["bench", "--model"])
+        .arg(model)
+        .args(["--slots", slots, "--prompt-lens", "8", "--gen", &gen])
+        .args(["--skip-steps", &skip_steps, "--threads", "1", "--out"])
+        .arg(out)
+        .output()
+        .unwrap())
+    .0
+}
+
 #[test]
 fn tiny_matrix_writes_results_with_drift_check() {
     let tmp = tempfile::tempdir().unwrap();
     let m = model(tmp.path());
     let out = tmp.path().join("out");
-    let (stdout, _) = ok(bin!()
-        .args(["bench", "--model"])
-        .arg(&m)
-        .args(["--slots", "1,all", "--prompt-lens", "8", "--gen", "12"])
-        .args(["--skip-steps", "2", "--threads", "1", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap());
+    let stdout = small_matrix(&m, "1,all", 12, 2, &out);
     assert!(
         stdout.contains("| slipstream, 1 slots, aging |"),
         "{stdout}"
@@ -101,14 +109,7 @@ fn gguf_in_place_with_auto_slots() {
     )
     .unwrap();
     let out = tmp.path().join("out");
-    let (stdout, _) = ok(bin!()
-        .args(["bench", "--model"])
-        .arg(&gguf)
-        .args(["--slots", "auto,all", "--prompt-lens", "8", "--gen", "6"])
-        .args(["--skip-steps", "1", "--threads", "1", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap());
+    let stdout = small_matrix(&gguf, "auto,all", 6, 1, &out);
     assert!(
         stdout.contains("| slipstream, auto slots, aging |"),
         "{stdout}"
