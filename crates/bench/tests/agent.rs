@@ -38,14 +38,13 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
         },
         BackendSpec::Model {
             opened: None,
-            backend: slipstream_engine::BackendChoice::Cpu,
             path: model.to_path_buf(),
             engine: EngineConfig {
                 prefill_chunk: 16,
                 store: StoreChoice::Resident,
                 route_trace: None,
                 gguf_index_dir: None,
-                memory_limit: None,
+                ..EngineConfig::default()
             },
             prompt_cache: None,
             state_cache: states,

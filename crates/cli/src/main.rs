@@ -393,8 +393,8 @@ fn run(args: RunArgs) -> Result<()> {
             .set_activations(slipstream_kernels::Activations::Int8),
         _ => {}
     }
-    if !matches!(plan.backend, slipstream_engine::BackendChoice::Cpu) {
-        eprintln!("[backend] {}", engine.set_backend(&plan.backend)?);
+    if let Some(note) = engine.backend_note() {
+        eprintln!("[backend] {note}");
     }
     engine.set_speculation(args.speculation.settings())?;
     if let Some(note) = engine.speculation_note() {
@@ -692,7 +692,7 @@ fn run(args: RunArgs) -> Result<()> {
     }
     if let Some(path) = &args.stats_json {
         // The CUDA kernels' switches, when the run used the GPU.
-        let cuda_tuning = match &plan.backend {
+        let cuda_tuning = match &engine.config().backend {
             slipstream_engine::BackendChoice::Cuda(o)
             | slipstream_engine::BackendChoice::Auto(o)
                 if engine.cuda_stats().is_some() =>

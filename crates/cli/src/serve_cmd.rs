@@ -214,7 +214,6 @@ pub fn settings_for_model(
             path: model,
             opened: Some(slipstream_server::OpenedModel(std::sync::Arc::new(file))),
             engine,
-            backend: plan.backend,
             prompt_cache: args
                 .prompt_cache
                 .clone()

@@ -87,12 +87,11 @@ pub struct StoreArgs {
     pub assume_memory: Option<u64>,
 }
 
-/// What [`StoreArgs::plan`] settles: the engine to open and the backend to
-/// put it on once open.
+/// What [`StoreArgs::plan`] settles: the engine to open, its backend
+/// included.
 #[derive(Debug, Clone)]
 pub struct StorePlan {
     pub engine: EngineConfig,
-    pub backend: BackendChoice,
     /// This machine's memory as detected (also under `--assume-memory`,
     /// which only sizes the store).
     pub machine: MachineMemory,
@@ -141,7 +140,7 @@ fn open_gguf(model: &Path) -> Result<SlipModel> {
 }
 
 impl StoreArgs {
-    /// The engine configuration and backend for the opened model `file`,
+    /// The engine configuration (its backend included) for the opened model `file`,
     /// with sequences of at most `context` tokens (positions). Flags win;
     /// what they leave open (slots, direct I/O, the prefill chunk) follows
     /// this machine's memory (`slipstream_engine::plan_memory`). The plan's
@@ -189,8 +188,8 @@ impl StoreArgs {
                 route_trace: self.route_trace.clone(),
                 gguf_index_dir: crate::gguf_index_dir(),
                 memory_limit: self.memory_limit.or(machine.guard_limit()),
+                backend: self.backend_choice(file)?,
             },
-            backend: self.backend_choice(file)?,
             machine,
             summary: memory.summary,
         })

@@ -151,6 +151,9 @@ pub struct EngineConfig {
     /// The memory guard's limit in bytes (`None`: no guard); the
     /// `slipstream` command passes [`MachineMemory::guard_limit`].
     pub memory_limit: Option<u64>,
+    /// Where the model runs; settled when the engine opens
+    /// ([`Engine::backend_note`] says what was chosen).
+    pub backend: BackendChoice,
 }
 
 impl Default for EngineConfig {
@@ -161,6 +164,7 @@ impl Default for EngineConfig {
             route_trace: None,
             gguf_index_dir: None,
             memory_limit: None,
+            backend: BackendChoice::Cpu,
         }
     }
 }
@@ -179,7 +183,7 @@ pub struct Engine {
     prefill_hook: Option<PrefillHook>,
     /// Phase timers, when turned on by [`Engine::set_phases`].
     phases: Option<PhaseTimes>,
-    /// The CUDA backend, when [`Engine::set_backend`] chose it.
+    /// The CUDA backend, when the configuration's [`BackendChoice`] chose it.
     cuda: Option<slipstream_cuda::CudaModel>,
     /// The tokens of the sequence whose state the CUDA backend's device
     /// holds (`None`: unknown, after a failed pass). A host state with other
@@ -197,6 +201,8 @@ pub struct Engine {
     /// The MTP head's drafting state while a generation drafts with it; the
     /// CPU passes hand it their hidden rows.
     mtp_drafter: Option<speculative::MtpDrafter>,
+    /// [`Engine::backend_note`].
+    backend_note: Option<String>,
 }
 
 /// Checkpoints of the conversation being generated.
@@ -290,7 +296,8 @@ impl Engine {
             None => None,
         };
         let memory_limit = config.memory_limit;
-        Ok(Engine {
+        let backend = config.backend.clone();
+        let mut engine = Engine {
             file,
             model,
             store,
@@ -308,25 +315,34 @@ impl Engine {
             speculation: Speculation::default(),
             drafter: None,
             mtp_drafter: None,
-        })
+            backend_note: None,
+        };
+        engine.backend_note = engine.start_backend(&backend)?;
+        Ok(engine)
     }
 
-    /// Chooses where the model runs; returns a line describing the choice.
-    /// The CUDA backend keeps its state on the device; the engine copies
-    /// it to the host where a snapshot, the prompt cache or the state cache
-    /// takes it, and back when a restored state runs.
-    pub fn set_backend(&mut self, choice: &BackendChoice) -> Result<String, EngineError> {
+    /// The configuration the engine was opened with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// What the configuration's backend choice settled, as one line (`None`
+    /// for the CPU when it was asked for, which needs no set-up).
+    pub fn backend_note(&self) -> Option<&str> {
+        self.backend_note.as_deref()
+    }
+
+    /// Starts the backend `choice` names; returns a line describing the
+    /// choice (`None` for a CPU that was asked for). The CUDA backend keeps
+    /// its state on the device; the engine copies it to the host where a
+    /// snapshot, the prompt cache or the state cache takes it, and back when
+    /// a restored state runs.
+    fn start_backend(&mut self, choice: &BackendChoice) -> Result<Option<String>, EngineError> {
         let opts = match choice {
-            BackendChoice::Cpu => {
-                self.cuda = None;
-                return Ok("backend: cpu".into());
-            }
+            BackendChoice::Cpu => return Ok(None),
             BackendChoice::Auto(o) => match slipstream_cuda::probe() {
                 Ok(_) => o,
-                Err(e) => {
-                    self.cuda = None;
-                    return Ok(format!("backend: cpu ({e})"));
-                }
+                Err(e) => return Ok(Some(format!("backend: cpu ({e})"))),
             },
             BackendChoice::Cuda(o) => o,
         };
@@ -334,8 +350,7 @@ impl Engine {
         if !self.file.manifest.experts.layer_parts.is_empty() {
             let why = "the CUDA backend needs one expert type per part for all layers, and this model's differ between layers (a K-quant mix)";
             if let BackendChoice::Auto(_) = choice {
-                self.cuda = None;
-                return Ok(format!("backend: cpu ({why})"));
+                return Ok(Some(format!("backend: cpu ({why})")));
             }
             return Err(EngineError::Request(format!(
                 "{why}: run it with --backend cpu"
@@ -376,7 +391,7 @@ impl Engine {
         }
         self.cuda = Some(m);
         self.device_tokens = None;
-        Ok(line)
+        Ok(Some(line))
     }
 
     /// Counters of the CUDA backend (`None` on the CPU).

@@ -15,7 +15,7 @@ use std::path::Path;
 use slipstream_cuda::{CudaOptions, CudaTuning, PromptPrecision};
 use slipstream_engine::{BackendChoice, Generation, StoreChoice};
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_testkit::{fixture, greedy, open, rel_err, repacked, same_bits, Reference};
+use slipstream_testkit::{fixture, greedy, open, open_on, rel_err, repacked, same_bits, Reference};
 
 /// Greedy tokens generated after each prompt (as the script's `--max-new 8`).
 const NEW_TOKENS: usize = 8;
@@ -86,7 +86,6 @@ fn no_gpu() -> Option<String> {
 }
 
 fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cuda::CudaStats) {
-    let mut engine = open(model, StoreChoice::Resident, 4096);
     let tuning = CudaTuning {
         prompt_precision: v.precision,
         ..CudaTuning::from_vars(|name| {
@@ -96,15 +95,14 @@ fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cud
                 .map(|(_, v)| v.to_string())
         })
     };
-    engine
-        .set_backend(&BackendChoice::Cuda(CudaOptions {
-            device: 0,
-            vram_slots: v.vram_slots,
-            ram_slots: v.ram_slots,
-            policy: Default::default(),
-            tuning,
-        }))
-        .unwrap_or_else(|e| panic!("{}: CUDA backend: {e}", model.display()));
+    let cuda = BackendChoice::Cuda(CudaOptions {
+        device: 0,
+        vram_slots: v.vram_slots,
+        ram_slots: v.ram_slots,
+        policy: Default::default(),
+        tuning,
+    });
+    let mut engine = open_on(model, StoreChoice::Resident, 4096, cuda);
     let g = greedy(&mut engine, prompt, NEW_TOKENS);
     (g, engine.cuda_stats().expect("the CUDA backend is on"))
 }

@@ -49,7 +49,7 @@ fn engine(model: &Path, store: StoreChoice) -> Engine {
             store,
             route_trace: None,
             gguf_index_dir: None,
-            memory_limit: None,
+            ..EngineConfig::default()
         },
     )
     .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))

@@ -181,8 +181,7 @@ fn replaying_the_route_trace_reproduces_the_runtime_counters() {
                         ..Default::default()
                     }),
                     route_trace: Some(trace.clone()),
-                    gguf_index_dir: None,
-                    memory_limit: None,
+                    ..EngineConfig::default()
                 },
             )
             .unwrap();

@@ -192,9 +192,7 @@ fn engine_with_state(model: &Path) -> Result<(Engine, slipstream_engine::ModelSt
         EngineConfig {
             prefill_chunk: 16,
             store: StoreChoice::Resident,
-            route_trace: None,
-            gguf_index_dir: None,
-            memory_limit: None,
+            ..EngineConfig::default()
         },
     )
     .map_err(|e| e.to_string())?;

@@ -17,6 +17,9 @@ fn main() {
     if std::env::args().nth(1).as_deref() == Some("attn") {
         return attention();
     }
+    if std::env::args().nth(1).as_deref() == Some("attn-prompt") {
+        return prompt_attention();
+    }
     if std::env::args().nth(1).as_deref() == Some("convert") {
         return convert();
     }
@@ -165,6 +168,75 @@ fn attention() {
             "attend_group keys={keys}: {:.1} us, {:.2} GB/s of K and V",
             best * 1e6,
             bytes / best / 1e9
+        );
+    }
+}
+
+/// Prompt attention of one KV head's 8 query heads (hd 256) for a block of
+/// 8 consecutive tokens deep in a context, one thread: the whole kernel, and
+/// its softmax alone over the same number of scores. Figures are the
+/// kernel's multiply-adds (QK and PV) per wall second, best of 3.
+fn prompt_attention() {
+    let (group, hd, nkv, tokens) = (8usize, 256usize, 2usize, 8usize);
+    let stride = nkv * hd;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let q: Vec<f32> = (0..tokens * group * hd)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    for first_keys in [1024usize, 8192, 32768] {
+        let keys = first_keys + tokens - 1;
+        let mut cache = || -> Vec<f32> {
+            (0..keys * stride)
+                .map(|_| rng.random_range(-1.0f32..1.0))
+                .collect()
+        };
+        let (k, v) = (cache(), cache());
+        let kv = attention::KvRows {
+            k: &k,
+            v: &v,
+            stride,
+            hd,
+        };
+        let mut scores = vec![0f32; tokens * group * keys];
+        let mut out = vec![0f32; tokens * group * hd];
+        let iters = (200_000 / keys).max(3);
+        let best_of = |f: &mut dyn FnMut()| {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let t0 = std::time::Instant::now();
+                for _ in 0..iters {
+                    f();
+                }
+                best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+            }
+            best
+        };
+        let whole = best_of(&mut || {
+            attention::attend_tokens(
+                Isa::detect(),
+                &q,
+                &kv,
+                tokens,
+                first_keys,
+                0.0625,
+                &mut scores,
+                &mut out,
+            );
+            std::hint::black_box(&out);
+        });
+        let soft = best_of(&mut || {
+            for row in scores.chunks_exact_mut(keys) {
+                attention::softmax(row);
+            }
+            std::hint::black_box(&scores);
+        });
+        let flops = (tokens * group * keys * hd * 4) as f64;
+        println!(
+            "attend_tokens tokens={tokens} keys={keys}: {:.0} us, {:.1} GFLOP/s; softmax alone {:.0} us ({:.0} %)",
+            whole * 1e6,
+            flops / whole / 1e9,
+            soft * 1e6,
+            100.0 * soft / whole
         );
     }
 }

@@ -128,9 +128,8 @@ pub enum BackendSpec {
         /// The model at `path` when the caller already opened it (for
         /// memory planning), so it is not opened and hashed again.
         opened: Option<OpenedModel>,
+        /// How the engine opens, where it runs included.
         engine: EngineConfig,
-        /// Where the model runs once open (`Engine::set_backend`).
-        backend: BackendChoice,
         prompt_cache: Option<(PathBuf, u64)>,
         /// The RAM tier of conversation states above the prompt cache.
         state_cache: StateCacheSpec,
@@ -280,23 +279,15 @@ fn open_backend(
     spec: BackendSpec,
     speculation: slipstream_engine::Speculation,
 ) -> anyhow::Result<(Backend, Arc<TextCodec>, Info)> {
-    let (path, opened, engine_config, backend, script, prompt_cache, state_cache) = match spec {
+    let (path, opened, engine_config, script, prompt_cache, state_cache) = match spec {
         BackendSpec::Model {
             path,
             opened,
             engine,
-            backend,
             prompt_cache,
             state_cache,
-        } => (
-            path,
-            opened,
-            engine,
-            backend,
-            None,
-            prompt_cache,
-            state_cache,
-        ),
+        } => (path, opened, engine, None, prompt_cache, state_cache),
+        // A script's replies need the tokenizer and template only.
         BackendSpec::Script {
             path,
             engine,
@@ -304,8 +295,10 @@ fn open_backend(
         } => (
             path,
             None,
-            engine,
-            BackendChoice::Cpu,
+            EngineConfig {
+                backend: BackendChoice::Cpu,
+                ..engine
+            },
             Some(script),
             None,
             StateCacheSpec::default(),
@@ -317,10 +310,7 @@ fn open_backend(
     }
     .with_context(|| format!("opening model {}", path.display()))?;
     // The CPU needs no set-up; another backend is named beside the store.
-    let backend_note = match backend {
-        BackendChoice::Cpu => None,
-        _ => Some(engine.set_backend(&backend)?),
-    };
+    let backend_note = engine.backend_note().map(str::to_string);
     engine.set_speculation(speculation)?;
     let speculation_note = engine.speculation_note();
     let codec = Arc::new(

@@ -412,7 +412,6 @@ fn non_loopback_bind_without_key_is_refused() {
         c,
         BackendSpec::Model {
             opened: None,
-            backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             state_cache: Default::default(),
             engine: engine(),
@@ -894,7 +893,6 @@ fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
             config(),
             BackendSpec::Model {
                 opened: None,
-                backend: slipstream_engine::BackendChoice::Cpu,
                 path: demo_model(),
                 state_cache: Default::default(),
                 engine: engine(),
@@ -947,7 +945,6 @@ fn a_max_context_above_the_model_is_refused_at_start() {
         c,
         BackendSpec::Model {
             opened: None,
-            backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             engine: engine(),
             prompt_cache: None,

@@ -585,7 +585,6 @@ fn generation_config_and_flags_are_the_defaults() {
         config(),
         BackendSpec::Model {
             opened: None,
-            backend: slipstream_engine::BackendChoice::Cpu,
             path,
             engine: engine(),
             prompt_cache: None,

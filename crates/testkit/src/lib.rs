@@ -7,7 +7,9 @@ pub mod cli;
 
 use std::path::{Path, PathBuf};
 
-use slipstream_engine::{npy, Engine, EngineConfig, GenerateRequest, Generation, StoreChoice};
+use slipstream_engine::{
+    npy, BackendChoice, Engine, EngineConfig, GenerateRequest, Generation, StoreChoice,
+};
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 use slipstream_store::StreamConfig;
 
@@ -61,16 +63,21 @@ pub fn streaming(slots: usize) -> StoreChoice {
     })
 }
 
-/// Opens `model` with `store`, prefilling `chunk` tokens at a time.
+/// Opens `model` on the CPU with `store`, prefilling `chunk` tokens at a
+/// time.
 pub fn open(model: &Path, store: StoreChoice, chunk: usize) -> Engine {
+    open_on(model, store, chunk, BackendChoice::Cpu)
+}
+
+/// [`open`] on `backend`.
+pub fn open_on(model: &Path, store: StoreChoice, chunk: usize, backend: BackendChoice) -> Engine {
     Engine::open(
         model,
         EngineConfig {
             prefill_chunk: chunk,
             store,
-            route_trace: None,
-            gguf_index_dir: None,
-            memory_limit: None,
+            backend,
+            ..EngineConfig::default()
         },
     )
     .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))

@@ -41,7 +41,7 @@ pub fn engine() -> EngineConfig {
         store: StoreChoice::Resident,
         route_trace: None,
         gguf_index_dir: None,
-        memory_limit: None,
+        ..EngineConfig::default()
     }
 }
 
@@ -64,7 +64,6 @@ pub fn server_with_states(config: ServerConfig, states: StateCacheSpec) -> Runni
         config,
         BackendSpec::Model {
             opened: None,
-            backend: slipstream_engine::BackendChoice::Cpu,
             path: demo_model(),
             engine: engine(),
             prompt_cache: None,
