@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use slipstream_core::QuantType;
-use slipstream_cuda::{AttnIo, CudaTuning, DBuf, ExpertsIo, GdnStep, Gpu, Position, WDesc};
+use slipstream_cuda::{AttnIo, CudaTuning, DBuf, DevPtr, ExpertsIo, GdnStep, Gpu, Position, WDesc};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -86,8 +86,10 @@ fn fill_affine(g: &Gpu, b: &DBuf, descs: &[WDesc], seed: u64) {
     for d in descs {
         let n = d.rows() * (d.cols() / d.group as usize);
         let v: Vec<u8> = (0..n).flat_map(|_| half).collect();
-        g.write(b, (d.scales - b.ptr) as usize, &v).unwrap();
-        g.write(b, (d.biases - b.ptr) as usize, &v).unwrap();
+        g.write(b, (d.scales.raw() - b.ptr.raw()) as usize, &v)
+            .unwrap();
+        g.write(b, (d.biases.raw() - b.ptr.raw()) as usize, &v)
+            .unwrap();
     }
 }
 
@@ -137,7 +139,7 @@ fn main() {
     for mb in [4.72f64, 9.44, 14.16] {
         let bytes = ((mb * 1e6) as usize).div_ceil(16) * 16;
         let slots = big / bytes;
-        let at = |i: usize| src.ptr + ((i % slots) * bytes) as u64;
+        let at = |i: usize| src.ptr.add_bytes((i % slots) * bytes);
         let ms = time_ms(&g, reps * 4, |i| g.bw_read(at(i), bytes, sink.ptr).unwrap());
         let (_, forty, graphed) = time_layers(&g, reps, slots, |i| {
             g.bw_read(at(i), bytes, sink.ptr).unwrap()
@@ -158,18 +160,18 @@ fn main() {
     // q4 g64), rotating over 48 layers' worth of distinct experts (> L2).
     let (h, inter, k, sets) = (2048usize, 512usize, 8usize, 48usize);
     let q = QuantType::Q4;
-    let gt = WDesc::new(q, inter, h, 0).unwrap();
-    let dt = WDesc::new(q, h, inter, 0).unwrap();
+    let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
+    let dt = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
     let part = q.nbytes(inter, h);
     let rec = 3 * part.div_ceil(256) * 256;
     let pool = g.alloc(sets * k * rec).unwrap();
     let mut descs = Vec::new();
     for i in 0..sets * k {
-        let base = pool.ptr + (i * rec) as u64;
+        let base = pool.ptr.add_bytes(i * rec);
         let p2 = part.div_ceil(256) * 256;
         descs.push(WDesc::new(q, inter, h, base).unwrap());
-        descs.push(WDesc::new(q, inter, h, base + p2 as u64).unwrap());
-        descs.push(WDesc::new(q, h, inter, base + 2 * p2 as u64).unwrap());
+        descs.push(WDesc::new(q, inter, h, base.add_bytes(p2)).unwrap());
+        descs.push(WDesc::new(q, h, inter, base.add_bytes(2 * p2)).unwrap());
     }
     fill_affine(&g, &pool, &descs, 11);
     let mut table = Vec::new();
@@ -180,14 +182,14 @@ fn main() {
             }
         }
     }
-    let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
+    let tb: Vec<u8> = table.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
     let tdev = g.upload(&tb).unwrap();
     let x = g.upload_f32(&vec![0.5f32; h]).unwrap();
     let xrow = g.alloc(4 * k).unwrap();
     let hbuf = g.alloc(4 * k * inter).unwrap();
     let wts = g.upload_f32(&vec![0.125f32; k]).unwrap();
     let res = g.alloc(4 * h).unwrap();
-    let tab = |s: usize, p: usize| tdev.ptr + ((s * 3 + p) * k * 8) as u64;
+    let tab = |s: usize, p: usize| tdev.ptr.add_bytes((s * 3 + p) * k * 8);
     // One token's routed experts (no shared expert).
     let io = ExpertsIo {
         xrow: xrow.ptr,
@@ -195,7 +197,7 @@ fn main() {
         h: hbuf.ptr,
         wts: wts.ptr,
         k,
-        shared: (0, 0),
+        shared: (DevPtr::NULL, DevPtr::NULL),
         x: res.ptr,
         tokens: 1,
     };
@@ -409,7 +411,7 @@ fn main() {
                 t2.push(descs[r * 3 + p].codes);
             }
         }
-        let tb2: Vec<u8> = t2.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let tb2: Vec<u8> = t2.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
         let td2 = g.upload(&tb2).unwrap();
         let xr2 = g.alloc(4 * kk).unwrap();
         let h2 = g.alloc(4 * kk * inter).unwrap();
@@ -417,7 +419,7 @@ fn main() {
         let ms = time_ms(&g, reps, |_| {
             g.moe_gate_up(
                 [&gt, &gt],
-                [td2.ptr, td2.ptr + 8 * kk as u64],
+                [td2.ptr, td2.ptr.add_bytes(8 * kk)],
                 xr2.ptr,
                 x.ptr,
                 h2.ptr,
@@ -426,14 +428,14 @@ fn main() {
             .unwrap();
             g.moe_down(
                 &dt,
-                td2.ptr + 16 * kk as u64,
+                td2.ptr.add_bytes(16 * kk),
                 &ExpertsIo {
-                    xrow: 0,
-                    xn: 0,
+                    xrow: DevPtr::NULL,
+                    xn: DevPtr::NULL,
                     h: h2.ptr,
                     wts: w2.ptr,
                     k: kk,
-                    shared: (0, 0),
+                    shared: (DevPtr::NULL, DevPtr::NULL),
                     x: res.ptr,
                     tokens: 1,
                 },
@@ -443,14 +445,18 @@ fn main() {
         let msf = time_ms(&g, reps, |_| {
             g.moe_experts(
                 [&gt, &gt, &dt],
-                [td2.ptr, td2.ptr + 8 * kk as u64, td2.ptr + 16 * kk as u64],
+                [
+                    td2.ptr,
+                    td2.ptr.add_bytes(8 * kk),
+                    td2.ptr.add_bytes(16 * kk),
+                ],
                 &ExpertsIo {
                     xrow: xr2.ptr,
                     xn: x.ptr,
                     h: h2.ptr,
                     wts: w2.ptr,
                     k: kk,
-                    shared: (0, 0),
+                    shared: (DevPtr::NULL, DevPtr::NULL),
                     x: res.ptr,
                     tokens: 1,
                 },
@@ -495,7 +501,7 @@ fn main() {
             let buf = g.alloc(copies * nb.div_ceil(256) * 256).unwrap();
             let ds: Vec<WDesc> = (0..copies)
                 .map(|i| {
-                    WDesc::new(q, r, c, buf.ptr + (i * nb.div_ceil(256) * 256) as u64).unwrap()
+                    WDesc::new(q, r, c, buf.ptr.add_bytes(i * nb.div_ceil(256) * 256)).unwrap()
                 })
                 .collect();
             if matches!(q, QuantType::Affine { .. }) {

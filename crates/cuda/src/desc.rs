@@ -4,7 +4,7 @@
 
 use slipstream_core::{QuantType, ScaleType};
 
-use crate::{CudaError, Result};
+use crate::{CudaError, DevPtr, Result};
 
 /// Weight kinds the kernels know (`QT_*` in common.cuh).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,9 +26,9 @@ pub enum QKind {
 #[derive(Debug, Clone, Copy, Default)]
 #[repr(C)]
 pub struct WDesc {
-    pub codes: u64,
-    pub scales: u64,
-    pub biases: u64,
+    pub codes: DevPtr,
+    pub scales: DevPtr,
+    pub biases: DevPtr,
     pub rows: i32,
     pub cols: i32,
     pub qt: i32,
@@ -43,7 +43,7 @@ unsafe impl cudarc::driver::DeviceRepr for WDesc {}
 impl WDesc {
     /// The descriptor of a `[rows, cols]` tensor of `qtype` stored at device
     /// address `base` (affine: codes, scales, biases back to back).
-    pub fn new(qtype: QuantType, rows: usize, cols: usize, base: u64) -> Result<WDesc> {
+    pub fn new(qtype: QuantType, rows: usize, cols: usize, base: DevPtr) -> Result<WDesc> {
         // GGML blocks (GGUF import): whole blocks per row, on the generic
         // kernels; `group` carries the block's elements.
         let ggml = |k: QKind| {
@@ -88,8 +88,8 @@ impl WDesc {
         };
         Ok(WDesc {
             codes: base,
-            scales: base + cb as u64,
-            biases: base + (cb + sb) as u64,
+            scales: base.add_bytes(cb),
+            biases: base.add_bytes(cb + sb),
             rows: rows as i32,
             cols: cols as i32,
             qt: qt as i32,
@@ -167,9 +167,9 @@ impl WDesc {
 /// [`Gpu::moe_experts`] reads).
 #[derive(Debug, Clone, Copy)]
 pub struct RouteBases {
-    pub addr: u64,
+    pub addr: DevPtr,
     pub offsets: [u64; 3],
-    pub out: u64,
+    pub out: DevPtr,
 }
 
 /// Where a decode kernel takes the token's position from.
@@ -180,23 +180,23 @@ pub enum Position {
     /// The i32 at device address `ptr`, read when the kernel runs, so a
     /// launch captured in a CUDA graph replays at every position below
     /// `cap` (the KV cache's rows; attention grids are sized for it).
-    Device { ptr: u64, cap: usize },
+    Device { ptr: DevPtr, cap: usize },
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{QKind, WDesc};
+    use super::{DevPtr, QKind, WDesc};
     use slipstream_core::QuantType;
 
     #[test]
     fn ggml_descriptors_take_whole_blocks_only() {
-        let w = WDesc::new(QuantType::Q4K, 3, 512, 1000).unwrap();
+        let w = WDesc::new(QuantType::Q4K, 3, 512, DevPtr::from_raw(1000)).unwrap();
         assert_eq!(
             (w.qt, w.group, w.rows(), w.cols()),
             (QKind::Q4K as i32, 256, 3, 512)
         );
-        assert_eq!(w.codes, 1000);
-        let q = WDesc::new(QuantType::Q4_0, 2, 64, 0).unwrap();
+        assert_eq!(w.codes, DevPtr::from_raw(1000));
+        let q = WDesc::new(QuantType::Q4_0, 2, 64, DevPtr::NULL).unwrap();
         assert_eq!((q.qt, q.group), (QKind::Q4_0 as i32, 32));
         for (t, cols) in [
             (QuantType::Q4K, 100usize),
@@ -204,7 +204,7 @@ mod tests {
             (QuantType::Q8_0, 48),
         ] {
             assert!(
-                WDesc::new(t, 1, cols, 0).is_err(),
+                WDesc::new(t, 1, cols, DevPtr::NULL).is_err(),
                 "{} of {cols} columns",
                 t.name()
             );

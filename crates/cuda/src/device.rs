@@ -14,7 +14,7 @@ use slipstream_core::TensorView;
 use crate::ops::attention::prompt_attn_smem;
 use crate::ops::matvec::{a4v_tiles_smem, TC_SMEM_OPTIN};
 use crate::ops::sample::{ARGMAX_BLOCKS, SAMPLE_STATE_BYTES};
-use crate::{CudaError, CudaTuning, Result, WDesc, KERNELS};
+use crate::{CudaError, CudaTuning, DevPtr, Result, WDesc, KERNELS};
 
 /// Whether a CUDA driver, NVRTC and at least one device are present.
 /// Never panics (the libraries are probed before any call into them).
@@ -53,14 +53,14 @@ pub fn probe() -> Result<usize> {
 /// A device allocation of `bytes` bytes at address `ptr`.
 pub struct DBuf {
     _mem: CudaSlice<u8>,
-    pub ptr: u64,
+    pub ptr: DevPtr,
     pub bytes: usize,
 }
 
 impl DBuf {
     /// Address of f32 element `i`.
-    pub fn f32_at(&self, i: usize) -> u64 {
-        self.ptr + 4 * i as u64
+    pub fn f32_at(&self, i: usize) -> DevPtr {
+        self.ptr.add_f32(i)
     }
     /// Number of f32 values it holds.
     pub fn len_f32(&self) -> usize {
@@ -75,7 +75,7 @@ pub struct Mapped {
     /// Host address of word 0 (kept as an integer so the owner stays `Send`).
     host: usize,
     /// Device address of word 0.
-    pub dev: u64,
+    pub dev: DevPtr,
     pub len: usize,
 }
 
@@ -535,7 +535,7 @@ impl Gpu {
         Ok(Mapped {
             _mem: mem,
             host: host as usize,
-            dev,
+            dev: DevPtr::from_raw(dev),
             len: len.max(1),
         })
     }
@@ -564,7 +564,11 @@ impl Gpu {
         // SAFETY: the destination range lies inside `b` (checked above);
         // the stream is synchronised before `data` can go away.
         unsafe {
-            result::memcpy_htod_async(b.ptr + offset as u64, data, self.stream.cu_stream())?;
+            result::memcpy_htod_async(
+                b.ptr.add_bytes(offset).raw(),
+                data,
+                self.stream.cu_stream(),
+            )?;
         }
         self.stream.synchronize()?;
         Ok(())
@@ -587,7 +591,7 @@ impl Gpu {
         // SAFETY: the source range lies inside `b`; `out` lives until the
         // stream is synchronised below.
         unsafe {
-            result::memcpy_dtoh_async(&mut out[..], b.f32_at(at), self.stream.cu_stream())?;
+            result::memcpy_dtoh_async(&mut out[..], b.f32_at(at).raw(), self.stream.cu_stream())?;
         }
         self.stream.synchronize()?;
         Ok(out)
@@ -709,7 +713,7 @@ impl Gpu {
     /// The address of `slot`'s scratch buffer, grown to at least `bytes`
     /// (a larger one first waits for the stream, so no queued kernel still
     /// uses the old one). Valid until the next call on this slot.
-    pub(crate) fn scratch(&self, slot: &Mutex<Option<DBuf>>, bytes: usize) -> Result<u64> {
+    pub(crate) fn scratch(&self, slot: &Mutex<Option<DBuf>>, bytes: usize) -> Result<DevPtr> {
         let mut buf = slot
             .lock()
             .map_err(|_| CudaError::Invalid("scratch buffer lock poisoned".into()))?;
@@ -718,7 +722,7 @@ impl Gpu {
             *buf = None;
             *buf = Some(self.alloc(bytes)?);
         }
-        Ok(buf.as_ref().map_or(0, |b| b.ptr))
+        Ok(buf.as_ref().map_or(DevPtr::NULL, |b| b.ptr))
     }
 }
 
@@ -732,7 +736,7 @@ pub(crate) fn alloc_on(stream: &Arc<CudaStream>, bytes: usize) -> Result<DBuf> {
     };
     Ok(DBuf {
         _mem: mem,
-        ptr,
+        ptr: DevPtr::from_raw(ptr),
         bytes,
     })
 }

@@ -15,8 +15,9 @@
 //! skip cleanly on machines without a GPU. Call [`available`] before
 //! [`Gpu::new`]. Nothing here reads the environment.
 //!
-//! Device addresses are passed to kernels as `u64`; every buffer is a
-//! [`DBuf`] whose size the wrappers check before a launch.
+//! Device addresses are [`DevPtr`]s (what the kernels' pointer parameters
+//! take); every buffer is a [`DBuf`] whose size the wrappers check before a
+//! launch.
 
 /// Packs kernel arguments (each a `&T: DeviceRepr` local) into the
 /// pointer array `cuLaunchKernel` takes.
@@ -28,6 +29,7 @@ macro_rules! args {
 
 mod desc;
 mod device;
+mod devptr;
 mod model;
 mod ops;
 mod options;
@@ -36,6 +38,7 @@ pub use desc::{Position, QKind, RouteBases, WDesc};
 pub use device::{
     available, bytemuck_f32, compile_kernels, probe, DBuf, DWeight, Gpu, Mapped, MOE_MIN_BLOCKS,
 };
+pub use devptr::DevPtr;
 pub use model::{CudaModel, CudaOptions, CudaStats};
 pub use ops::attention::{AttnIo, ATT_CHUNK, ATT_MAXG, PA_SPLIT};
 pub use ops::gdn::{GdnConv, GdnStep};

@@ -5,7 +5,7 @@
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
 use slipstream_cuda::{
-    AttnIo, CudaTuning, ExpertsIo, GdnConv, GdnStep, Gpu, Position, RouteBases, WDesc,
+    AttnIo, CudaTuning, DevPtr, ExpertsIo, GdnConv, GdnStep, Gpu, Position, RouteBases, WDesc,
 };
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
@@ -245,7 +245,7 @@ fn many_matvecs_case(g: &Gpu, tc: bool) {
                 .map(|&r| g.upload_f32(&vec![f32::NAN; n * r]).unwrap())
                 .collect();
             let descs: Vec<_> = ws.iter().map(|w| &w.desc).collect();
-            let yp: Vec<u64> = ys.iter().map(|y| y.ptr).collect();
+            let yp: Vec<DevPtr> = ys.iter().map(|y| y.ptr).collect();
             g.matvec_many(&descs, dx.ptr, &yp, n).unwrap();
             for ((w, y), &r) in ws.iter().zip(&ys).zip(&rows) {
                 let got = g.read_f32(y, 0, n * r).unwrap();
@@ -380,13 +380,13 @@ fn routed_experts_in_one_launch_match_scalar() {
                 )
             })
             .collect();
-        let mut table: Vec<u64> = bufs.iter().map(|b| b.0.ptr).collect();
+        let mut table: Vec<DevPtr> = bufs.iter().map(|b| b.0.ptr).collect();
         table.extend(bufs.iter().map(|b| b.1.ptr));
         table.extend(bufs.iter().map(|b| b.2.ptr));
-        let tb: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let tb: Vec<u8> = table.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
         let dt = g.upload(&tb).unwrap();
-        let gt = WDesc::new(q, inter, h, 0).unwrap();
-        let dtl = WDesc::new(q, h, inter, 0).unwrap();
+        let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
+        let dtl = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
         let dx = g.upload_f32(&x).unwrap();
         let dres = g.upload_f32(&x0).unwrap();
         let dh = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
@@ -396,20 +396,24 @@ fn routed_experts_in_one_launch_match_scalar() {
         let xrow = g.alloc(4 * k).unwrap();
         g.moe_gate_up(
             [&gt, &gt],
-            [dt.ptr, dt.ptr + 8 * k as u64],
+            [dt.ptr, dt.ptr.add_bytes(8 * k)],
             xrow.ptr,
             dx.ptr,
             dh.ptr,
             k,
         )
         .unwrap();
-        let (s, sgp) = if shared { (dsh.ptr, dsg.ptr) } else { (0, 0) };
+        let (s, sgp) = if shared {
+            (dsh.ptr, dsg.ptr)
+        } else {
+            (DevPtr::NULL, DevPtr::NULL)
+        };
         g.moe_down(
             &dtl,
-            dt.ptr + 16 * k as u64,
+            dt.ptr.add_bytes(16 * k),
             &ExpertsIo {
-                xrow: 0,
-                xn: 0,
+                xrow: DevPtr::NULL,
+                xn: DevPtr::NULL,
                 h: dh.ptr,
                 wts: dw.ptr,
                 k,
@@ -428,7 +432,7 @@ fn routed_experts_in_one_launch_match_scalar() {
             let dh2 = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
             g.moe_experts(
                 [&gt, &gt, &dtl],
-                [dt.ptr, dt.ptr + 8 * k as u64, dt.ptr + 16 * k as u64],
+                [dt.ptr, dt.ptr.add_bytes(8 * k), dt.ptr.add_bytes(16 * k)],
                 &ExpertsIo {
                     xrow: xrow.ptr,
                     xn: dx.ptr,
@@ -542,17 +546,21 @@ fn grouped_case(g: &Gpu) {
             g.upload_f32(&sh_out).unwrap(),
             g.upload_f32(&sg).unwrap(),
         );
-        let sh = if shared { (dsh.ptr, dsg.ptr) } else { (0, 0) };
-        let gt = WDesc::new(q, inter, h, 0).unwrap();
-        let dtl = WDesc::new(q, h, inter, 0).unwrap();
+        let sh = if shared {
+            (dsh.ptr, dsg.ptr)
+        } else {
+            (DevPtr::NULL, DevPtr::NULL)
+        };
+        let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
+        let dtl = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
         let tp = dtable.ptr;
-        let t8 = 8 * pairs as u64;
+        let t8 = 8 * pairs;
         // Per-pair launches.
         let dres = g.upload_f32(&x0).unwrap();
         let dh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
         g.moe_experts(
             [&gt, &gt, &dtl],
-            [tp, tp + t8, tp + 2 * t8],
+            [tp, tp.add_bytes(t8), tp.add_bytes(2 * t8)],
             &ExpertsIo {
                 xrow: dxrow.ptr,
                 xn: dx.ptr,
@@ -760,7 +768,7 @@ fn decode_attention_matches_cpu() {
         let cap = (keys + 200).next_power_of_two();
         let scratch = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, cap)).unwrap();
         let out = g.upload_f32(&vec![f32::NAN; nh * hd]).unwrap();
-        let gp = if gated { dg.ptr } else { 0 };
+        let gp = if gated { dg.ptr } else { DevPtr::NULL };
         let run = |at: Position| {
             g.attention(
                 &AttnIo {
@@ -808,7 +816,7 @@ fn decode_attention_matches_cpu() {
                 kc: dk.ptr,
                 vc: dv.ptr,
                 dims: (nh, nkv, hd),
-                gate: if gated { dgs.ptr } else { 0 },
+                gate: if gated { dgs.ptr } else { DevPtr::NULL },
                 out: outs.ptr,
             },
             Position::Host(p0),
@@ -821,11 +829,15 @@ fn decode_attention_matches_cpu() {
         for t in 0..n {
             g.attention(
                 &AttnIo {
-                    q: dqs.ptr + t as u64 * row,
+                    q: dqs.ptr.add_bytes(t * row as usize),
                     kc: dk.ptr,
                     vc: dv.ptr,
                     dims: (nh, nkv, hd),
-                    gate: if gated { dgs.ptr + t as u64 * row } else { 0 },
+                    gate: if gated {
+                        dgs.ptr.add_bytes(t * row as usize)
+                    } else {
+                        DevPtr::NULL
+                    },
                     out: out.ptr,
                 },
                 Position::Host(p0 + t),
@@ -898,15 +910,19 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
         let out = g.upload_f32(&vec![f32::NAN; n * nh * hd]).unwrap();
         let row = nh * hd;
         let run = |t0: usize, m: usize| {
-            let off = (t0 * row * 4) as u64;
+            let off = t0 * row * 4;
             g.attention_prompt(
                 &AttnIo {
-                    q: dq.ptr + off,
+                    q: dq.ptr.add_bytes(off),
                     kc: dk.ptr,
                     vc: dv.ptr,
                     dims: (nh, nkv, hd),
-                    gate: if gated { dg.ptr + off } else { 0 },
-                    out: out.ptr + off,
+                    gate: if gated {
+                        dg.ptr.add_bytes(off)
+                    } else {
+                        DevPtr::NULL
+                    },
+                    out: out.ptr.add_bytes(off),
                 },
                 p0 + t0,
                 m,
@@ -1338,7 +1354,7 @@ fn down_pass_matches_one_token_launches() {
             true,
         ),
     ] {
-        let dt = WDesc::new(q, h, inter, 0).unwrap();
+        let dt = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
         assert_eq!(
             dt.a4v_chunks(),
             Some(1),
@@ -1357,7 +1373,7 @@ fn down_pass_matches_one_token_launches() {
             }
             bases.extend(ids[..k].iter().map(|&id| experts[id].ptr));
         }
-        let tb: Vec<u8> = bases.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let tb: Vec<u8> = bases.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
         let dbase = g.upload(&tb).unwrap();
         let hv = g
             .upload_f32(&rvec(&mut rng, tokens * k * inter, 1.0))
@@ -1365,15 +1381,19 @@ fn down_pass_matches_one_token_launches() {
         let wts = g.upload_f32(&rvec(&mut rng, tokens * k, 1.0)).unwrap();
         let sh = g.upload_f32(&rvec(&mut rng, tokens * h, 1.0)).unwrap();
         let sgt = g.upload_f32(&rvec(&mut rng, tokens, 2.0)).unwrap();
-        let (shp, sgp) = if shared { (sh.ptr, sgt.ptr) } else { (0, 0) };
+        let (shp, sgp) = if shared {
+            (sh.ptr, sgt.ptr)
+        } else {
+            (DevPtr::NULL, DevPtr::NULL)
+        };
         let x0 = rvec(&mut rng, tokens * h, 1.0);
         let xm = g.upload_f32(&x0).unwrap();
         g.moe_down(
             &dt,
             dbase.ptr,
             &ExpertsIo {
-                xrow: 0,
-                xn: 0,
+                xrow: DevPtr::NULL,
+                xn: DevPtr::NULL,
                 h: hv.ptr,
                 wts: wts.ptr,
                 k,
@@ -1388,16 +1408,20 @@ fn down_pass_matches_one_token_launches() {
         for t in 0..tokens {
             g.moe_down(
                 &dt,
-                dbase.ptr + (8 * t * k) as u64,
+                dbase.ptr.add_bytes(8 * t * k),
                 &ExpertsIo {
-                    xrow: 0,
-                    xn: 0,
+                    xrow: DevPtr::NULL,
+                    xn: DevPtr::NULL,
                     h: hv.f32_at(t * k * inter),
                     wts: wts.f32_at(t * k),
                     k,
                     shared: (
-                        if shared { sh.f32_at(t * h) } else { 0 },
-                        if shared { sgt.f32_at(t) } else { 0 },
+                        if shared {
+                            sh.f32_at(t * h)
+                        } else {
+                            DevPtr::NULL
+                        },
+                        if shared { sgt.f32_at(t) } else { DevPtr::NULL },
                     ),
                     x: x1.f32_at(t * h),
                     tokens: 1,

@@ -8,7 +8,7 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{CudaTuning, ExpertsIo, Gpu, RouteBases, WDesc};
+use slipstream_cuda::{CudaTuning, DevPtr, ExpertsIo, Gpu, RouteBases, WDesc};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
@@ -156,7 +156,7 @@ fn dense_q8_matches_its_reference_at_every_pass_length() {
         // One token at a time: the per-token bits every pass must give.
         let mut alone = Vec::new();
         for t in 0..n_max {
-            g.matvec(&dw.desc, dx.ptr + (4 * t * cols) as u64, dy.ptr, 1)
+            g.matvec(&dw.desc, dx.ptr.add_bytes(4 * t * cols), dy.ptr, 1)
                 .unwrap();
             alone.push(g.read_f32(&dy, 0, rows).unwrap());
         }
@@ -232,11 +232,15 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
             g.upload_f32(&sh_out).unwrap(),
             g.upload_f32(&sg).unwrap(),
         );
-        let sh = if shared { (dsh.ptr, dsg.ptr) } else { (0, 0) };
-        let gt = WDesc::new(q, inter, h, 0).unwrap();
-        let dtl = WDesc::new(q, h, inter, 0).unwrap();
+        let sh = if shared {
+            (dsh.ptr, dsg.ptr)
+        } else {
+            (DevPtr::NULL, DevPtr::NULL)
+        };
+        let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
+        let dtl = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
         assert!(g.experts_on_q8([&gt, &gt, &dtl], k));
-        let io = |h_buf: u64, x_buf: u64| ExpertsIo {
+        let io = |h_buf: DevPtr, x_buf: DevPtr| ExpertsIo {
             xrow: dxrow.ptr,
             xn: dx.ptr,
             h: h_buf,
@@ -247,12 +251,12 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
             tokens,
         };
         // Per pair (host routing's bases tables).
-        let (tp, t8) = (dtable.ptr, 8 * pairs as u64);
+        let (tp, t8) = (dtable.ptr, 8 * pairs);
         let dres = g.upload_f32(&x0).unwrap();
         let dh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
         g.moe_experts(
             [&gt, &gt, &dtl],
-            [tp, tp + t8, tp + 2 * t8],
+            [tp, tp.add_bytes(t8), tp.add_bytes(2 * t8)],
             &io(dh.ptr, dres.ptr),
         )
         .unwrap();

@@ -5,8 +5,8 @@
 //!
 //! Per (query head, key) the score is an 8-lane fused multiply-add chain over
 //! the head dimension, a fixed horizontal sum, the `hd % 8` tail added with
-//! `mul_add` in order, then times `scale`; softmax subtracts the maximum,
-//! exponentiates and multiplies by the reciprocal of the (f64) sum; each
+//! `mul_add` in order, then times `scale`; then [`crate::softmax`] (its
+//! AVX2 form in the AVX2 build, the same bits); each
 //! output element is a `mul_add` chain over the keys in order from zero.
 //! Nothing depends on how many tokens or heads a call handles, so prefill
 //! chunking and decode agree bit for bit.
@@ -214,7 +214,7 @@ fn attend_tiles<const AVX: bool>(
     for (r, sc) in scores.chunks_exact_mut(keys).enumerate() {
         let kg = keys_of(r / group);
         if kg > 0 {
-            softmax(&mut sc[..kg]);
+            softmax_row::<AVX>(&mut sc[..kg]);
         }
     }
 
@@ -260,6 +260,18 @@ fn attend_tiles<const AVX: bool>(
             }
         }
     }
+}
+
+/// [`crate::softmax::softmax`], in its AVX2 form when `AVX` (same bits).
+#[inline(always)]
+fn softmax_row<const AVX: bool>(x: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX {
+        // SAFETY: `AVX` is only set by `attend_tokens_avx2`, whose callers
+        // checked AVX2 and FMA.
+        return unsafe { crate::softmax::softmax_avx2(x) };
+    }
+    crate::softmax::softmax(x)
 }
 
 /// Asks for the rows `js` of `m` (`hd` values each at `stride`) to be
@@ -561,22 +573,6 @@ mod avx2 {
 fn hsum8(a: &[f32; 8]) -> f32 {
     let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
     (s[0] + s[2]) + (s[1] + s[3])
-}
-
-/// Numerically stable in-place softmax: `exp(x - max)` times the reciprocal
-/// of the sum (summed in f64). The one softmax of the CPU model code.
-#[inline(always)]
-pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f64;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v as f64;
-    }
-    let inv = (1.0 / sum) as f32;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
 }
 
 #[cfg(test)]

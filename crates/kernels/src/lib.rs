@@ -39,6 +39,7 @@ pub mod quantize;
 pub mod recurrence;
 pub mod sample;
 pub mod scalar;
+pub mod softmax;
 #[cfg(test)]
 mod tests;
 #[cfg(target_arch = "x86_64")]

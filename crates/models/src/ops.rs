@@ -56,7 +56,7 @@ pub fn softplus(x: f32) -> f32 {
 }
 
 /// Numerically stable softmax in place.
-pub use slipstream_kernels::attention::softmax as softmax_inplace;
+pub use slipstream_kernels::softmax::softmax as softmax_inplace;
 
 /// Plain dot product in f32 with a fixed order.
 #[inline]

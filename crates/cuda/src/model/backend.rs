@@ -233,7 +233,7 @@ impl Backend for CudaModel {
                 "logits of {rows} rows of a {n}-row activation"
             )));
         }
-        let xn_p = self.act(*xn).ptr + ((n - rows) * self.hidden * 4) as u64;
+        let xn_p = self.act(*xn).ptr.add_f32((n - rows) * self.hidden);
         if self.scratch.vocab.len_f32() < rows * self.vocab {
             self.scratch.vocab = self.gpu.alloc(rows * self.vocab * 4).map_err(err)?;
         }
@@ -268,16 +268,20 @@ impl Backend for CudaModel {
         let r = self.flush_residual();
         self.guard(r)?;
         let g = &self.gpu;
-        let row = (self.hidden * 4) as u64;
         let (src, dst) = (
-            self.act(*x).ptr + (n - rows) as u64 * row,
+            self.act(*x).ptr.add_f32((n - rows) * self.hidden),
             self.act(DAct::T).ptr,
         );
         g.ctx.bind_to_thread().map_err(|e| err(e.into()))?;
         // SAFETY: both buffers hold PASS_TOKENS rows of `hidden` f32 and
         // rows <= n <= PASS_TOKENS (checked above).
         unsafe {
-            result::memcpy_dtod_async(dst, src, rows * self.hidden * 4, g.stream.cu_stream())
+            result::memcpy_dtod_async(
+                dst.raw(),
+                src.raw(),
+                rows * self.hidden * 4,
+                g.stream.cu_stream(),
+            )
         }
         .map_err(|e| err(e.into()))?;
         Ok(DAct::T)

@@ -13,7 +13,7 @@ impl CudaModel {
     pub(super) fn fetch(
         &mut self,
         l: usize,
-        missing: &[(u32, u64)],
+        missing: &[(u32, DevPtr)],
         counts: &[u32],
         experts: &mut dyn ExpertSource,
     ) -> Result<std::result::Result<u64, slipstream_core::BoxError>> {
@@ -32,7 +32,7 @@ impl CudaModel {
         self.gpu.ctx.bind_to_thread()?;
         let mut bytes = 0u64;
         // (id, VRAM destination, host bytes to fill) for the host store.
-        let mut from_store: Vec<(u32, u64, *mut u8)> = Vec::new();
+        let mut from_store: Vec<(u32, DevPtr, *mut u8)> = Vec::new();
         let mut store_counts = Vec::new();
         match self.layers[l].ram.as_mut() {
             Some((cache, mem)) => {
@@ -43,13 +43,13 @@ impl CudaModel {
                     match o {
                         Outcome::Hit { slot } => {
                             self.stats.ram_hits += 1;
-                            if dst != 0 {
+                            if !dst.is_null() {
                                 // SAFETY: slot < capacity: `rec` bytes inside
                                 // the pinned tier; the device range is a
                                 // whole expert slot.
                                 unsafe {
                                     let src = std::slice::from_raw_parts(base.add(slot * rec), rec);
-                                    result::memcpy_htod_async(dst, src, cs)?;
+                                    result::memcpy_htod_async(dst.raw(), src, cs)?;
                                 }
                                 bytes += rec as u64;
                             }
@@ -110,8 +110,9 @@ impl CudaModel {
                     unsafe {
                         let s = std::slice::from_raw_parts_mut(host.add(off as usize), nb);
                         s.copy_from_slice(view.data);
-                        if dst != 0 {
-                            if let Err(e2) = result::memcpy_htod_async(dst + off, &s[..], cs) {
+                        if !dst.is_null() {
+                            if let Err(e2) = result::memcpy_htod_async(dst.raw() + off, &s[..], cs)
+                            {
                                 copy_err = Some(e2.into());
                             }
                             bytes += nb as u64;
@@ -154,7 +155,8 @@ impl CudaModel {
             if ram_cap >= self.num_experts && self.layers[l].cache.capacity() < self.num_experts {
                 let ids: Vec<u32> = (0..self.num_experts as u32).collect();
                 for chunk in ids.chunks(k) {
-                    let miss: Vec<(u32, u64)> = chunk.iter().map(|&e| (e, 0)).collect();
+                    let miss: Vec<(u32, DevPtr)> =
+                        chunk.iter().map(|&e| (e, DevPtr::NULL)).collect();
                     let ones = vec![1u32; chunk.len()];
                     if let Err(e) = self.fetch(l, &miss, &ones, experts)? {
                         return Ok(Err(e));
@@ -173,7 +175,7 @@ impl CudaModel {
                 let mut missing = Vec::new();
                 for (&e, o) in chunk.iter().zip(&outcomes) {
                     if let Outcome::Miss { slot: Some(s), .. } = *o {
-                        missing.push((e, layer.slots.ptr + (s * self.rec_bytes) as u64));
+                        missing.push((e, layer.slots.ptr.add_bytes(s * self.rec_bytes)));
                     }
                 }
                 if missing.is_empty() {

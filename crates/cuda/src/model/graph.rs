@@ -31,7 +31,7 @@ impl CudaModel {
     /// `cap` rows.
     pub(super) fn device_pos(&self, cap: usize) -> Position {
         Position::Device {
-            ptr: self.scratch.ids.ptr + 4,
+            ptr: self.scratch.ids.ptr.add_bytes(4),
             cap,
         }
     }

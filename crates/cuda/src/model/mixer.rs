@@ -18,14 +18,14 @@ impl CudaModel {
                 // and the new ones; ordered on the compute stream.
                 unsafe {
                     result::memcpy_dtod_async(
-                        kc.ptr,
-                        a.kc.ptr,
+                        kc.ptr.raw(),
+                        a.kc.ptr.raw(),
                         a.cap * row,
                         gpu.stream.cu_stream(),
                     )?;
                     result::memcpy_dtod_async(
-                        vc.ptr,
-                        a.vc.ptr,
+                        vc.ptr.raw(),
+                        a.vc.ptr.raw(),
                         a.cap * row,
                         gpu.stream.cu_stream(),
                     )?;
@@ -118,7 +118,7 @@ impl CudaModel {
         // generated tokens on the decode kernels.
         let on_tc =
             self.prompt_pass && g.tensor_cores && g.prompt_attention_on_tensor_cores(a.dims.2);
-        let row = (a.dims.0 * a.dims.2 * 4) as u64;
+        let row = a.dims.0 * a.dims.2 * 4;
         let per_query = if on_tc {
             Gpu::prompt_attn_scratch_f32(a.dims.0, a.dims.2, self.pos + n)
         } else {
@@ -127,19 +127,19 @@ impl CudaModel {
         let batch = (self.scratch.att_scratch.len_f32() / per_query).clamp(1, n);
         for t0 in (0..n).step_by(batch) {
             let m = batch.min(n - t0);
-            let off = t0 as u64 * row;
+            let off = t0 * row;
             let gate = if a.gated {
-                self.scratch.gate.ptr + off
+                self.scratch.gate.ptr.add_bytes(off)
             } else {
-                0
+                DevPtr::NULL
             };
             let io = AttnIo {
-                q: self.scratch.q.ptr + off,
+                q: self.scratch.q.ptr.add_bytes(off),
                 kc: a.kc.ptr,
                 vc: a.vc.ptr,
                 dims: a.dims,
                 gate,
-                out: self.scratch.attn.ptr + off,
+                out: self.scratch.attn.ptr.add_bytes(off),
             };
             if on_tc {
                 g.attention_prompt(&io, self.pos + t0, m, &self.scratch.att_scratch)?;

@@ -47,9 +47,9 @@ use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 // The submodules take these with `use super::*`.
 use crate::options::PASS_TOKENS;
 use crate::{
-    AttnIo, CudaError, CudaTuning, DBuf, DWeight, ExpertsIo, GdnConv, GdnForm, GdnStep, Gpu,
-    Mapped, Position, PromptPrecision, QkPrep, Result, RouteBases, SampleScratch, TensorCoreUse,
-    WDesc,
+    AttnIo, CudaError, CudaTuning, DBuf, DWeight, DevPtr, ExpertsIo, GdnConv, GdnForm, GdnStep,
+    Gpu, Mapped, Position, PromptPrecision, QkPrep, Result, RouteBases, SampleScratch,
+    TensorCoreUse, WDesc,
 };
 
 use graph::{PassGraph, PassMode};
@@ -328,7 +328,12 @@ impl CudaModel {
                     self.gpu.ctx.bind_to_thread()?;
                     // SAFETY: the range is the whole allocation.
                     unsafe {
-                        result::memset_d8_async(b.ptr, 0, b.bytes, self.gpu.stream.cu_stream())?
+                        result::memset_d8_async(
+                            b.ptr.raw(),
+                            0,
+                            b.bytes,
+                            self.gpu.stream.cu_stream(),
+                        )?
                     };
                 }
             }

@@ -7,7 +7,7 @@ impl CudaModel {
     /// Copies `n` words from `src` into `logits_host` and waits once: the
     /// pass's pending routes are read behind the same synchronisation
     /// (their read waits for the stream, which runs the copy first).
-    pub(super) fn land_in_host(&mut self, src: u64, n: usize) -> Result<()> {
+    pub(super) fn land_in_host(&mut self, src: DevPtr, n: usize) -> Result<()> {
         let g = &self.gpu;
         g.ctx.bind_to_thread()?;
         let host = self.logits_host.as_mut_slice()?;
@@ -20,7 +20,7 @@ impl CudaModel {
         // SAFETY: `src` holds at least `n` words (the callers' buffers) and
         // `host` at least `n`; the pinned buffer lives as long as `self`,
         // and is read only after the stream is synchronised.
-        unsafe { result::memcpy_dtoh_async(&mut host[..n], src, g.stream.cu_stream()) }?;
+        unsafe { result::memcpy_dtoh_async(&mut host[..n], src.raw(), g.stream.cu_stream()) }?;
         if self.routes_pending {
             self.collect_device_routes()
         } else {

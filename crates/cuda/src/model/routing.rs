@@ -48,7 +48,11 @@ impl CudaModel {
                 // only after `routed` below has completed.
                 unsafe {
                     let dst = std::slice::from_raw_parts_mut(self.route_host.as_mut_ptr()?, 2 * k);
-                    result::memcpy_dtoh_async(dst, self.scratch.route.ptr, g.stream.cu_stream())?;
+                    result::memcpy_dtoh_async(
+                        dst,
+                        self.scratch.route.ptr.raw(),
+                        g.stream.cu_stream(),
+                    )?;
                 }
             }
         }
@@ -105,22 +109,25 @@ impl CudaModel {
             .collect();
         let layer = &mut self.layers[l];
         let outcomes = layer.cache.access(&distinct, &counts, 1);
-        let mut addr = vec![0u64; e];
-        let mut missing: Vec<(u32, u64)> = Vec::new();
+        let mut addr = vec![DevPtr::NULL; e];
+        let mut missing: Vec<(u32, DevPtr)> = Vec::new();
         let mut spill = 0usize;
         for (&d, o) in distinct.iter().zip(&outcomes) {
             let a = match *o {
                 Outcome::Hit { slot } => {
                     self.stats.vram_hits += 1;
-                    layer.slots.ptr + (slot * self.rec_bytes) as u64
+                    layer.slots.ptr.add_bytes(slot * self.rec_bytes)
                 }
                 Outcome::Miss { slot, .. } => {
                     self.stats.vram_misses += 1;
                     let a = match slot {
-                        Some(s) => layer.slots.ptr + (s * self.rec_bytes) as u64,
+                        Some(s) => layer.slots.ptr.add_bytes(s * self.rec_bytes),
                         None => {
                             spill += 1;
-                            self.scratch.spill.ptr + ((spill - 1) * self.rec_bytes) as u64
+                            self.scratch
+                                .spill
+                                .ptr
+                                .add_bytes((spill - 1) * self.rec_bytes)
                         }
                     };
                     missing.push((d, a));
@@ -146,7 +153,7 @@ impl CudaModel {
             // of it completed before `routed` (same stream, earlier).
             let b = unsafe { std::slice::from_raw_parts_mut(self.bases_host.as_mut_ptr()?, 3 * k) };
             for (r, &id) in ids.iter().enumerate() {
-                let a = addr[id as usize];
+                let a = addr[id as usize].raw();
                 b[r] = a + self.parts[0].1;
                 b[k + r] = a + self.parts[1].1;
                 b[2 * k + r] = a + self.parts[2].1;
@@ -155,7 +162,11 @@ impl CudaModel {
             g.ctx.bind_to_thread()?;
             // SAFETY: 3k u64 into `scratch.bases` (3k + 3 u64).
             unsafe {
-                result::memcpy_htod_async(self.scratch.bases.ptr, &b[..], g.stream.cu_stream())?
+                result::memcpy_htod_async(
+                    self.scratch.bases.ptr.raw(),
+                    &b[..],
+                    g.stream.cu_stream(),
+                )?
             };
         }
         self.routed_experts(l, xn_p, x_p, self.scratch.route.f32_at(k), 1)?;
@@ -168,7 +179,7 @@ impl CudaModel {
     /// Layer `l`'s router logits into `scratch.logits` and (with a shared
     /// expert) its gate into `scratch.sg`: one launch where both run on the
     /// generic kernel (each the bits of its own launch).
-    pub(super) fn router(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
+    pub(super) fn router(&self, l: usize, xn_p: DevPtr, n: usize) -> Result<()> {
         let layer = &self.layers[l];
         match &layer.shared {
             Some(sh) => self.gpu.matvec_many(
@@ -185,7 +196,7 @@ impl CudaModel {
 
     /// Launches layer `l`'s shared expert (if any) on the `n` rows at
     /// `xn_p` into `scratch.sh_out` (its gate comes with the router).
-    pub(super) fn shared_expert(&self, l: usize, xn_p: u64, n: usize) -> Result<()> {
+    pub(super) fn shared_expert(&self, l: usize, xn_p: DevPtr, n: usize) -> Result<()> {
         let Some(sh) = &self.layers[l].shared else {
             return Ok(());
         };
@@ -193,7 +204,7 @@ impl CudaModel {
         let sb = sh.bases.ptr;
         g.moe_gate_up(
             [&sh.gate.desc, &sh.up.desc],
-            [sb, sb + 8 * PASS_TOKENS as u64],
+            [sb, sb.add_bytes(8 * PASS_TOKENS)],
             self.scratch.xrow_id.ptr,
             xn_p,
             self.scratch.sh_h.ptr,
@@ -207,12 +218,12 @@ impl CudaModel {
         )
     }
 
-    /// Layer `l`'s shared expert output and gate (0, 0 without one).
-    pub(super) fn shared_out(&self, l: usize) -> (u64, u64) {
+    /// Layer `l`'s shared expert output and gate (null without one).
+    pub(super) fn shared_out(&self, l: usize) -> (DevPtr, DevPtr) {
         if self.layers[l].shared.is_some() {
             (self.scratch.sh_out.ptr, self.scratch.sg.ptr)
         } else {
-            (0, 0)
+            (DevPtr::NULL, DevPtr::NULL)
         }
     }
 
@@ -223,16 +234,16 @@ impl CudaModel {
     pub(super) fn routed_experts(
         &self,
         l: usize,
-        xn_p: u64,
-        x_p: u64,
-        wts: u64,
+        xn_p: DevPtr,
+        x_p: DevPtr,
+        wts: DevPtr,
         n: usize,
     ) -> Result<()> {
         let bp = self.scratch.bases.ptr;
-        let table = 8 * (self.top_k * n) as u64;
+        let table = 8 * self.top_k * n;
         self.gpu.moe_experts(
             [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
-            [bp, bp + table, bp + 2 * table],
+            [bp, bp.add_bytes(table), bp.add_bytes(2 * table)],
             &self.experts_io(l, xn_p, x_p, wts, n),
         )
     }
@@ -242,9 +253,9 @@ impl CudaModel {
     pub(super) fn experts_io(
         &self,
         l: usize,
-        xn_p: u64,
-        x_p: u64,
-        wts: u64,
+        xn_p: DevPtr,
+        x_p: DevPtr,
+        wts: DevPtr,
         n: usize,
     ) -> ExpertsIo {
         ExpertsIo {
@@ -377,8 +388,8 @@ impl CudaModel {
                 let Some(slot) = layer.cache.slot_of(id) else {
                     return Ok(());
                 };
-                let a = layer.slots.ptr + (slot * self.rec_bytes) as u64;
-                addr.extend_from_slice(&a.to_le_bytes());
+                let a = layer.slots.ptr.add_bytes(slot * self.rec_bytes);
+                addr.extend_from_slice(&a.raw().to_le_bytes());
             }
             tables.push(addr);
         }

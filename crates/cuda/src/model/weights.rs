@@ -95,7 +95,11 @@ impl CudaModel {
         let mut tmpl = [(WDesc::default(), 0u64, 0usize); 3];
         for (i, (q, shape)) in parts.iter().enumerate() {
             let nb = q.nbytes(shape[0], shape[1]);
-            tmpl[i] = (WDesc::new(*q, shape[0], shape[1], 0)?, offs as u64, nb);
+            tmpl[i] = (
+                WDesc::new(*q, shape[0], shape[1], DevPtr::NULL)?,
+                offs as u64,
+                nb,
+            );
             offs += align(nb);
         }
         let rec_bytes = offs;
@@ -166,9 +170,9 @@ impl CudaModel {
                     shared_inter = shared_inter.max(mlp.gate_proj.out_dim());
                     let gate = up_w(&mlp.gate_proj)?;
                     let up = up_w(&mlp.up_proj)?;
-                    let table: Vec<u64> = [gate.desc.codes; PASS_TOKENS]
+                    let table: Vec<u64> = [gate.desc.codes.raw(); PASS_TOKENS]
                         .into_iter()
-                        .chain([up.desc.codes; PASS_TOKENS])
+                        .chain([up.desc.codes.raw(); PASS_TOKENS])
                         .collect();
                     let bytes: Vec<u8> = table.iter().flat_map(|a| a.to_le_bytes()).collect();
                     Some(DShared {

@@ -1,7 +1,7 @@
 //! Attention over the KV cache: the split decode form (one query, or a
 //! pass's queries causally) and the prompt's tensor-core form.
 
-use crate::{CudaError, DBuf, Gpu, Position, Result};
+use crate::{CudaError, DBuf, DevPtr, Gpu, Position, Result};
 
 /// Keys per attention split (`ATT_CHUNK` in attention.cu).
 pub const ATT_CHUNK: usize = 128;
@@ -17,16 +17,16 @@ pub(crate) const PA_KEYS: usize = 32;
 #[derive(Debug, Clone, Copy)]
 pub struct AttnIo {
     /// `[n, nh, hd]` f32: the queries (normed, rotated).
-    pub q: u64,
+    pub q: DevPtr,
     /// `[keys, nkv * hd]` f32: the key and value caches.
-    pub kc: u64,
-    pub vc: u64,
+    pub kc: DevPtr,
+    pub vc: DevPtr,
     /// (nh, nkv, hd).
     pub dims: (usize, usize, usize),
     /// `[n, nh, hd]` f32: the output gate (0: none).
-    pub gate: u64,
+    pub gate: DevPtr,
     /// `[n, nh, hd]` f32: the output.
-    pub out: u64,
+    pub out: DevPtr,
 }
 
 /// Most query heads per KV head (`ATT_MAXG`).
@@ -35,7 +35,7 @@ pub const ATT_MAXG: usize = 16;
 /// The split attention's partials in `scratch` (query z's at z times its
 /// stride): the splits' maxima `[nh, nsplit]`, sums `[nh, nsplit]`, then
 /// unnormalised outputs `[nh, nsplit, hd]`, as addresses.
-pub(crate) fn attn_partials(scratch: &DBuf, nh: usize, nsplit: usize) -> (u64, u64, u64) {
+pub(crate) fn attn_partials(scratch: &DBuf, nh: usize, nsplit: usize) -> (DevPtr, DevPtr, DevPtr) {
     (
         scratch.ptr,
         scratch.f32_at(nh * nsplit),
@@ -96,7 +96,7 @@ impl Gpu {
         // grid and scratch: the real counts, or the capacity when the
         // kernels read the count from device memory.
         let (keys, dpos) = match at {
-            Position::Host(p) => (p + 1, 0u64),
+            Position::Host(p) => (p + 1, DevPtr::NULL),
             Position::Device { ptr, cap } if n == 1 => (cap.max(1), ptr),
             Position::Device { .. } => {
                 return Err(CudaError::Invalid(
@@ -216,7 +216,7 @@ impl Gpu {
                 &q, &kc, &vc, &pos0_i, &n_i, &nh_i, &nkv_i, &hd_i, &scale, &pm, &pl, &pacc, &zs
             ),
         )?;
-        let (dpos, chunk, ns_i) = (0u64, PA_SPLIT as i32, nsplit as i32);
+        let (dpos, chunk, ns_i) = (DevPtr::NULL, PA_SPLIT as i32, nsplit as i32);
         self.go(
             &self.f.attn_combine,
             (nh as u32, 1, n as u32),

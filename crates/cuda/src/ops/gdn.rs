@@ -1,18 +1,18 @@
 //! Gated DeltaNet: the causal convolution and the recurrence.
 
-use crate::{CudaError, Gpu, Result};
+use crate::{CudaError, DevPtr, Gpu, Result};
 
 /// A Gated DeltaNet layer's causal convolution over `C` channels.
 #[derive(Debug, Clone, Copy)]
 pub struct GdnConv {
     /// `[C, kernel]` f32: the depthwise weights.
-    pub weights: u64,
+    pub weights: DevPtr,
     /// Channels `C`.
     pub channels: usize,
     /// Taps (1..=8).
     pub kernel: usize,
     /// `[kernel - 1, C]` f32: the last inputs, updated in place.
-    pub state: u64,
+    pub state: DevPtr,
 }
 
 /// A Gated DeltaNet layer's recurrence over a pass: its parameters and
@@ -20,27 +20,27 @@ pub struct GdnConv {
 #[derive(Debug, Clone, Copy)]
 pub struct GdnStep {
     /// `[n, conv channels]` f32: the convolution's output (q, k, v).
-    pub conv_out: u64,
+    pub conv_out: DevPtr,
     /// `[n, nv * dv]`, `[n, nv]`, `[n, nv]` f32: the z, b and a projections.
-    pub z: u64,
-    pub b: u64,
-    pub a: u64,
+    pub z: DevPtr,
+    pub b: DevPtr,
+    pub a: DevPtr,
     /// `[nv]` f32 each: the decay's log and the step's bias.
-    pub a_log: u64,
-    pub dt_bias: u64,
+    pub a_log: DevPtr,
+    pub dt_bias: DevPtr,
     /// `[dv]` f32: the output norm's weights.
-    pub norm: u64,
+    pub norm: DevPtr,
     /// `[nv, dk, dv]` f32: the recurrent state, updated in place.
-    pub state: u64,
+    pub state: DevPtr,
     pub dims: (usize, usize, usize, usize),
     pub eps: f32,
     /// `[n, nv * dv]` f32: the output.
-    pub core: u64,
+    pub core: DevPtr,
 }
 
 impl Gpu {
     /// Causal conv + SiLU over `n` tokens of `c` channels (kernel `k` <= 8).
-    pub fn gdn_conv(&self, x: u64, n: usize, conv: &GdnConv, out: u64) -> Result<()> {
+    pub fn gdn_conv(&self, x: DevPtr, n: usize, conv: &GdnConv, out: DevPtr) -> Result<()> {
         let GdnConv {
             weights: cw,
             channels: c,

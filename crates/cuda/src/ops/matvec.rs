@@ -2,7 +2,7 @@
 //! and tensor-core forms.
 
 use crate::desc::QKind;
-use crate::{CudaError, Gpu, Result, WDesc};
+use crate::{CudaError, DevPtr, Gpu, Result, WDesc};
 
 /// Tokens one block of the wide 4-bit matvec runs its rows over (the
 /// weights are read once per this many tokens of a pass).
@@ -39,9 +39,9 @@ pub(crate) fn a4v_tiles_smem(cols: usize) -> usize {
 /// the matrices and outputs padded to four with the last one.
 pub(crate) fn multi_layout<'a>(
     ws: &[&'a WDesc],
-    ys: &[u64],
+    ys: &[DevPtr],
     block_rows: usize,
-) -> ([i32; 4], usize, [&'a WDesc; 4], [u64; 4]) {
+) -> ([i32; 4], usize, [&'a WDesc; 4], [DevPtr; 4]) {
     let mut bounds = [0i32; 4];
     let mut total = 0usize;
     for (i, w) in ws.iter().enumerate() {
@@ -52,7 +52,7 @@ pub(crate) fn multi_layout<'a>(
         *b = total as i32;
     }
     let wd: [&WDesc; 4] = std::array::from_fn(|i| ws[i.min(ws.len() - 1)]);
-    let yd: [u64; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
+    let yd: [DevPtr; 4] = std::array::from_fn(|i| ys[i.min(ys.len() - 1)]);
     (bounds, total, wd, yd)
 }
 
@@ -72,7 +72,7 @@ pub(crate) fn tc_smem_quarters(cols: usize) -> usize {
 impl Gpu {
     /// `y[t, :] = W x[t, :]` for `n` tokens; `x` holds `n * cols` f32 at
     /// address `x`, `y` `n * rows`.
-    pub fn matvec(&self, w: &WDesc, x: u64, y: u64, n: usize) -> Result<()> {
+    pub fn matvec(&self, w: &WDesc, x: DevPtr, y: DevPtr, n: usize) -> Result<()> {
         if self.matvec_on_q8(w) {
             let split = self.q8_split(x, w.cols(), n)?;
             return self.matvec_q8_pass(w, split, y, n);
@@ -84,7 +84,7 @@ impl Gpu {
             let split = self.tc_split(x, w.cols(), n)?;
             return self.matvec_tc_pass(w, x, split, y, n);
         }
-        if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_multiple_of(16)) {
+        if let (Some(c), true) = (w.a4v_chunks(), w.codes.is_aligned(16)) {
             // Rows per lane: 8 / c (8 16-byte loads in flight per lane).
             let blocks = w.rows().div_ceil(w.a4v_block_rows(8 / c)) as u32;
             let form = c.trailing_zeros() as usize;
@@ -124,14 +124,14 @@ impl Gpu {
     /// Whether [`Gpu::matvec`] runs `w` on the generic `matvec` kernel
     /// (the 8-bit and float kinds; 4-bit rows it cannot take wide).
     fn matvec_generic(&self, w: &WDesc) -> bool {
-        let wide = w.a4v_chunks().is_some() && w.codes.is_multiple_of(16);
+        let wide = w.a4v_chunks().is_some() && w.codes.is_aligned(16);
         !self.matvec_on_tensor_cores(w) && !wide && w.a4_words().is_none()
     }
 
     /// Two to four matrices of the generic kernel over the same `n` rows
     /// of x in one `matvec_multi` launch (each block the bits of its own
     /// [`Gpu::matvec`] launch).
-    fn matvec_generic_many(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
+    fn matvec_generic_many(&self, ws: &[&WDesc], x: DevPtr, ys: &[DevPtr], n: usize) -> Result<()> {
         let (bounds, total, wd, yd) = multi_layout(ws, ys, 8);
         self.go(
             &self.f.matvec_multi,
@@ -150,7 +150,7 @@ impl Gpu {
     /// token's on the tensor cores or in the wide 4-bit layout; a longer
     /// pass's tensor-core matrices share one split of x; otherwise one
     /// [`Gpu::matvec`] launch per matrix.
-    pub fn matvec_many(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
+    pub fn matvec_many(&self, ws: &[&WDesc], x: DevPtr, ys: &[DevPtr], n: usize) -> Result<()> {
         if ws.len() != ys.len() {
             return Err(CudaError::Invalid(
                 "matvec_many: one output per matrix".into(),
@@ -197,7 +197,7 @@ impl Gpu {
         let fused = ws.len() >= 2
             && ws.len() <= 4
             && ws.iter().all(|w| {
-                w.a4v_chunks() == chunks && w.codes.is_multiple_of(16) && w.cols() == ws[0].cols()
+                w.a4v_chunks() == chunks && w.codes.is_aligned(16) && w.cols() == ws[0].cols()
             });
         let Some(c) = chunks.filter(|_| fused) else {
             for (w, &y) in ws.iter().zip(ys) {
@@ -225,7 +225,14 @@ impl Gpu {
     /// form, x (at `x`) already split by [`Gpu::tc_split`] into `split`;
     /// each token the bits of its one-token `matvec_tc` launch (which runs
     /// the pass token by token where the grid would not fit).
-    fn matvec_tc_pass(&self, w: &WDesc, x: u64, split: (u64, u64), y: u64, n: usize) -> Result<()> {
+    fn matvec_tc_pass(
+        &self,
+        w: &WDesc,
+        x: DevPtr,
+        split: (DevPtr, DevPtr),
+        y: DevPtr,
+        n: usize,
+    ) -> Result<()> {
         let (xs, gs) = split;
         let grid = (
             n.div_ceil(TC_TOKENS) as u32,
@@ -243,7 +250,7 @@ impl Gpu {
             );
         }
         for t in 0..n {
-            let (xt, yt) = (x + (4 * t * w.cols()) as u64, y + (4 * t * w.rows()) as u64);
+            let (xt, yt) = (x.add_f32(t * w.cols()), y.add_f32(t * w.rows()));
             self.matvec_tc(&[w], xt, &[yt])?;
         }
         Ok(())
@@ -259,7 +266,7 @@ impl Gpu {
             && w.group == 64
             && w.cols().is_multiple_of(256)
             && tc_smem_quarters(w.cols()) <= self.tc_smem_max
-            && w.codes.is_multiple_of(8)
+            && w.codes.is_aligned(8)
     }
 
     /// Dynamic shared memory of the tensor-core prefill forms: their
@@ -275,7 +282,7 @@ impl Gpu {
     /// of the group sums (`[n][cols / 64]` f32). The scratch stays valid
     /// until the next call on this stream (a larger one first waits for
     /// the stream, then reallocates).
-    pub(crate) fn tc_split(&self, x: u64, cols: usize, n: usize) -> Result<(u64, u64)> {
+    pub(crate) fn tc_split(&self, x: DevPtr, cols: usize, n: usize) -> Result<(DevPtr, DevPtr)> {
         let ng = cols / 64;
         let (parts, sums) = (n * ng * 48 * 8, n * ng * 4);
         // At least a full pass of the widest rows the kernels take.
@@ -284,7 +291,7 @@ impl Gpu {
             (parts + sums).max(256 * 2048 / 64 * (48 * 8 + 4)),
         )?;
         let (cols_i, grid) = (cols as i32, (ng.div_ceil(8) as u32, n as u32, 1));
-        let gs = b + parts as u64;
+        let gs = b.add_bytes(parts);
         self.go(
             &self.f.tc_split,
             grid,
@@ -296,7 +303,7 @@ impl Gpu {
 
     /// One launch of `matvec_tc` over up to 4 matrices of the same columns
     /// (each checked by [`Gpu::matvec_on_tensor_cores`]).
-    fn matvec_tc(&self, ws: &[&WDesc], x: u64, ys: &[u64]) -> Result<()> {
+    fn matvec_tc(&self, ws: &[&WDesc], x: DevPtr, ys: &[DevPtr]) -> Result<()> {
         let (bounds, total, wd, yd) = multi_layout(ws, ys, 32);
         let smem = tc_smem_quarters(ws[0].cols()) as u32;
         self.go_smem(

@@ -3,28 +3,28 @@
 
 use crate::desc::QKind;
 use crate::ops::matvec::{a4v_tiles_smem, tc_smem, tc_smem_quarters, GRID_Y_MAX, TC_RANK_SUMS};
-use crate::{CudaError, DBuf, Gpu, Mapped, Result, RouteBases, WDesc};
+use crate::{CudaError, DBuf, DevPtr, Gpu, Mapped, Result, RouteBases, WDesc};
 
 /// The activations of a routed-experts launch over `tokens` tokens with
 /// `k` experts each (pair p = t k + r is token t's rank-r expert).
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertsIo {
     /// `[tokens * k]` i32: each pair's token row of `xn`.
-    pub xrow: u64,
+    pub xrow: DevPtr,
     /// `[tokens, H]` f32: the experts' (normed) input.
-    pub xn: u64,
+    pub xn: DevPtr,
     /// `[tokens * k, I]` f32: the pairs' gate/up outputs.
-    pub h: u64,
+    pub h: DevPtr,
     /// `[tokens, k]` f32: the routing weights.
-    pub wts: u64,
+    pub wts: DevPtr,
     /// Experts per token.
     pub k: usize,
     /// The shared expert's output `[tokens, H]` and gate logit `[tokens]`
     /// (`(0, 0)`: no shared expert).
-    pub shared: (u64, u64),
+    pub shared: (DevPtr, DevPtr),
     /// `[tokens, H]` f32: the residual the experts' weighted sum (and the
     /// gated shared expert) is added into.
-    pub x: u64,
+    pub x: DevPtr,
     pub tokens: usize,
 }
 
@@ -52,10 +52,10 @@ impl Gpu {
     pub fn moe_gate_up(
         &self,
         [gt, ut]: [&WDesc; 2],
-        [gbase, ubase]: [u64; 2],
-        xrow: u64,
-        x: u64,
-        h: u64,
+        [gbase, ubase]: [DevPtr; 2],
+        xrow: DevPtr,
+        x: DevPtr,
+        h: DevPtr,
         pairs: usize,
     ) -> Result<()> {
         if let Some(c) = gt.a4v_chunks().filter(|_| same_layout(gt, ut)) {
@@ -96,7 +96,7 @@ impl Gpu {
 
     /// `x[t] += sum_k wts[t,k] down_{t,k} h[t*K+k] + sigmoid(sg[t]) shared[t]`
     /// for `tokens` tokens (`shared == 0`: no shared expert).
-    pub fn moe_down(&self, dt: &WDesc, dbase: u64, io: &ExpertsIo) -> Result<()> {
+    pub fn moe_down(&self, dt: &WDesc, dbase: DevPtr, io: &ExpertsIo) -> Result<()> {
         let ExpertsIo {
             h,
             wts,
@@ -166,7 +166,12 @@ impl Gpu {
     /// shapes (and [`Gpu::fused`] is set) this is one launch of the fused
     /// kernel, whose numbers are bit-identical to the two launches; `h`
     /// holds `[tokens * k, I]` either way.
-    pub fn moe_experts(&self, parts: [&WDesc; 3], bases: [u64; 3], io: &ExpertsIo) -> Result<()> {
+    pub fn moe_experts(
+        &self,
+        parts: [&WDesc; 3],
+        bases: [DevPtr; 3],
+        io: &ExpertsIo,
+    ) -> Result<()> {
         let ExpertsIo {
             xrow,
             xn,
@@ -239,7 +244,7 @@ impl Gpu {
         &self,
         parts: [&WDesc; 3],
         route: &RouteBases,
-        ids: u64,
+        ids: DevPtr,
         e: usize,
         grp: (&DBuf, &DBuf),
         io: &ExpertsIo,
@@ -274,7 +279,7 @@ impl Gpu {
             &mut args!(&ids, &p_i, &e_i, &off.ptr, &list.ptr),
         )?;
         let (o0, o1) = (route.offsets[0], route.offsets[1]);
-        let dbase = route.out + 16 * pairs as u64;
+        let dbase = route.out.add_bytes(16 * pairs);
         if q8 {
             return self
                 .moe_experts_q8_grouped(parts, route, e, grp, io)
@@ -348,7 +353,7 @@ impl Gpu {
     }
 
     /// `moe_down_tc` over `tokens` tokens (bases at `dbase`, `[tokens, k]`).
-    fn moe_down_tc(&self, dt: &WDesc, dbase: u64, io: &ExpertsIo) -> Result<()> {
+    fn moe_down_tc(&self, dt: &WDesc, dbase: DevPtr, io: &ExpertsIo) -> Result<()> {
         let ExpertsIo {
             h,
             wts,
@@ -401,12 +406,12 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk(
         &self,
-        logits: u64,
+        logits: DevPtr,
         e: usize,
         k: usize,
         renorm: bool,
-        ids: u64,
-        wts: u64,
+        ids: DevPtr,
+        wts: DevPtr,
         tokens: usize,
         publish: Option<(&Mapped, u32)>,
         bases: Option<&RouteBases>,
@@ -419,12 +424,12 @@ impl Gpu {
         let (pubp, seq) = match publish {
             Some((m, seq)) if m.len > 2 * k => (m.dev, seq),
             Some(_) => return Err(CudaError::Invalid("publish buffer too small".into())),
-            None => (0u64, 0u32),
+            None => (DevPtr::NULL, 0u32),
         };
         let none = RouteBases {
-            addr: 0,
+            addr: DevPtr::NULL,
             offsets: [0; 3],
-            out: 0,
+            out: DevPtr::NULL,
         };
         let b = bases.unwrap_or(&none);
         let (e, k, r) = (e as i32, k as i32, renorm as i32);

@@ -1,7 +1,7 @@
 //! Norms, RoPE, the attention's q/k preparation, embedding rows and
 //! residual adds.
 
-use crate::{CudaError, Gpu, Position, Result, WDesc};
+use crate::{CudaError, DevPtr, Gpu, Position, Result, WDesc};
 
 /// An attention layer's q/k preparation over a pass of `n` tokens of `nh`
 /// query and `nkv` KV heads of `hd` (`dims`): q/k norm, RoPE, the output
@@ -10,39 +10,39 @@ use crate::{CudaError, Gpu, Position, Result, WDesc};
 pub struct QkPrep {
     /// `[n, nh * hd]` (`[n, nh * 2 hd]` gated), `[n, nkv * hd]`,
     /// `[n, nkv * hd]` f32: the projections.
-    pub q_all: u64,
-    pub k_all: u64,
-    pub v_all: u64,
+    pub q_all: DevPtr,
+    pub k_all: DevPtr,
+    pub v_all: DevPtr,
     /// `[hd]` f32 each: the q and k norms' weights.
-    pub qn: u64,
-    pub kn: u64,
+    pub qn: DevPtr,
+    pub kn: DevPtr,
     /// `[half]` f32: RoPE's inverse frequencies.
-    pub inv_freq: u64,
+    pub inv_freq: DevPtr,
     pub half: usize,
     pub dims: (usize, usize, usize),
     /// The q projection holds an output gate per head.
     pub gated: bool,
     pub eps: f32,
     /// `[n, nh, hd]` f32: the prepared queries and (gated) their gates.
-    pub q_out: u64,
-    pub gate_out: u64,
+    pub q_out: DevPtr,
+    pub gate_out: DevPtr,
     /// `[rows, nkv * hd]` f32: the KV caches the pass's rows are written to.
-    pub kcache: u64,
-    pub vcache: u64,
+    pub kcache: DevPtr,
+    pub vcache: DevPtr,
 }
 
 impl Gpu {
     /// RMS norm of `rows` rows of `dim` values.
     pub fn rms_norm(
         &self,
-        x: u64,
-        w: u64,
-        out: u64,
+        x: DevPtr,
+        w: DevPtr,
+        out: DevPtr,
         rows: usize,
         dim: usize,
         eps: f32,
     ) -> Result<()> {
-        self.add_rms_norm(x, 0, w, out, rows, dim, eps)
+        self.add_rms_norm(x, DevPtr::NULL, w, out, rows, dim, eps)
     }
 
     /// [`Gpu::add`] of `add` (`[rows, dim]`; 0 for none) into `x`, then
@@ -50,10 +50,10 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm(
         &self,
-        x: u64,
-        add: u64,
-        w: u64,
-        out: u64,
+        x: DevPtr,
+        add: DevPtr,
+        w: DevPtr,
+        out: DevPtr,
         rows: usize,
         dim: usize,
         eps: f32,
@@ -70,8 +70,8 @@ impl Gpu {
     /// RoPE in place on `heads` rows of `hd` values at `pos`.
     pub fn rope(
         &self,
-        v: u64,
-        inv_freq: u64,
+        v: DevPtr,
+        inv_freq: DevPtr,
         half: usize,
         hd: usize,
         heads: usize,
@@ -107,7 +107,7 @@ impl Gpu {
         let (nh, nkv, hd) = dims;
         let q_stride = if gated { 2 * hd } else { hd } as i32;
         let (pos0, dpos) = match pos0 {
-            Position::Host(p) => (p as i32, 0u64),
+            Position::Host(p) => (p as i32, DevPtr::NULL),
             Position::Device { ptr, .. } if n == 1 => (0, ptr),
             Position::Device { .. } => {
                 return Err(CudaError::Invalid(
@@ -116,7 +116,7 @@ impl Gpu {
             }
         };
         let (half, nh_i, nkv_i, hd_i) = (half as i32, nh as i32, nkv as i32, hd as i32);
-        let gate_out = if gated { gate_out } else { 0 };
+        let gate_out = if gated { gate_out } else { DevPtr::NULL };
         self.go(
             &self.f.qk_prep,
             ((nh + nkv) as u32, n as u32, 1),
@@ -129,7 +129,7 @@ impl Gpu {
     }
 
     /// Rows `ids[t]` (i32 at `ids`) of `w` into `out[t]`, `tokens` rows.
-    pub fn embed_rows(&self, w: &WDesc, ids: u64, out: u64, tokens: usize) -> Result<()> {
+    pub fn embed_rows(&self, w: &WDesc, ids: DevPtr, out: DevPtr, tokens: usize) -> Result<()> {
         self.go(
             &self.f.embed_rows,
             (w.cols().div_ceil(256) as u32, tokens as u32, 1),
@@ -139,7 +139,7 @@ impl Gpu {
     }
 
     /// `x += y` over `n` f32.
-    pub fn add(&self, x: u64, y: u64, n: usize) -> Result<()> {
+    pub fn add(&self, x: DevPtr, y: DevPtr, n: usize) -> Result<()> {
         let ni = n as i32;
         self.go(
             &self.f.add_inplace,

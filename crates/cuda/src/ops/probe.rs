@@ -3,11 +3,11 @@
 
 use cudarc::driver::CudaStream;
 
-use crate::{Gpu, Result};
+use crate::{DevPtr, Gpu, Result};
 
 impl Gpu {
     /// Copies `bytes` (a multiple of 16) from `src` to `dst` with a kernel.
-    pub fn bw_copy(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+    pub fn bw_copy(&self, src: DevPtr, dst: DevPtr, bytes: usize) -> Result<()> {
         let n = (bytes / 16) as u64;
         self.go(
             &self.f.bw_copy,
@@ -18,7 +18,7 @@ impl Gpu {
     }
 
     /// Reads `bytes` (a multiple of 16) at `src` with a kernel.
-    pub fn bw_read(&self, src: u64, bytes: usize, sink: u64) -> Result<()> {
+    pub fn bw_read(&self, src: DevPtr, bytes: usize, sink: DevPtr) -> Result<()> {
         let n = (bytes / 16) as u64;
         self.go(
             &self.f.bw_read,

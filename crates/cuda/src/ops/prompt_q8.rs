@@ -10,7 +10,7 @@
 use crate::desc::QKind;
 use crate::ops::matvec::GRID_Y_MAX;
 use crate::ops::moe::{same_layout, ExpertsIo};
-use crate::{CudaError, DBuf, Gpu, Result, RouteBases, WDesc};
+use crate::{CudaError, DBuf, DevPtr, Gpu, Result, RouteBases, WDesc};
 
 /// Tokens (or pairs) one q8 block computes at once (`Q8_TILES * 8`).
 const Q8_BLOCK_TOKENS: usize = 64;
@@ -37,7 +37,7 @@ impl Gpu {
             && w.group == 64
             && w.cols() > 0
             && w.cols().is_multiple_of(64)
-            && w.codes.is_multiple_of(8)
+            && w.codes.is_aligned(8)
     }
 
     /// Whether the routed experts with these parts (gate, up, down) take
@@ -56,14 +56,14 @@ impl Gpu {
     /// `n` rows of `cols` f32 at `x` quantized into the q8 scratch:
     /// (codes, scales and sums) addresses. The split stays valid for the
     /// launches queued before the next split.
-    pub(crate) fn q8_split(&self, x: u64, cols: usize, n: usize) -> Result<(u64, u64)> {
+    pub(crate) fn q8_split(&self, x: DevPtr, cols: usize, n: usize) -> Result<(DevPtr, DevPtr)> {
         let (codes, sums) = q8_bytes(n, cols);
         let (full_codes, full_sums) = q8_bytes(crate::options::PASS_TOKENS * 8, 2048);
         let b = self.scratch(
             &self.q8_split_buf,
             (codes + sums).max(full_codes + full_sums),
         )?;
-        let ds = b + codes as u64;
+        let ds = b.add_bytes(codes);
         let cols_i = cols as i32;
         self.go(
             &self.f.q8_split,
@@ -79,8 +79,8 @@ impl Gpu {
     pub(crate) fn matvec_q8_pass(
         &self,
         w: &WDesc,
-        split: (u64, u64),
-        y: u64,
+        split: (DevPtr, DevPtr),
+        y: DevPtr,
         n: usize,
     ) -> Result<()> {
         let (xq, ds) = split;
@@ -106,7 +106,13 @@ impl Gpu {
 
     /// [`Gpu::matvec_many`] on the 8-bit forms: one split of x for every
     /// matrix (all of `cols` columns).
-    pub(crate) fn matvec_many_q8(&self, ws: &[&WDesc], x: u64, ys: &[u64], n: usize) -> Result<()> {
+    pub(crate) fn matvec_many_q8(
+        &self,
+        ws: &[&WDesc],
+        x: DevPtr,
+        ys: &[DevPtr],
+        n: usize,
+    ) -> Result<()> {
         let cols = ws.first().map_or(0, |w| w.cols());
         let split = self.q8_split(x, cols, n)?;
         for (w, &y) in ws.iter().zip(ys) {
@@ -121,7 +127,7 @@ impl Gpu {
     pub(crate) fn moe_experts_q8_pairs(
         &self,
         parts: [&WDesc; 3],
-        bases: [u64; 3],
+        bases: [DevPtr; 3],
         io: &ExpertsIo,
     ) -> Result<()> {
         let [gt, ut, dt] = parts;
@@ -205,8 +211,8 @@ impl Gpu {
         &self,
         parts: [&WDesc; 3],
         io: &ExpertsIo,
-        gate_up: impl FnOnce((u64, u64)) -> Result<()>,
-        down: impl FnOnce((u64, u64), u64) -> Result<()>,
+        gate_up: impl FnOnce((DevPtr, DevPtr)) -> Result<()>,
+        down: impl FnOnce((DevPtr, DevPtr), DevPtr) -> Result<()>,
     ) -> Result<()> {
         let [gt, _, dt] = parts;
         let pairs = io.tokens * io.k;
@@ -220,7 +226,7 @@ impl Gpu {
     /// `moe_down_combine`: each token's `k` rank outputs (`v`, `[pairs,
     /// rows]`) summed in rank order with their weights, the gated shared
     /// expert added, into the residual.
-    pub(crate) fn moe_down_sum(&self, v: u64, rows: usize, io: &ExpertsIo) -> Result<()> {
+    pub(crate) fn moe_down_sum(&self, v: DevPtr, rows: usize, io: &ExpertsIo) -> Result<()> {
         let (h_i, k_i) = (rows as i32, io.k as i32);
         let (wts, shared, x) = (io.wts, io.shared, io.x);
         self.go(

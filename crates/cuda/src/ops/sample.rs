@@ -2,7 +2,7 @@
 
 use slipstream_kernels::sample::{DrawParams, MAX_VOCAB};
 
-use crate::{CudaError, DBuf, Gpu, Result};
+use crate::{CudaError, DBuf, DevPtr, Gpu, Result};
 
 /// Blocks of the argmax's first launch (passed to the kernels as `ARGMAX_BLOCKS`).
 pub(crate) const ARGMAX_BLOCKS: usize = 256;
@@ -28,7 +28,7 @@ impl Gpu {
     /// Index of the largest of `n` values into the i32 at `out` (ties to
     /// the lowest index, NaN never wins, `n - 1` when all are NaN): 256
     /// blocks over contiguous chunks, then one block over their results.
-    pub fn argmax(&self, x: u64, n: usize, out: u64) -> Result<()> {
+    pub fn argmax(&self, x: DevPtr, n: usize, out: DevPtr) -> Result<()> {
         let n = n as i32;
         let parts = self.argmax_parts.ptr;
         self.go(
@@ -69,12 +69,12 @@ impl Gpu {
     /// launches (each cut four digit passes, only when it is set).
     pub fn sample(
         &self,
-        x: u64,
+        x: DevPtr,
         n: usize,
         p: &DrawParams,
         u: f64,
         scratch: &SampleScratch,
-        out: u64,
+        out: DevPtr,
     ) -> Result<()> {
         let DrawParams {
             temperature,

@@ -56,7 +56,9 @@ pub fn expert_records(
         views.push((gb, ub, db));
     }
     let records = g.upload(&bytes).unwrap();
-    let addr: Vec<u64> = (0..e).map(|r| records.ptr + (r * rec) as u64).collect();
+    let addr: Vec<u64> = (0..e)
+        .map(|r| records.ptr.add_bytes(r * rec).raw())
+        .collect();
     // Distinct experts per token (as top-k gives), drawn from e.
     let mut ids = Vec::new();
     for _ in 0..tokens {
