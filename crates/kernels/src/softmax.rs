@@ -19,14 +19,15 @@ const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// takes (Cephes' split).
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
-/// Cephes `expf` coefficients, highest order first.
+/// Cephes `expf` coefficients, highest order first (its last, 5.0000001e-1,
+/// is 0.5 in f32).
 const P: [f32; 6] = [
     1.987_569_1e-4,
     1.398_199_9e-3,
     8.333_452e-3,
     4.166_579_6e-2,
     1.666_666_5e-1,
-    5.000_000_1e-1,
+    0.5,
 ];
 /// Below this `exp` is under f32's normal range: the result is 0.
 const UNDERFLOW: f32 = -87.0;
