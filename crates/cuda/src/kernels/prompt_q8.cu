@@ -3,10 +3,10 @@
 // (q8_split: scale dx = the group's largest |x| / 127, codes rounded to
 // nearest), and the 4-bit weight codes (0..15) enter an int8 mma
 // (m16n8k32, s32 accumulate) unchanged, so a group adds
-// s * dx * (codes . xq) + b * sum(x) with the weight group's scale s and
-// bias b and x's exact group sum (the bias term carries no quantization
-// error). Each token is one output column of an mma and its sums run in
-// the same order whatever the other columns hold, so a token's bits do
+// s * dx * (codes . xq) + b * dx * sum(xq) with the weight group's scale s
+// and bias b: exactly the dequantized weights against the quantized x.
+// Each token is one output column of an mma and its sums run in the same
+// order whatever the other columns hold, so a token's bits do
 // not depend on the pass's length, the tokens beside it or the slot
 // count; every prompt token runs these kernels (one-token passes too),
 // never a generated one. The weights arrive as stored: no repack.
@@ -37,7 +37,7 @@ __device__ __forceinline__ int q8_byte(int j) {
 
 // Rows x [n, cols] (cols % 64 == 0) quantized per group of 64: xq
 // [n][cols / 64][64] int8 in the q8 layout; ds [n][cols / 64] the group's
-// (scale, sum of x) (the sum in tc_stage_warp's order). Grid
+// (scale dx, dx * sum of the codes). Grid
 // (ceil(cols / 512), n), 256 threads: warp w takes group blockIdx.x * 8 +
 // w of row blockIdx.y.
 extern "C" __global__ void q8_split(const float* __restrict__ x, int cols, signed char* __restrict__ xq,
@@ -50,12 +50,19 @@ extern "C" __global__ void q8_split(const float* __restrict__ x, int cols, signe
     const float v0 = xg[lane], v1 = xg[32 + lane];
     float m = fmaxf(fabsf(v0), fabsf(v1));
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    const float sum = warp_sum(v0 + v1);
     const float inv = m > 0.0f ? 127.0f / m : 0.0f;
     signed char* q = xq + ((size_t)t * ng + g) * 64;
-    q[q8_byte(lane)] = (signed char)max(-127, min(127, __float2int_rn(v0 * inv)));
-    q[q8_byte(32 + lane)] = (signed char)max(-127, min(127, __float2int_rn(v1 * inv)));
-    if (lane == 0) ds[(size_t)t * ng + g] = make_float2(m / 127.0f, sum);
+    const int q0 = max(-127, min(127, __float2int_rn(v0 * inv)));
+    const int q1 = max(-127, min(127, __float2int_rn(v1 * inv)));
+    q[q8_byte(lane)] = (signed char)q0;
+    q[q8_byte(32 + lane)] = (signed char)q1;
+    // The bias term takes the sum of the *quantized* x (as ggml's q8_1 `s`):
+    // then a group's error is sum_j w_j e_j (centred weights), not
+    // sum_j s c_j e_j (codes 0..15, all one sign): 2-3x less. Integer
+    // partial sums (|sum| <= 8128) are exact in f32.
+    const float qsum = warp_sum((float)(q0 + q1));
+    const float dx = m / 127.0f;
+    if (lane == 0) ds[(size_t)t * ng + g] = make_float2(dx, dx * qsum);
 }
 
 // n-tiles (8 columns each) one q8 warp computes at once.
