@@ -12,50 +12,11 @@ use slipstream_engine::{
 };
 use slipstream_models::Logits;
 use slipstream_repack::QuantChoice;
-use slipstream_testkit::{open, repacked, same_bits, streaming};
+use slipstream_testkit::{open, repacked, same_bits, small_hybrid_model, streaming};
 
-/// A skewed synthetic model with one MTP layer: 4 layers (3 Gated
-/// DeltaNet, 1 gated attention), 32 experts top-4, vocabulary 512.
+/// The small hybrid test model with one MTP layer (hidden 128).
 fn synthetic_mtp_model(dir: &Path) -> PathBuf {
-    use slipstream_core::config::LayerKind;
-    let mut config =
-        slipstream_synth::preset_config(slipstream_synth::Preset::Qwen36_35bA3b, Some(4));
-    config.vocab_size = 512;
-    config.hidden_size = 128;
-    config.layer_types = vec![
-        LayerKind::LinearAttention,
-        LayerKind::LinearAttention,
-        LayerKind::LinearAttention,
-        LayerKind::FullAttention,
-    ];
-    config.num_attention_heads = 4;
-    config.num_key_value_heads = 2;
-    config.head_dim = 64;
-    config.rotary_dim = 16;
-    config.linear_num_key_heads = 2;
-    config.linear_key_head_dim = 64;
-    config.linear_num_value_heads = 4;
-    config.linear_value_head_dim = 64;
-    config.num_experts = 32;
-    config.num_experts_per_tok = 4;
-    config.moe_intermediate_size = 64;
-    config.shared_expert_intermediate_size = 64;
-    config.mtp_num_layers = 1;
-    let out = dir.join("synth-mtp.slip");
-    slipstream_synth::synthesize(
-        &slipstream_synth::SynthOptions {
-            config,
-            seed: 5,
-            skew: slipstream_synth::Skew::DEFAULT,
-            output: out.clone(),
-            preset_name: "test".into(),
-            batch: 8,
-            overwrite: Default::default(),
-        },
-        &|_| {},
-    )
-    .unwrap();
-    out
+    small_hybrid_model(dir, "synth-mtp.slip", 128, 1, 5)
 }
 
 /// A prompt whose n-grams repeat, so prompt lookup has matches.

@@ -275,47 +275,9 @@ fn cancel_flag_stops_prefill_between_chunks() {
     flag.store(false, Ordering::Relaxed);
 }
 
-/// A skewed synthetic model of a few layers at reduced width (the real
-/// shapes' structure: GDN + gated attention, 32 experts top-4, shared expert).
+/// The small hybrid test model (hidden 256, no MTP layer).
 fn synthetic_model(dir: &Path) -> PathBuf {
-    use slipstream_core::config::LayerKind;
-    let mut config =
-        slipstream_synth::preset_config(slipstream_synth::Preset::Qwen36_35bA3b, Some(4));
-    config.vocab_size = 512;
-    config.hidden_size = 256;
-    config.layer_types = vec![
-        LayerKind::LinearAttention,
-        LayerKind::LinearAttention,
-        LayerKind::LinearAttention,
-        LayerKind::FullAttention,
-    ];
-    config.num_attention_heads = 4;
-    config.num_key_value_heads = 2;
-    config.head_dim = 64;
-    config.rotary_dim = 16;
-    config.linear_num_key_heads = 2;
-    config.linear_key_head_dim = 64;
-    config.linear_num_value_heads = 4;
-    config.linear_value_head_dim = 64;
-    config.num_experts = 32;
-    config.num_experts_per_tok = 4;
-    config.moe_intermediate_size = 64;
-    config.shared_expert_intermediate_size = 64;
-    let out = dir.join("synth.slip");
-    slipstream_synth::synthesize(
-        &slipstream_synth::SynthOptions {
-            config,
-            seed: 9,
-            skew: slipstream_synth::Skew::DEFAULT,
-            output: out.clone(),
-            preset_name: "test".into(),
-            batch: 8,
-            overwrite: Default::default(),
-        },
-        &|_| {},
-    )
-    .unwrap();
-    out
+    slipstream_testkit::small_hybrid_model(dir, "synth.slip", 256, 0, 9)
 }
 
 #[test]

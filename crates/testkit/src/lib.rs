@@ -179,3 +179,55 @@ pub fn token_ids(json: &serde_json::Value, key: &str) -> Vec<u32> {
         .map(|v| v.as_u64().unwrap() as u32)
         .collect()
 }
+
+/// A small skewed synthetic model with the 35B preset's structure: 4
+/// layers (3 Gated DeltaNet, 1 gated attention), 32 experts top-4, a
+/// shared expert, vocabulary 512, hidden width `hidden`, `mtp_layers` MTP
+/// layers; written to `dir/name` from `seed`.
+pub fn small_hybrid_model(
+    dir: &Path,
+    name: &str,
+    hidden: usize,
+    mtp_layers: usize,
+    seed: u64,
+) -> PathBuf {
+    use slipstream_core::config::LayerKind;
+    let mut config =
+        slipstream_synth::preset_config(slipstream_synth::Preset::Qwen36_35bA3b, Some(4));
+    config.vocab_size = 512;
+    config.hidden_size = hidden;
+    config.layer_types = vec![
+        LayerKind::LinearAttention,
+        LayerKind::LinearAttention,
+        LayerKind::LinearAttention,
+        LayerKind::FullAttention,
+    ];
+    config.num_attention_heads = 4;
+    config.num_key_value_heads = 2;
+    config.head_dim = 64;
+    config.rotary_dim = 16;
+    config.linear_num_key_heads = 2;
+    config.linear_key_head_dim = 64;
+    config.linear_num_value_heads = 4;
+    config.linear_value_head_dim = 64;
+    config.num_experts = 32;
+    config.num_experts_per_tok = 4;
+    config.moe_intermediate_size = 64;
+    config.shared_expert_intermediate_size = 64;
+    config.mtp_num_layers = mtp_layers;
+    let out = dir.join(name);
+    slipstream_synth::synthesize(
+        &slipstream_synth::SynthOptions {
+            config,
+            seed,
+            skew: slipstream_synth::Skew::DEFAULT,
+            output: out.clone(),
+            preset_name: "test".into(),
+            batch: 8,
+            overwrite: Default::default(),
+        },
+        &|_| {},
+    )
+    .unwrap_or_else(|e| panic!("synthesizing {}: {e}", out.display()));
+    out
+}
