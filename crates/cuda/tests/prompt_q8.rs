@@ -190,8 +190,9 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
         (2048, 512, 8, 20, 9, true, ScaleType::Bf16),
         // The MLX fixture's shape: one group per row, bf16 scales.
         (64, 64, 2, 8, 6, true, ScaleType::Bf16),
-        // Many pairs per expert: several 64-pair steps per block.
-        (512, 256, 3, 2, 70, false, ScaleType::Bf16),
+        // Many pairs per expert: several 64-pair steps per block (every
+        // token routes to both experts: 70 pairs each).
+        (512, 256, 2, 2, 70, false, ScaleType::Bf16),
     ] {
         let q = q4(scale);
         let ex = common::expert_records(&g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);

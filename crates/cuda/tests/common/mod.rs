@@ -37,6 +37,7 @@ pub fn expert_records(
     (h, inter, k, e, tokens): (usize, usize, usize, usize, usize),
     mut weight: impl FnMut(&mut Rng64, QuantType, usize, usize) -> Vec<u8>,
 ) -> ExpertRecords {
+    assert!(k <= e, "top-{k} of {e} experts: a token routes to k distinct experts");
     let align = |n: usize| n.div_ceil(256) * 256;
     let (gsz, dsz) = (q.nbytes(inter, h), q.nbytes(h, inter));
     let offsets = [0u64, align(gsz) as u64, 2 * align(gsz) as u64];
