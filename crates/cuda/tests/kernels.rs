@@ -385,8 +385,7 @@ fn routed_experts_in_one_launch_match_scalar() {
         table.extend(bufs.iter().map(|b| b.2.ptr));
         let tb: Vec<u8> = table.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
         let dt = g.upload(&tb).unwrap();
-        let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
-        let dtl = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
+        let (gt, dtl) = common::expert_descs(q, h, inter);
         let dx = g.upload_f32(&x).unwrap();
         let dres = g.upload_f32(&x0).unwrap();
         let dh = g.upload_f32(&vec![f32::NAN; k * inter]).unwrap();
@@ -403,11 +402,7 @@ fn routed_experts_in_one_launch_match_scalar() {
             k,
         )
         .unwrap();
-        let (s, sgp) = if shared {
-            (dsh.ptr, dsg.ptr)
-        } else {
-            (DevPtr::NULL, DevPtr::NULL)
-        };
+        let (s, sgp) = common::shared_expert_io(shared, &dsh, &dsg);
         g.moe_down(
             &dtl,
             dt.ptr.add_bytes(16 * k),
@@ -546,13 +541,8 @@ fn grouped_case(g: &Gpu) {
             g.upload_f32(&sh_out).unwrap(),
             g.upload_f32(&sg).unwrap(),
         );
-        let sh = if shared {
-            (dsh.ptr, dsg.ptr)
-        } else {
-            (DevPtr::NULL, DevPtr::NULL)
-        };
-        let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
-        let dtl = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
+        let sh = common::shared_expert_io(shared, &dsh, &dsg);
+        let (gt, dtl) = common::expert_descs(q, h, inter);
         let tp = dtable.ptr;
         let t8 = 8 * pairs;
         // Per-pair launches.
@@ -1381,11 +1371,7 @@ fn down_pass_matches_one_token_launches() {
         let wts = g.upload_f32(&rvec(&mut rng, tokens * k, 1.0)).unwrap();
         let sh = g.upload_f32(&rvec(&mut rng, tokens * h, 1.0)).unwrap();
         let sgt = g.upload_f32(&rvec(&mut rng, tokens, 2.0)).unwrap();
-        let (shp, sgp) = if shared {
-            (sh.ptr, sgt.ptr)
-        } else {
-            (DevPtr::NULL, DevPtr::NULL)
-        };
+        let (shp, sgp) = common::shared_expert_io(shared, &sh, &sgt);
         let x0 = rvec(&mut rng, tokens * h, 1.0);
         let xm = g.upload_f32(&x0).unwrap();
         g.moe_down(

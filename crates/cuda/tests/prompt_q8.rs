@@ -8,7 +8,7 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{CudaTuning, DevPtr, ExpertsIo, Gpu, RouteBases, WDesc};
+use slipstream_cuda::{CudaTuning, DevPtr, ExpertsIo, Gpu, RouteBases};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
@@ -213,13 +213,8 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
             g.upload_f32(&sh_out).unwrap(),
             g.upload_f32(&sg).unwrap(),
         );
-        let sh = if shared {
-            (dsh.ptr, dsg.ptr)
-        } else {
-            (DevPtr::NULL, DevPtr::NULL)
-        };
-        let gt = WDesc::new(q, inter, h, DevPtr::NULL).unwrap();
-        let dtl = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
+        let sh = common::shared_expert_io(shared, &dsh, &dsg);
+        let (gt, dtl) = common::expert_descs(q, h, inter);
         assert!(g.experts_on_q8([&gt, &gt, &dtl], k));
         let io = |h_buf: DevPtr, x_buf: DevPtr| ExpertsIo {
             xrow: dxrow.ptr,

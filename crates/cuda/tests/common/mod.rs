@@ -3,7 +3,7 @@
 
 use rand::Rng;
 use slipstream_core::QuantType;
-use slipstream_cuda::{DBuf, Gpu};
+use slipstream_cuda::{DBuf, DevPtr, Gpu, WDesc};
 
 pub type Rng64 = rand::rngs::StdRng;
 
@@ -37,7 +37,10 @@ pub fn expert_records(
     (h, inter, k, e, tokens): (usize, usize, usize, usize, usize),
     mut weight: impl FnMut(&mut Rng64, QuantType, usize, usize) -> Vec<u8>,
 ) -> ExpertRecords {
-    assert!(k <= e, "top-{k} of {e} experts: a token routes to k distinct experts");
+    assert!(
+        k <= e,
+        "top-{k} of {e} experts: a token routes to k distinct experts"
+    );
     let align = |n: usize| n.div_ceil(256) * 256;
     let (gsz, dsz) = (q.nbytes(inter, h), q.nbytes(h, inter));
     let offsets = [0u64, align(gsz) as u64, 2 * align(gsz) as u64];
@@ -89,4 +92,23 @@ pub fn expert_records(
         views,
         ids,
     }
+}
+
+/// The shared expert's output and gate for an `ExpertsIo` (`[tokens, h]`
+/// and `[tokens]` f32), or none.
+pub fn shared_expert_io(shared: bool, out: &DBuf, gate: &DBuf) -> (DevPtr, DevPtr) {
+    if shared {
+        (out.ptr, gate.ptr)
+    } else {
+        (DevPtr::NULL, DevPtr::NULL)
+    }
+}
+
+/// Descriptor templates of an expert's gate/up (`[inter, h]`) and down
+/// (`[h, inter]`) parts of type `q`, addresses supplied by the bases table.
+pub fn expert_descs(q: QuantType, h: usize, inter: usize) -> (WDesc, WDesc) {
+    (
+        WDesc::new(q, inter, h, DevPtr::NULL).unwrap(),
+        WDesc::new(q, h, inter, DevPtr::NULL).unwrap(),
+    )
 }
