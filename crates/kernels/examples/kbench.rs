@@ -134,35 +134,27 @@ fn attention() {
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
     for keys in [256usize, 1024, 4096, 16384] {
-        let mut cache = || -> Vec<f32> {
-            (0..keys * stride)
-                .map(|_| rng.random_range(-1.0f32..1.0))
-                .collect()
-        };
-        let (k, v) = (cache(), cache());
+        let (k, v) = (
+            uniform(&mut rng, keys * stride),
+            uniform(&mut rng, keys * stride),
+        );
         let mut scores = vec![0f32; group * keys];
         let mut out = vec![0f32; group * hd];
-        let iters = (400_000 / keys).max(3);
-        let mut best = f64::MAX;
-        for _ in 0..3 {
-            let t0 = std::time::Instant::now();
-            for _ in 0..iters {
-                attention::attend_group(
-                    Isa::detect(),
-                    &q,
-                    &k,
-                    &v,
-                    stride,
-                    keys,
-                    hd,
-                    0.0625,
-                    &mut scores,
-                    &mut out,
-                );
-                std::hint::black_box(&out);
-            }
-            best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
-        }
+        let best = best_of_3((400_000 / keys).max(3), &mut || {
+            attention::attend_group(
+                Isa::detect(),
+                &q,
+                &k,
+                &v,
+                stride,
+                keys,
+                hd,
+                0.0625,
+                &mut scores,
+                &mut out,
+            );
+            std::hint::black_box(&out);
+        });
         let bytes = (2 * keys * hd * 4) as f64;
         println!(
             "attend_group keys={keys}: {:.1} us, {:.2} GB/s of K and V",
@@ -170,6 +162,24 @@ fn attention() {
             bytes / best / 1e9
         );
     }
+}
+
+/// `len` values uniform in [-1, 1).
+fn uniform(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Seconds per call of `f`, the best of 3 rounds of `iters` calls.
+fn best_of_3(iters: usize, f: &mut dyn FnMut()) -> f64 {
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
+    }
+    best
 }
 
 /// Prompt attention of one KV head's 8 query heads (hd 256) for a block of
@@ -185,12 +195,10 @@ fn prompt_attention() {
         .collect();
     for first_keys in [1024usize, 8192, 32768] {
         let keys = first_keys + tokens - 1;
-        let mut cache = || -> Vec<f32> {
-            (0..keys * stride)
-                .map(|_| rng.random_range(-1.0f32..1.0))
-                .collect()
-        };
-        let (k, v) = (cache(), cache());
+        let (k, v) = (
+            uniform(&mut rng, keys * stride),
+            uniform(&mut rng, keys * stride),
+        );
         let kv = attention::KvRows {
             k: &k,
             v: &v,
@@ -200,18 +208,7 @@ fn prompt_attention() {
         let mut scores = vec![0f32; tokens * group * keys];
         let mut out = vec![0f32; tokens * group * hd];
         let iters = (200_000 / keys).max(3);
-        let best_of = |f: &mut dyn FnMut()| {
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t0 = std::time::Instant::now();
-                for _ in 0..iters {
-                    f();
-                }
-                best = best.min(t0.elapsed().as_secs_f64() / iters as f64);
-            }
-            best
-        };
-        let whole = best_of(&mut || {
+        let whole = best_of_3(iters, &mut || {
             attention::attend_tokens(
                 Isa::detect(),
                 &q,
@@ -224,7 +221,7 @@ fn prompt_attention() {
             );
             std::hint::black_box(&out);
         });
-        let soft = best_of(&mut || {
+        let soft = best_of_3(iters, &mut || {
             for row in scores.chunks_exact_mut(keys) {
                 softmax::softmax_on(Isa::detect(), row);
             }

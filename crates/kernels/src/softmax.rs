@@ -162,11 +162,11 @@ pub unsafe fn softmax_avx2(x: &mut [f32]) {
             *v = exp_nonpositive(*v - max);
             lanes[i % 8] += *v as f64;
         }
-        let inv = _mm256_set1_ps((1.0 / reduce_lanes(lanes)) as f32);
-        for i in (0..full).step_by(8) {
-            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
-        }
         let inv = (1.0 / reduce_lanes(lanes)) as f32;
+        let invv = _mm256_set1_ps(inv);
+        for i in (0..full).step_by(8) {
+            _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), invv));
+        }
         for v in &mut x[full..] {
             *v *= inv;
         }
