@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use cudarc::driver::CudaGraph;
 use slipstream_core::QuantType;
 use slipstream_cuda::{AttnIo, CudaTuning, DBuf, DevPtr, ExpertsIo, GdnStep, Gpu, Position, WDesc};
 
@@ -47,17 +48,47 @@ fn time_ms(g: &Gpu, reps: usize, mut f: impl FnMut(usize)) -> f64 {
 fn time_layers(g: &Gpu, reps: usize, sets: usize, layer: impl Fn(usize)) -> (f64, f64, f64) {
     let one = time_ms(g, reps * 4, |i| layer(i % sets));
     let forty = time_ms(g, 3, |_| (0..40).for_each(&layer)) / 40.0;
+    let graph = capture(g, || (0..40).for_each(&layer));
+    let graphed = time_ms(g, reps, |_| graph.launch().unwrap()) / 40.0;
+    (one, forty, graphed)
+}
+
+/// The launches of `launch` captured into one CUDA graph.
+fn capture(g: &Gpu, launch: impl FnOnce()) -> CudaGraph {
     g.stream
         .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .unwrap();
-    (0..40).for_each(&layer);
-    let graph = g
-        .stream
+    launch();
+    g.stream
         .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
         .unwrap()
-        .unwrap();
-    let graphed = time_ms(g, reps, |_| graph.launch().unwrap()) / 40.0;
-    (one, forty, graphed)
+        .unwrap()
+}
+
+/// Microseconds per call of `f` (launching work for call i) over `n`
+/// calls queued back to back: the host's submission time and the GPU
+/// timeline between events around them.
+fn submit_us(g: &Gpu, n: usize, mut f: impl FnMut(usize)) -> (f64, f64) {
+    g.sync().unwrap();
+    let a = g.mark().unwrap();
+    let t = std::time::Instant::now();
+    for i in 0..n {
+        f(i);
+    }
+    let host_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let b = g.mark().unwrap();
+    b.synchronize().unwrap();
+    let gpu_us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / n as f64;
+    (host_us, gpu_us)
+}
+
+/// The bases tables of the `k` experts from `first` on (three parts each
+/// in `descs`): the gate, up and down codes' addresses, `[k]` u64 each.
+fn bases_table(descs: &[WDesc], first: usize, k: usize) -> Vec<u8> {
+    (0..3)
+        .flat_map(|part| (first..first + k).map(move |e| descs[e * 3 + part].codes))
+        .flat_map(|a| a.raw().to_le_bytes())
+        .collect()
 }
 
 fn fill_random(g: &Gpu, b: &DBuf, seed: u64) {
@@ -174,15 +205,9 @@ fn main() {
         descs.push(WDesc::new(q, h, inter, base.add_bytes(2 * p2)).unwrap());
     }
     fill_affine(&g, &pool, &descs, 11);
-    let mut table = Vec::new();
-    for s in 0..sets {
-        for part_i in 0..3 {
-            for r in 0..k {
-                table.push(descs[(s * k + r) * 3 + part_i].codes);
-            }
-        }
-    }
-    let tb: Vec<u8> = table.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
+    let tb: Vec<u8> = (0..sets)
+        .flat_map(|s| bases_table(&descs, s * k, k))
+        .collect();
     let tdev = g.upload(&tb).unwrap();
     let x = g.upload_f32(&vec![0.5f32; h]).unwrap();
     let xrow = g.alloc(4 * k).unwrap();
@@ -201,8 +226,9 @@ fn main() {
         x: res.ptr,
         tokens: 1,
     };
-    let ms_gu = time_ms(&g, reps * 4, |i| {
-        let s = i % sets;
+    // Layer set `s`'s routed experts as two launches (the GPU passed in:
+    // its settings change between the rows below).
+    let gate_up = |g: &Gpu, s: usize| {
         g.moe_gate_up(
             [&gt, &gt],
             [tab(s, 0), tab(s, 1)],
@@ -212,39 +238,17 @@ fn main() {
             k,
         )
         .unwrap()
-    });
-    let ms_dn = time_ms(&g, reps * 4, |i| {
-        let s = i % sets;
-        g.moe_down(&dt, tab(s, 2), &io).unwrap()
-    });
-    let ms_layer = time_ms(&g, reps * 4, |i| {
-        let s = i % sets;
-        g.moe_gate_up(
-            [&gt, &gt],
-            [tab(s, 0), tab(s, 1)],
-            xrow.ptr,
-            x.ptr,
-            hbuf.ptr,
-            k,
-        )
-        .unwrap();
-        g.moe_down(&dt, tab(s, 2), &io).unwrap();
-    });
+    };
+    let down = |g: &Gpu, s: usize| g.moe_down(&dt, tab(s, 2), &io).unwrap();
+    let layer = |g: &Gpu, s: usize| {
+        gate_up(g, s);
+        down(g, s);
+    };
+    let ms_gu = time_ms(&g, reps * 4, |i| gate_up(&g, i % sets));
+    let ms_dn = time_ms(&g, reps * 4, |i| down(&g, i % sets));
+    let ms_layer = time_ms(&g, reps * 4, |i| layer(&g, i % sets));
     // Many layers back to back in one timed region (launch gaps amortised).
-    let ms_40 = time_ms(&g, 3, |_| {
-        for s in 0..40 {
-            g.moe_gate_up(
-                [&gt, &gt],
-                [tab(s, 0), tab(s, 1)],
-                xrow.ptr,
-                x.ptr,
-                hbuf.ptr,
-                k,
-            )
-            .unwrap();
-            g.moe_down(&dt, tab(s, 2), &io).unwrap();
-        }
-    }) / 40.0;
+    let ms_40 = time_ms(&g, 3, |_| (0..40).for_each(|s| layer(&g, s))) / 40.0;
     // A layer's routed experts through `moe_experts`: first on the
     // tensor-core kernels (opt-in: `SLIPSTREAM_CUDA_TC=1`; fused kernel
     // off), then as one launch of the fused kernel.
@@ -266,63 +270,12 @@ fn main() {
     let (ms_fused, ms_fused40, ms_graph40) = time_layers(&g, reps, sets, |s| experts(&g, s));
     // Launch cost: host submission vs GPU timeline, and graph replay.
     {
-        let n = 2000;
-        g.sync().unwrap();
-        let a = g.mark().unwrap();
-        let t = std::time::Instant::now();
-        for _ in 0..n {
-            g.nop().unwrap();
-        }
-        let host_us = t.elapsed().as_secs_f64() * 1e6 / n as f64;
-        let b = g.mark().unwrap();
-        b.synchronize().unwrap();
-        let gpu_us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / n as f64;
+        let (host_us, gpu_us) = submit_us(&g, 2000, |_| g.nop().unwrap());
         println!("probe: empty kernel: host submit {host_us:.2} us/launch, GPU timeline {gpu_us:.2} us/launch");
-        let layers = 400;
-        g.sync().unwrap();
-        let a = g.mark().unwrap();
-        let t = std::time::Instant::now();
-        for i in 0..layers {
-            let s = i % sets;
-            g.moe_gate_up(
-                [&gt, &gt],
-                [tab(s, 0), tab(s, 1)],
-                xrow.ptr,
-                x.ptr,
-                hbuf.ptr,
-                k,
-            )
-            .unwrap();
-            g.moe_down(&dt, tab(s, 2), &io).unwrap();
-        }
-        let host_us = t.elapsed().as_secs_f64() * 1e6 / layers as f64;
-        let b = g.mark().unwrap();
-        b.synchronize().unwrap();
-        let gpu_us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / layers as f64;
+        let (host_us, gpu_us) = submit_us(&g, 400, |i| layer(&g, i % sets));
         println!("probe: layer pair: host submit {host_us:.2} us/layer, GPU timeline {gpu_us:.2} us/layer");
         for (nl, what) in [(1usize, "1 layer"), (40, "40 layers")] {
-            g.stream
-                .begin_capture(
-                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-                )
-                .unwrap();
-            for s in 0..nl {
-                g.moe_gate_up(
-                    [&gt, &gt],
-                    [tab(s, 0), tab(s, 1)],
-                    xrow.ptr,
-                    x.ptr,
-                    hbuf.ptr,
-                    k,
-                )
-                .unwrap();
-                g.moe_down(&dt, tab(s, 2), &io).unwrap();
-            }
-            let graph = g
-                .stream
-                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                .unwrap()
-                .unwrap();
+            let graph = capture(&g, || (0..nl).for_each(|s| layer(&g, s)));
             let ms = time_ms(&g, reps, |_| graph.launch().unwrap());
             println!(
                 "probe: graph of {what} (2 launches each), replayed: {:.2} us/layer",
@@ -347,134 +300,103 @@ fn main() {
             println!("probe: {n}: {regs} registers, {occ} blocks of 256 per SM");
         }
     }
-    rows.push(Row {
-        name: format!("experts gate+up ({k} x 2 x [{inter},{h}] q4)"),
-        ms: ms_gu,
-        bytes: (2 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: format!("experts down ({k} x [{h},{inter}] q4)"),
-        ms: ms_dn,
-        bytes: (k * part) as f64,
-    });
-    rows.push(Row {
-        name: "layer's routed experts (2 launches)".into(),
-        ms: ms_layer,
-        bytes: (3 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: "layer's routed experts, 40 layers queued".into(),
-        ms: ms_40,
-        bytes: (3 * k * part) as f64,
-    });
+    // Larger batch: all 256 experts of a layer at once (prefill-like).
+    let kk = 64usize;
+    let (ms_kk_pair, ms_kk_fused) = {
+        let td2 = g.upload(&bases_table(&descs, 0, kk)).unwrap();
+        let bases = [
+            td2.ptr,
+            td2.ptr.add_bytes(8 * kk),
+            td2.ptr.add_bytes(16 * kk),
+        ];
+        let xr2 = g.alloc(4 * kk).unwrap();
+        let h2 = g.alloc(4 * kk * inter).unwrap();
+        let w2 = g.upload_f32(&vec![0.01f32; kk]).unwrap();
+        let io2 = ExpertsIo {
+            xrow: xr2.ptr,
+            h: h2.ptr,
+            wts: w2.ptr,
+            k: kk,
+            ..io
+        };
+        let ms = time_ms(&g, reps, |_| {
+            g.moe_gate_up([&gt, &gt], [bases[0], bases[1]], xr2.ptr, x.ptr, h2.ptr, kk)
+                .unwrap();
+            g.moe_down(&dt, bases[2], &io2).unwrap();
+        });
+        let msf = time_ms(&g, reps, |_| {
+            g.moe_experts([&gt, &gt, &dt], bases, &io2).unwrap()
+        });
+        (ms, msf)
+    };
+    drop(pool);
     let tc_name = if tc_ok {
         "tensor cores"
     } else {
         "default path"
     };
-    rows.push(Row {
-        name: format!("layer's routed experts, {tc_name} (2 launches)"),
-        ms: ms_tc,
-        bytes: (3 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: format!("{tc_name}, 40 layers queued"),
-        ms: ms_tc40,
-        bytes: (3 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: format!("{tc_name}, 40 layers in one CUDA graph"),
-        ms: ms_tc_graph40,
-        bytes: (3 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: "layer's routed experts, fused (1 launch)".into(),
-        ms: ms_fused,
-        bytes: (3 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: "fused, 40 layers queued".into(),
-        ms: ms_fused40,
-        bytes: (3 * k * part) as f64,
-    });
-    rows.push(Row {
-        name: "fused, 40 layers in one CUDA graph".into(),
-        ms: ms_graph40,
-        bytes: (3 * k * part) as f64,
-    });
-    // Larger batch: all 256 experts of a layer at once (prefill-like).
-    {
-        let kk = 64usize;
-        let mut t2 = Vec::new();
-        for p in 0..3 {
-            for r in 0..kk {
-                t2.push(descs[r * 3 + p].codes);
-            }
-        }
-        let tb2: Vec<u8> = t2.iter().flat_map(|a| a.raw().to_le_bytes()).collect();
-        let td2 = g.upload(&tb2).unwrap();
-        let xr2 = g.alloc(4 * kk).unwrap();
-        let h2 = g.alloc(4 * kk * inter).unwrap();
-        let w2 = g.upload_f32(&vec![0.01f32; kk]).unwrap();
-        let ms = time_ms(&g, reps, |_| {
-            g.moe_gate_up(
-                [&gt, &gt],
-                [td2.ptr, td2.ptr.add_bytes(8 * kk)],
-                xr2.ptr,
-                x.ptr,
-                h2.ptr,
-                kk,
-            )
-            .unwrap();
-            g.moe_down(
-                &dt,
-                td2.ptr.add_bytes(16 * kk),
-                &ExpertsIo {
-                    xrow: DevPtr::NULL,
-                    xn: DevPtr::NULL,
-                    h: h2.ptr,
-                    wts: w2.ptr,
-                    k: kk,
-                    shared: (DevPtr::NULL, DevPtr::NULL),
-                    x: res.ptr,
-                    tokens: 1,
-                },
-            )
-            .unwrap();
-        });
-        let msf = time_ms(&g, reps, |_| {
-            g.moe_experts(
-                [&gt, &gt, &dt],
-                [
-                    td2.ptr,
-                    td2.ptr.add_bytes(8 * kk),
-                    td2.ptr.add_bytes(16 * kk),
-                ],
-                &ExpertsIo {
-                    xrow: xr2.ptr,
-                    xn: x.ptr,
-                    h: h2.ptr,
-                    wts: w2.ptr,
-                    k: kk,
-                    shared: (DevPtr::NULL, DevPtr::NULL),
-                    x: res.ptr,
-                    tokens: 1,
-                },
-            )
-            .unwrap()
-        });
+    // The routed experts' rows: bytes of the weights each read once.
+    let layer_bytes = 3 * k * part;
+    for (name, ms, bytes) in [
+        (
+            format!("experts gate+up ({k} x 2 x [{inter},{h}] q4)"),
+            ms_gu,
+            2 * k * part,
+        ),
+        (
+            format!("experts down ({k} x [{h},{inter}] q4)"),
+            ms_dn,
+            k * part,
+        ),
+        (
+            "layer's routed experts (2 launches)".into(),
+            ms_layer,
+            layer_bytes,
+        ),
+        (
+            "layer's routed experts, 40 layers queued".into(),
+            ms_40,
+            layer_bytes,
+        ),
+        (
+            format!("layer's routed experts, {tc_name} (2 launches)"),
+            ms_tc,
+            layer_bytes,
+        ),
+        (format!("{tc_name}, 40 layers queued"), ms_tc40, layer_bytes),
+        (
+            format!("{tc_name}, 40 layers in one CUDA graph"),
+            ms_tc_graph40,
+            layer_bytes,
+        ),
+        (
+            "layer's routed experts, fused (1 launch)".into(),
+            ms_fused,
+            layer_bytes,
+        ),
+        ("fused, 40 layers queued".into(), ms_fused40, layer_bytes),
+        (
+            "fused, 40 layers in one CUDA graph".into(),
+            ms_graph40,
+            layer_bytes,
+        ),
+        (
+            format!("{kk} experts, fused (1 launch)"),
+            ms_kk_fused,
+            3 * kk * part,
+        ),
+        (
+            format!("{kk} experts in one launch pair"),
+            ms_kk_pair,
+            3 * kk * part,
+        ),
+    ] {
         rows.push(Row {
-            name: format!("{kk} experts, fused (1 launch)"),
-            ms: msf,
-            bytes: (3 * kk * part) as f64,
-        });
-        rows.push(Row {
-            name: format!("{kk} experts in one launch pair"),
+            name,
             ms,
-            bytes: (3 * kk * part) as f64,
+            bytes: bytes as f64,
         });
     }
-    drop(pool);
 
     if !experts_only {
         // 3. Dense matvecs (rotating over 8 copies).
