@@ -123,7 +123,7 @@ fn ggml_weights(rng: &mut rand::rngs::StdRng, q: QuantType, rows: usize, cols: u
     data
 }
 
-/// `attention::attend_group` at the 35B model's shape (8 query heads per KV
+/// `attention::attend_tokens` for one token at the 35B model's shape (8 query heads per KV
 /// head, head dim 256, 2 KV heads per cache row): time per call and the
 /// rate at which it reads the K and V rows.
 fn attention() {
@@ -141,14 +141,18 @@ fn attention() {
         let mut scores = vec![0f32; group * keys];
         let mut out = vec![0f32; group * hd];
         let best = best_of_3((400_000 / keys).max(3), &mut || {
-            attention::attend_group(
+            let kv = attention::KvRows {
+                k: &k,
+                v: &v,
+                stride,
+                hd,
+            };
+            attention::attend_tokens(
                 Isa::detect(),
                 &q,
-                &k,
-                &v,
-                stride,
+                &kv,
+                1,
                 keys,
-                hd,
                 0.0625,
                 &mut scores,
                 &mut out,
@@ -157,7 +161,7 @@ fn attention() {
         });
         let bytes = (2 * keys * hd * 4) as f64;
         println!(
-            "attend_group keys={keys}: {:.1} us, {:.2} GB/s of K and V",
+            "attend one token, keys={keys}: {:.1} us, {:.2} GB/s of K and V",
             best * 1e6,
             bytes / best / 1e9
         );
@@ -249,14 +253,7 @@ fn convert() {
         Some("q8_0") => QuantType::Q8_0,
         Some(o) => panic!("convert takes q4_0 or q8_0, not {o}"),
     };
-    let rounds: usize = std::env::args()
-        .nth(3)
-        .map(|s| s.parse().unwrap())
-        .unwrap_or(9);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
+    let (rounds, pool) = rounds_on_one_thread();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     println!(
         "isa: {:?}; {rounds} interleaved rounds, median CPU time per product",
@@ -280,23 +277,7 @@ fn convert() {
             .collect();
         let mut y = vec![0f32; n * rows];
         let iters = ((2e9 / data.len() as f64 / n as f64) as usize).clamp(5, 20000);
-        let mut times = [Vec::new(), Vec::new()];
-        pool.install(|| {
-            for _ in 0..rounds {
-                for (k, w) in w.iter().enumerate() {
-                    let c0 = cpu_ns();
-                    for _ in 0..iters {
-                        matmul(w, &x, n, &mut y);
-                    }
-                    times[k].push((cpu_ns() - c0) as f64 * 1e-3 / iters as f64);
-                }
-            }
-        });
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(|a, b| a.total_cmp(b));
-            v[v.len() / 2]
-        };
-        let (g, a) = (med(&mut times[0]), med(&mut times[1]));
+        let [g, a] = interleaved_medians(&pool, rounds, iters, |k| matmul(&w[k], &x, n, &mut y));
         println!(
             "[{rows}x{cols}] n={n}: {} {g:.1} us, {} {a:.1} us, ratio {:.2}x",
             q.name(),
@@ -319,14 +300,7 @@ fn int8() {
         Some("q6_k") => QuantType::Q6K,
         Some(o) => panic!("int8 takes a GGML type, not {o}"),
     };
-    let rounds: usize = std::env::args()
-        .nth(3)
-        .map(|s| s.parse().unwrap())
-        .unwrap_or(9);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(1)
-        .build()
-        .unwrap();
+    let (rounds, pool) = rounds_on_one_thread();
     let mut rng = rand::rngs::StdRng::seed_from_u64(1);
     let isa = Isa::detect();
     println!(
@@ -347,28 +321,55 @@ fn int8() {
         let mut y = vec![0f32; n * rows];
         let iters = ((1e9 / data.len() as f64 / n as f64) as usize).clamp(2, 20000);
         let acts = [Activations::Exact, Activations::Int8];
-        let mut times = [Vec::new(), Vec::new()];
-        pool.install(|| {
-            for _ in 0..rounds {
-                for (k, &act) in acts.iter().enumerate() {
-                    let c0 = cpu_ns();
-                    for _ in 0..iters {
-                        matmul_act(isa, act, &w, &x, n, &mut y);
-                    }
-                    times[k].push((cpu_ns() - c0) as f64 * 1e-3 / iters as f64);
-                }
-            }
+        let [e, i] = interleaved_medians(&pool, rounds, iters, |k| {
+            matmul_act(isa, acts[k], &w, &x, n, &mut y)
         });
-        let med = |v: &mut Vec<f64>| {
-            v.sort_by(|a, b| a.total_cmp(b));
-            v[v.len() / 2]
-        };
-        let (e, i) = (med(&mut times[0]), med(&mut times[1]));
         println!(
             "[{rows}x{cols}] n={n}: exact {e:.1} us, int8 {i:.1} us, speed-up {:.2}x",
             e / i
         );
     }
+}
+
+/// The round count (third argument, default 9) and a one-thread pool, for
+/// the interleaved comparisons.
+fn rounds_on_one_thread() -> (usize, rayon::ThreadPool) {
+    let rounds = std::env::args()
+        .nth(3)
+        .map(|s| s.parse().expect("rounds: a whole number"))
+        .unwrap_or(9);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .expect("a one-thread pool");
+    (rounds, pool)
+}
+
+/// Runs variant 0 and variant 1 of `product` `iters` times each, alternating
+/// for `rounds` rounds on `pool` so both see the same machine noise; returns
+/// each variant's median CPU time per call in microseconds.
+fn interleaved_medians(
+    pool: &rayon::ThreadPool,
+    rounds: usize,
+    iters: usize,
+    mut product: impl FnMut(usize) + Send,
+) -> [f64; 2] {
+    let mut times = [Vec::new(), Vec::new()];
+    pool.install(|| {
+        for _ in 0..rounds {
+            for (k, t) in times.iter_mut().enumerate() {
+                let c0 = cpu_ns();
+                for _ in 0..iters {
+                    product(k);
+                }
+                t.push((cpu_ns() - c0) as f64 * 1e-3 / iters as f64);
+            }
+        }
+    });
+    times.map(|mut v| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    })
 }
 
 fn cpu_ns() -> u64 {

@@ -18,33 +18,6 @@ const KEYS: usize = 2;
 /// Output columns per pass of the weighted sum (4 vectors of 8).
 const COLS: usize = 32;
 
-/// Attention of `group` query heads over `keys` positions of one KV head,
-/// with the kernels of `isa` (the AVX2 + FMA build for [`Isa::Avx2`] and
-/// [`Isa::Avx512`], the portable one otherwise; the same bits either way).
-///
-/// * `q`: `[group, hd]` (already normed, rotated).
-/// * `k`, `v`: position `j`'s row at `[j * stride..][..hd]` (`stride >= hd`,
-///   the layout of a KV cache holding every KV head of a position).
-/// * `scale`: multiplies each dot product (usually `1 / sqrt(hd)`).
-/// * `scores`: scratch of at least `group * keys`.
-/// * `out`: `[group, hd]`, overwritten.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_group(
-    isa: Isa,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    stride: usize,
-    keys: usize,
-    hd: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let kv = KvRows { k, v, stride, hd };
-    attend_tokens(isa, q, &kv, 1, keys, scale, scores, out)
-}
-
 /// One KV head's cached keys and values: position `j`'s rows at
 /// `k[j * stride..][..hd]` and `v[j * stride..][..hd]` (`stride >= hd`, the
 /// layout of a KV cache holding every KV head of a position).
@@ -56,13 +29,17 @@ pub struct KvRows<'a> {
     pub hd: usize,
 }
 
-/// [`attend_group`] for `tokens` consecutive tokens at once: token `g` sees
-/// the first `first_keys + g` positions (causal prefill). Each key block is
-/// read from memory once for all the tokens' heads instead of once per
-/// token; every output is bit-identical to [`attend_group`] of its token
-/// alone. Panics if the CPU lacks `isa`.
+/// Attention of `group` query heads per token for `tokens` consecutive
+/// tokens over one KV head, with the kernels of `isa` (the AVX2 + FMA build
+/// for [`Isa::Avx2`] and [`Isa::Avx512`], the portable one otherwise; the
+/// same bits either way). Token `g` sees the first `first_keys + g`
+/// positions (causal prefill; `tokens = 1` is one decode step over
+/// `first_keys` keys). Each key block is read from memory once for all the
+/// tokens' heads instead of once per token; every output is bit-identical
+/// to a call for its token alone. Panics if the CPU lacks `isa`.
 ///
-/// * `q`: `[tokens, group, hd]`.
+/// * `q`: `[tokens, group, hd]` (already normed, rotated).
+/// * `scale`: multiplies each dot product (usually `1 / sqrt(hd)`).
 /// * `scores`: scratch of at least `tokens * group * (first_keys + tokens - 1)`.
 /// * `out`: `[tokens, group, hd]`, overwritten (zeros for a token that sees
 ///   no keys).
@@ -103,7 +80,7 @@ fn attend_tokens_avx2(
 }
 
 /// The portable body of [`attend_tokens`] (also its reference).
-pub fn attend_tokens_impl(
+fn attend_tokens_impl(
     q: &[f32],
     kv: &KvRows,
     tokens: usize,
@@ -113,23 +90,6 @@ pub fn attend_tokens_impl(
     out: &mut [f32],
 ) {
     attend_tiles::<false>(q, kv, tokens, first_keys, scale, scores, out)
-}
-
-/// The portable body of [`attend_group`] (also its reference).
-#[allow(clippy::too_many_arguments)]
-pub fn attend_group_impl(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    stride: usize,
-    keys: usize,
-    hd: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let kv = KvRows { k, v, stride, hd };
-    attend_tiles::<false>(q, &kv, 1, keys, scale, scores, out)
 }
 
 /// [`attend_tokens`] with its score and weighted-sum tiles in AVX2
@@ -298,7 +258,7 @@ fn prefetch_rows(m: &[f32], stride: usize, hd: usize, js: std::ops::Range<usize>
     let _ = (m, stride, hd, js);
 }
 
-/// Bytes of one KV head's keys and values above which [`attend_group`]
+/// Bytes of one KV head's keys and values above which [`attend_tokens`]
 /// prefetches them (about twice a core's L2).
 const PREFETCH_ABOVE: usize = 4 << 20;
 
@@ -613,6 +573,29 @@ mod tests {
         out
     }
 
+    /// The bits of [`attend_tokens`] with `isa` (scratch and output made
+    /// here; the output starts as a sentinel so untouched lanes show).
+    fn attend_bits(
+        isa: Isa,
+        q: &[f32],
+        kv: &KvRows,
+        tokens: usize,
+        first_keys: usize,
+        scale: f32,
+    ) -> Vec<u32> {
+        let group_hd = q.len() / tokens;
+        let keys = first_keys + tokens - 1;
+        let mut scores = vec![0f32; tokens * (group_hd / kv.hd) * keys];
+        let mut out = vec![9f32; tokens * group_hd];
+        attend_tokens(isa, q, kv, tokens, first_keys, scale, &mut scores, &mut out);
+        out.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// `len` values uniform in [-2, 2).
+    fn uniform(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect()
+    }
+
     /// A long context (K and V past `PREFETCH_ABOVE`, so the dispatched
     /// build prefetches the next key blocks) gives the portable bits too.
     #[test]
@@ -620,32 +603,25 @@ mod tests {
         let (hd, group, keys, stride) = (256usize, 2usize, 2100usize, 512usize);
         assert!(2 * keys * hd * 4 > PREFETCH_ABOVE);
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-        let mut vals =
-            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
-        let (q, k, v) = (vals(group * hd), vals(keys * stride), vals(keys * stride));
-        let mut s1 = vec![0f32; group * keys];
-        let mut s2 = vec![0f32; group * keys];
-        let mut o1 = vec![0f32; group * hd];
-        let mut o2 = vec![7f32; group * hd];
-        attend_group(
-            Isa::detect(),
-            &q,
-            &k,
-            &v,
-            stride,
-            keys,
-            hd,
-            0.0625,
-            &mut s1,
-            &mut o1,
+        let (q, k, v) = (
+            uniform(&mut rng, group * hd),
+            uniform(&mut rng, keys * stride),
+            uniform(&mut rng, keys * stride),
         );
-        attend_group_impl(&q, &k, &v, stride, keys, hd, 0.0625, &mut s2, &mut o2);
-        let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&o1), bits(&o2));
+        let kv = KvRows {
+            k: &k,
+            v: &v,
+            stride,
+            hd,
+        };
+        assert_eq!(
+            attend_bits(Isa::detect(), &q, &kv, 1, keys, 0.0625),
+            attend_bits(Isa::Scalar, &q, &kv, 1, keys, 0.0625)
+        );
     }
 
-    /// Each token of a multi-token call, against `attend_group` of that
-    /// token alone (bits), in the dispatched and the portable build.
+    /// Each token of a multi-token call, against a call for that token
+    /// alone (bits), in the dispatched and the portable build.
     fn check_tokens_match_one_by_one(
         hd: usize,
         group: usize,
@@ -657,9 +633,11 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let keys = first_keys + tokens - 1;
         let n = keys.max(1) * stride;
-        let mut vals =
-            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
-        let (q, k, v) = (vals(tokens * group * hd), vals(n), vals(n));
+        let (q, k, v) = (
+            uniform(&mut rng, tokens * group * hd),
+            uniform(&mut rng, n),
+            uniform(&mut rng, n),
+        );
         let scale = 1.0 / (hd as f32).sqrt();
         let kv = KvRows {
             k: &k,
@@ -667,50 +645,16 @@ mod tests {
             stride,
             hd,
         };
-        let bits = |o: &[f32]| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        let mut scores = vec![0f32; tokens * group * keys];
-        let mut fast = vec![9f32; tokens * group * hd];
-        let mut portable = vec![9f32; tokens * group * hd];
-        attend_tokens(
-            Isa::detect(),
-            &q,
-            &kv,
-            tokens,
-            first_keys,
-            scale,
-            &mut scores,
-            &mut fast,
-        );
-        attend_tokens_impl(
-            &q,
-            &kv,
-            tokens,
-            first_keys,
-            scale,
-            &mut scores,
-            &mut portable,
-        );
-        prop_assert_eq!(bits(&fast), bits(&portable));
+        let fast = attend_bits(Isa::detect(), &q, &kv, tokens, first_keys, scale);
+        let portable = attend_bits(Isa::Scalar, &q, &kv, tokens, first_keys, scale);
+        prop_assert_eq!(&fast, &portable);
         for g in 0..tokens {
             let kg = first_keys + g;
             let qg = &q[g * group * hd..][..group * hd];
-            let mut s1 = vec![0f32; group * kg];
-            let mut alone = vec![5f32; group * hd];
-            attend_group(
-                Isa::detect(),
-                qg,
-                &k,
-                &v,
-                stride,
-                kg,
-                hd,
-                scale,
-                &mut s1,
-                &mut alone,
-            );
+            let alone = attend_bits(Isa::detect(), qg, &kv, 1, kg, scale);
             prop_assert_eq!(
-                bits(&fast[g * group * hd..][..group * hd]),
-                bits(&alone),
+                &fast[g * group * hd..][..group * hd],
+                &alone[..],
                 "token {} of {} ({} keys)",
                 g,
                 tokens,
@@ -744,19 +688,12 @@ mod tests {
             let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
             let stride = hd * (1 + pad) + pad;
             let n = keys.max(1) * stride;
-            let mut vals = |len: usize| -> Vec<f32> { (0..len).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
-            let (q, k, v) = (vals(group * hd), vals(n), vals(n));
+            let (q, k, v) = (uniform(&mut rng, group * hd), uniform(&mut rng, n), uniform(&mut rng, n));
             let scale = 1.0 / (hd as f32).sqrt();
-            let mut s1 = vec![0f32; group * keys];
-            let mut s2 = vec![0f32; group * keys];
-            let mut o1 = vec![0f32; group * hd];
-            let mut o2 = vec![7f32; group * hd];
-            attend_group(Isa::detect(), &q, &k, &v, stride, keys, hd, scale, &mut s1, &mut o1);
-            attend_group_impl(&q, &k, &v, stride, keys, hd, scale, &mut s2, &mut o2);
-            prop_assert_eq!(
-                o1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                o2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-            );
+            let kv = KvRows { k: &k, v: &v, stride, hd };
+            let fast = attend_bits(Isa::detect(), &q, &kv, 1, keys, scale);
+            prop_assert_eq!(&fast, &attend_bits(Isa::Scalar, &q, &kv, 1, keys, scale));
+            let o1: Vec<f32> = fast.iter().map(|&b| f32::from_bits(b)).collect();
             if keys > 0 {
                 let want = reference(&q, &k, &v, stride, keys, hd);
                 for (i, (&got, &w)) in o1.iter().zip(&want).enumerate() {

@@ -172,6 +172,24 @@ fn magnitude(w: &TensorView, r: usize, x: &[f32]) -> f64 {
     mag
 }
 
+/// [`random_weights`] of `qtype` `[rows, cols]` and `n` tokens of `x`
+/// uniform in [-1, 1) (seeded by `seed ^ x_salt`, so each check draws its
+/// own inputs).
+fn random_problem(
+    qtype: QuantType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+    extreme: bool,
+    x_salt: u64,
+) -> (Vec<u8>, Vec<f32>) {
+    let data = random_weights(qtype, rows, cols, seed, extreme);
+    let mut rng = SplitMix(seed ^ x_salt);
+    let x = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    (data, x)
+}
+
 /// Checks `kernel` against the scalar reference on [`random_weights`]:
 /// `[rows, cols]` of `qtype`, `n` tokens of random `x`. Each output must be
 /// within `1e-4 * magnitude + 1e-30` of the reference, and the reference
@@ -186,10 +204,8 @@ pub fn check_against_reference(
     seed: u64,
     extreme: bool,
 ) -> Result<(), String> {
-    let data = random_weights(qtype, rows, cols, seed, extreme);
+    let (data, x) = random_problem(qtype, rows, cols, n, seed, extreme, 0x5eed);
     let w = TensorView::new(qtype, rows, cols, &data).map_err(|e| e.to_string())?;
-    let mut rng = SplitMix(seed ^ 0x5eed);
-    let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let mut y = vec![0f32; n * rows];
     kernel(&w, &x, n, &mut y);
     let mut yr = vec![0f32; n * rows];
@@ -234,10 +250,8 @@ pub fn check_batch_is_single(
     n: usize,
     seed: u64,
 ) -> Result<(), String> {
-    let data = random_weights(qtype, rows, cols, seed, true);
+    let (data, x) = random_problem(qtype, rows, cols, n, seed, true, 0xba7c);
     let w = TensorView::new(qtype, rows, cols, &data).map_err(|e| e.to_string())?;
-    let mut rng = SplitMix(seed ^ 0xba7c);
-    let x: Vec<f32> = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let mut y = vec![0f32; n * rows];
     kernel(&w, &x, n, &mut y);
     let mut y1 = vec![0f32; rows];

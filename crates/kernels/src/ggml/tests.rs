@@ -11,6 +11,26 @@ fn isa_kernel(isa: Isa) -> impl Fn(&TensorView, &[f32], usize, &mut [f32]) {
 }
 
 /// A random case: type, rows (ragged, 1..70), blocks per row, tokens, seed.
+/// [`check_against_reference`] and [`check_batch_is_single`] on every ISA
+/// this CPU has, the failing ISA named.
+fn check_every_isa(
+    q: QuantType,
+    rows: usize,
+    cols: usize,
+    n: usize,
+    seed: u64,
+    extreme: bool,
+) -> Result<(), TestCaseError> {
+    for isa in Isa::available() {
+        let k = isa_kernel(isa);
+        let r = check_against_reference(&k, q, rows, cols, n, seed, extreme);
+        prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+        let r = check_batch_is_single(&k, q, rows, cols, n, seed);
+        prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+    }
+    Ok(())
+}
+
 fn case() -> impl Strategy<Value = (QuantType, usize, usize, usize, u64, bool)> {
     (
         proptest::sample::select(GGML_TYPES.to_vec()),
@@ -41,24 +61,12 @@ proptest! {
         seed in any::<u64>(),
     ) {
         let cols = 64 * ng;
-        for isa in Isa::available() {
-            let k = isa_kernel(isa);
-            let r = check_against_reference(&k, q, rows, cols, n, seed, false);
-            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-            let r = check_batch_is_single(&k, q, rows, cols, n, seed);
-            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-        }
+        check_every_isa(q, rows, cols, n, seed, false)?;
     }
 
     #[test]
     fn kernels_match_reference((q, rows, cols, n, seed, extreme) in case()) {
-        for isa in Isa::available() {
-            let k = isa_kernel(isa);
-            let r = check_against_reference(&k, q, rows, cols, n, seed, extreme);
-            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-            let r = check_batch_is_single(&k, q, rows, cols, n, seed);
-            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-        }
+        check_every_isa(q, rows, cols, n, seed, extreme)?;
     }
 
     #[test]
@@ -178,13 +186,7 @@ proptest! {
     /// those of the token alone, on every ISA.
     #[test]
     fn prompt_products_match_reference((q, rows, cols, n, seed, extreme) in gemm_case()) {
-        for isa in Isa::available() {
-            let k = isa_kernel(isa);
-            let r = check_against_reference(&k, q, rows, cols, n, seed, extreme);
-            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-            let r = check_batch_is_single(&k, q, rows, cols, n, seed);
-            prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-        }
+        check_every_isa(q, rows, cols, n, seed, extreme)?;
     }
 }
 
