@@ -19,7 +19,7 @@ pub use crate::anthropic_request::{conversation, Mapped, Message, MessagesReques
 use crate::constrain::tool_constraint;
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::fields::{anthropic_tool_choice, refuse_unknown, tool_form, ANTHROPIC_IGNORED};
-use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
+use crate::gen::{pump, spawn_sse, submit, Gen, GenParams, Outcome, Step};
 use crate::openai::new_id;
 use crate::parse::{OutputEvent, ToolCall};
 use crate::prompt::Rendered;
@@ -95,16 +95,6 @@ fn tool_use_block(c: &ToolCall) -> Value {
 pub async fn messages(
     State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match messages_inner(app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn messages_inner(
-    app: Arc<App>,
-    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: MessagesRequest = parse_body(F, body)?;
     refuse_unknown(F, &req.unknown, ANTHROPIC_IGNORED)?;
@@ -152,68 +142,60 @@ async fn messages_inner(
         constraint,
         logprobs: None,
     };
-    let gen = submit(&app, F, params)?;
+    let mut gen = submit(&app, F, params)?;
     let model = app.config.model_id.clone();
     let id = new_id("msg_");
     if req.stream {
-        let (tx, rx) = mpsc::channel::<String>(64);
         let writer = EventWriter {
             omit_reasoning: omit,
             ..Default::default()
         };
-        tokio::spawn(stream_messages(app, gen, tx, model, id, writer));
-        return Ok(sse_response(sse_body(rx)));
+        return Ok(spawn_sse(|tx| {
+            stream_messages(app, gen, tx, model, id, writer)
+        }));
     }
-    let mut gen = gen;
     let mut content: Vec<Value> = Vec::new();
     let mut calls = 0;
-    let outcome = loop {
-        match gen.next().await {
-            Some(Step::Started) => {}
-            Some(Step::Output(evs)) => {
-                for ev in evs {
-                    let last_type = content
-                        .last()
-                        .and_then(|b| b.get("type"))
-                        .and_then(Value::as_str)
-                        .map(str::to_string);
-                    match ev {
-                        OutputEvent::Content(t) => {
-                            if last_type.as_deref() == Some("text") {
-                                append(content.last_mut(), "text", &t);
-                            } else {
-                                content.push(json!({"type": "text", "text": t}));
-                            }
-                        }
-                        OutputEvent::Reasoning(t) => {
-                            // Omitted reasoning travels in the signature.
-                            let key = if omit { "signature" } else { "thinking" };
-                            if last_type.as_deref() == Some("thinking") {
-                                append(content.last_mut(), key, &t);
-                            } else {
-                                let mut block =
-                                    json!({"type": "thinking", "thinking": "", "signature": ""});
-                                block[key] = if omit {
-                                    format!("{REASONING_SIGNATURE}{t}").into()
-                                } else {
-                                    t.into()
-                                };
-                                content.push(block);
-                            }
-                        }
-                        OutputEvent::ToolCallEnd(c) => {
-                            calls += 1;
-                            content.push(tool_use_block(&c));
-                        }
-                        OutputEvent::ToolCallStart { .. } | OutputEvent::ToolCallArgs(_) => {}
+    let outcome = gen
+        .collect(|ev| {
+            let last_type = content
+                .last()
+                .and_then(|b| b.get("type"))
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            match ev {
+                OutputEvent::Content(t) => {
+                    if last_type.as_deref() == Some("text") {
+                        append(content.last_mut(), "text", &t);
+                    } else {
+                        content.push(json!({"type": "text", "text": t}));
                     }
                 }
+                OutputEvent::Reasoning(t) => {
+                    // Omitted reasoning travels in the signature.
+                    let key = if omit { "signature" } else { "thinking" };
+                    if last_type.as_deref() == Some("thinking") {
+                        append(content.last_mut(), key, &t);
+                    } else {
+                        let mut block =
+                            json!({"type": "thinking", "thinking": "", "signature": ""});
+                        block[key] = if omit {
+                            format!("{REASONING_SIGNATURE}{t}").into()
+                        } else {
+                            t.into()
+                        };
+                        content.push(block);
+                    }
+                }
+                OutputEvent::ToolCallEnd(c) => {
+                    calls += 1;
+                    content.push(tool_use_block(&c));
+                }
+                OutputEvent::ToolCallStart { .. } | OutputEvent::ToolCallArgs(_) => {}
             }
-            Some(Step::Done(o)) => break o,
-            Some(Step::Failed(e)) => return Err(ApiError::internal(F, e)),
-            None => return Err(ApiError::internal(F, "generation ended early")),
-        }
-    };
+        })
+        .await
+        .map_err(|e| ApiError::internal(F, e))?;
     Ok(Json(json!({
         "id": id,
         "type": "message",
@@ -389,7 +371,7 @@ pub fn message_start(id: &str, model: &str, prompt_tokens: usize) -> String {
 
 async fn stream_messages(
     app: Arc<App>,
-    mut gen: Gen,
+    gen: Gen,
     tx: mpsc::Sender<String>,
     model: String,
     id: String,
@@ -401,29 +383,16 @@ async fn stream_messages(
         return;
     }
     let interval = app.config.ping_interval;
-    loop {
-        let Some(step) = next_or_ping(&mut gen, &tx, &ping, interval).await else {
-            return; // client gone: dropping `gen` cancels
-        };
-        let (msgs, end) = match step {
-            None => return,
-            Some(Step::Started) => continue,
-            Some(Step::Output(evs)) => (evs.into_iter().flat_map(|e| w.output(e)).collect(), false),
-            Some(Step::Done(o)) => (w.finish(&o), true),
-            Some(Step::Failed(e)) => {
-                let err = ApiError::internal(F, e);
-                (vec![event("error", &err.body())], true)
-            }
-        };
-        for m in msgs {
-            if tx.send(m).await.is_err() {
-                return;
-            }
+    pump(gen, tx, &ping, interval, |step, _| match step {
+        Step::Started => (Vec::new(), false),
+        Step::Output(evs) => (evs.into_iter().flat_map(|e| w.output(e)).collect(), false),
+        Step::Done(o) => (w.finish(&o), true),
+        Step::Failed(e) => {
+            let err = ApiError::internal(F, e);
+            (vec![event("error", &err.body())], true)
         }
-        if end {
-            return;
-        }
-    }
+    })
+    .await;
 }
 
 #[cfg(test)]

@@ -515,6 +515,17 @@ pub fn sse_response(body: axum::body::Body) -> axum::response::Response {
         .unwrap_or_default()
 }
 
+/// An SSE response whose messages `task` sends: it is spawned with the
+/// sending end, and its sends fail once the client goes away.
+pub fn spawn_sse<T>(task: impl FnOnce(mpsc::Sender<String>) -> T) -> axum::response::Response
+where
+    T: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel::<String>(64);
+    tokio::spawn(task(tx));
+    sse_response(sse_body(rx))
+}
+
 /// Waits for the next step while sending keep-alives; `None` when the
 /// client is gone (the caller returns, dropping the `Gen`).
 pub async fn next_or_ping(
@@ -539,19 +550,20 @@ pub async fn next_or_ping(
 /// Streams a generation: sends what `on_step` makes of each step (SSE
 /// messages, and whether the stream ends there) with keep-alive `ping`s
 /// between steps, until the stream ends or the client goes away (dropping
-/// `gen` then cancels the job).
+/// `gen` then cancels the job). `on_step` also gets the generation, for
+/// what arrives beside the steps (its log probabilities).
 pub async fn pump(
     mut gen: Gen,
     tx: mpsc::Sender<String>,
     ping: &str,
     interval: std::time::Duration,
-    mut on_step: impl FnMut(Step) -> (Vec<String>, bool),
+    mut on_step: impl FnMut(Step, &mut Gen) -> (Vec<String>, bool),
 ) {
     loop {
         let Some(Some(step)) = next_or_ping(&mut gen, &tx, ping, interval).await else {
             return;
         };
-        let (msgs, end) = on_step(step);
+        let (msgs, end) = on_step(step, &mut gen);
         for m in msgs {
             if tx.send(m).await.is_err() {
                 return;

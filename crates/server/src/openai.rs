@@ -18,7 +18,7 @@ use crate::error::{parse_body, ApiError, Flavor};
 use crate::fields::{
     openai_tool_choice, refuse_unknown, tool_form, top_logprobs, unsupported, OPENAI_IGNORED,
 };
-use crate::gen::{next_or_ping, sse_body, sse_response, submit, Gen, GenParams, Outcome, Step};
+use crate::gen::{pump, spawn_sse, submit, Gen, GenParams, Outcome, Step};
 use crate::parse::{OutputEvent, ToolCall};
 use crate::prompt::{content_text, merge_system_messages, template_kwargs, Conversation};
 use crate::sampling::{resolve, RequestSampling};
@@ -76,14 +76,12 @@ pub struct ChatRequest {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub min_p: Option<f32>,
+    /// `temperature`, `top_p`, `top_k`, `min_p`, the penalties and `seed`.
+    #[serde(flatten)]
+    pub sampling: RequestSampling,
     pub max_tokens: Option<usize>,
     pub max_completion_tokens: Option<usize>,
     pub stop: Option<StopSpec>,
-    pub seed: Option<i64>,
     pub n: Option<u32>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
@@ -93,10 +91,6 @@ pub struct ChatRequest {
     /// `none` or `minimal`: thinking off; `low`, `medium`, `high`,
     /// `xhigh`: on (this server has no finer control of its length).
     pub reasoning_effort: Option<String>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    /// Hugging Face's (vLLM's extension).
-    pub repetition_penalty: Option<f32>,
     /// Return each output token's log probability.
     pub logprobs: Option<bool>,
     /// With `logprobs`: this many most likely tokens per position (0-20).
@@ -129,17 +123,12 @@ pub struct CompletionRequest {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub min_p: Option<f32>,
+    /// `temperature`, `top_p`, `top_k`, `min_p`, the penalties and `seed`.
+    #[serde(flatten)]
+    pub sampling: RequestSampling,
     pub max_tokens: Option<usize>,
     pub stop: Option<StopSpec>,
-    pub seed: Option<i64>,
     pub n: Option<u32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
     /// Refused unless empty: token biases are not applied.
     pub logit_bias: Option<Map<String, Value>>,
     /// Fields not named here (`best_of`, `echo`, `suffix`, `logprobs`):
@@ -148,9 +137,21 @@ pub struct CompletionRequest {
     pub unknown: Map<String, Value>,
 }
 
-/// Refuses a non-empty `logit_bias` by name.
-fn check_logit_bias(bias: Option<&Map<String, Value>>) -> Result<(), ApiError> {
-    match bias {
+/// What both endpoints refuse: fields they do not know, another model,
+/// more than one choice (`n`) and a non-empty `logit_bias`.
+fn check_request(
+    app: &App,
+    model: &str,
+    unknown: &Map<String, Value>,
+    n: Option<u32>,
+    logit_bias: Option<&Map<String, Value>>,
+) -> Result<(), ApiError> {
+    refuse_unknown(F, unknown, OPENAI_IGNORED)?;
+    app.check_model(model, F)?;
+    if n.unwrap_or(1) != 1 {
+        return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
+    }
+    match logit_bias {
         Some(b) if !b.is_empty() => Err(unsupported(
             F,
             "logit_bias",
@@ -184,11 +185,13 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}{:016x}", h.finish())
 }
 
-fn check_stops(flavor: Flavor, stops: &[String]) -> Result<(), ApiError> {
+/// The request's stop sequences (at most 16).
+fn stops(spec: Option<StopSpec>) -> Result<Vec<String>, ApiError> {
+    let stops = spec.map(StopSpec::into_vec).unwrap_or_default();
     if stops.len() > 16 {
-        return Err(ApiError::bad_request(flavor, "at most 16 stop sequences").param("stop"));
+        return Err(ApiError::bad_request(F, "at most 16 stop sequences").param("stop"));
     }
-    Ok(())
+    Ok(stops)
 }
 
 fn finish_reason(o: &Outcome, tool_calls: usize) -> &'static str {
@@ -367,29 +370,19 @@ fn chat_constraint(
 pub async fn chat_completions(
     State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match chat_inner(app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn chat_inner(
-    app: Arc<App>,
-    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: ChatRequest = parse_body(F, body)?;
-    refuse_unknown(F, &req.unknown, OPENAI_IGNORED)?;
-    app.check_model(&req.model, F)?;
-    if req.n.unwrap_or(1) != 1 {
-        return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
-    }
-    check_logit_bias(req.logit_bias.as_ref())?;
+    check_request(
+        &app,
+        &req.model,
+        &req.unknown,
+        req.n,
+        req.logit_bias.as_ref(),
+    )?;
     let conv = conversation(&req)?;
     let rendered = app.render(&conv, F)?;
     let constraint = chat_constraint(&app, &req, &conv.tools)?;
-    let stop = req.stop.map(StopSpec::into_vec).unwrap_or_default();
-    check_stops(F, &stop)?;
+    let stop = stops(req.stop)?;
     let top = top_logprobs(F, req.top_logprobs)?;
     let logprobs = req.logprobs.unwrap_or(false).then_some(top);
     if logprobs.is_none() && top > 0 {
@@ -400,21 +393,7 @@ async fn chat_inner(
     let params = GenParams {
         prompt_text: rendered.text,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        sampling: resolve(
-            F,
-            &RequestSampling {
-                temperature: req.temperature,
-                top_p: req.top_p,
-                top_k: req.top_k,
-                min_p: req.min_p,
-                presence_penalty: req.presence_penalty,
-                frequency_penalty: req.frequency_penalty,
-                repetition_penalty: req.repetition_penalty,
-                seed: req.seed,
-            },
-            &app.config.sampling,
-            &app.info.generation,
-        )?,
+        sampling: resolve(F, &req.sampling, &app.config.sampling, &app.info.generation)?,
         stop,
         parse: true,
         parse_tools: !conv.tools.is_empty(),
@@ -424,47 +403,30 @@ async fn chat_inner(
         constraint,
         logprobs,
     };
-    let gen = submit(&app, F, params)?;
+    let mut gen = submit(&app, F, params)?;
     let model = app.config.model_id.clone();
     let with_logprobs = logprobs.is_some();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let (tx, rx) = mpsc::channel::<String>(64);
-        tokio::spawn(stream_chat(
-            app,
-            gen,
-            tx,
-            model,
-            include_usage,
-            with_logprobs,
-        ));
-        return Ok(sse_response(sse_body(rx)));
+        return Ok(spawn_sse(|tx| {
+            stream_chat(app, gen, tx, model, include_usage, with_logprobs)
+        }));
     }
-    let mut gen = gen;
     let mut content = String::new();
     let mut reasoning = String::new();
     let mut calls = Vec::new();
-    let outcome = loop {
-        match gen.next().await {
-            Some(Step::Started) => {}
-            Some(Step::Output(evs)) => {
-                for ev in evs {
-                    match ev {
-                        OutputEvent::Content(t) => content.push_str(&t),
-                        OutputEvent::Reasoning(t) => reasoning.push_str(&t),
-                        OutputEvent::ToolCallEnd(c) => {
-                            let i = calls.len();
-                            calls.push(tool_call_json(&c, i, &new_id("call_")));
-                        }
-                        OutputEvent::ToolCallStart { .. } | OutputEvent::ToolCallArgs(_) => {}
-                    }
-                }
+    let outcome = gen
+        .collect(|ev| match ev {
+            OutputEvent::Content(t) => content.push_str(&t),
+            OutputEvent::Reasoning(t) => reasoning.push_str(&t),
+            OutputEvent::ToolCallEnd(c) => {
+                let i = calls.len();
+                calls.push(tool_call_json(&c, i, &new_id("call_")));
             }
-            Some(Step::Done(o)) => break o,
-            Some(Step::Failed(e)) => return Err(ApiError::internal(F, e)),
-            None => return Err(ApiError::internal(F, "generation ended early")),
-        }
-    };
+            OutputEvent::ToolCallStart { .. } | OutputEvent::ToolCallArgs(_) => {}
+        })
+        .await
+        .map_err(|e| ApiError::internal(F, e))?;
     let mut message = json!({"role": "assistant", "content": content});
     if !reasoning.is_empty() {
         // Clients read one name or the other.
@@ -511,7 +473,7 @@ fn data(v: &Value) -> String {
 
 async fn stream_chat(
     app: Arc<App>,
-    mut gen: Gen,
+    gen: Gen,
     tx: mpsc::Sender<String>,
     model: String,
     include_usage: bool,
@@ -538,96 +500,70 @@ async fn stream_chat(
     }
     let mut calls = 0usize;
     let interval = app.config.ping_interval;
-    loop {
-        let Some(step) = next_or_ping(&mut gen, &tx, ": ping\n\n", interval).await else {
-            return; // client gone: dropping `gen` cancels
-        };
-        let msgs: Vec<String> = match step {
-            None => return,
-            Some(Step::Started) => continue,
-            Some(Step::Output(evs)) => {
-                // The tokens since the last chunk ride on its first piece.
-                let entries = gen.take_logprobs();
-                let mut logprobs = (with_logprobs && !entries.is_empty()).then(|| {
-                    json!({"content": openai_logprobs(&entries, &|i| gen.token_bytes(i)), "refusal": null})
-                });
-                let deltas: Vec<Value> = evs
-                    .into_iter()
-                    .filter_map(|ev| match ev {
-                        OutputEvent::Content(t) => Some(json!({"content": t})),
-                        OutputEvent::Reasoning(t) => {
-                            Some(json!({"reasoning_content": t, "reasoning": t}))
-                        }
-                        OutputEvent::ToolCallStart { name } => {
-                            calls += 1;
-                            let call = json!({"index": calls - 1, "id": new_id("call_"),
-                                "type": "function", "function": {"name": name, "arguments": ""}});
-                            Some(json!({"tool_calls": [call]}))
-                        }
-                        OutputEvent::ToolCallArgs(piece) => {
-                            let call = json!({"index": calls.saturating_sub(1),
-                                "function": {"arguments": piece}});
-                            Some(json!({"tool_calls": [call]}))
-                        }
-                        OutputEvent::ToolCallEnd(_) => None,
-                    })
-                    .collect();
-                deltas
-                    .into_iter()
-                    .map(|d| chunk_with(d, Value::Null, logprobs.take().unwrap_or(Value::Null)))
-                    .collect()
-            }
-            Some(Step::Done(o)) => {
-                let mut v = vec![chunk(json!({}), finish_reason(&o, calls).into())];
-                if include_usage {
-                    v.push(data(&json!({
-                        "id": id, "object": "chat.completion.chunk", "created": created,
-                        "model": model, "choices": [], "usage": usage(&o),
-                        "slipstream": o.figures(),
-                    })));
-                }
-                v.push("data: [DONE]\n\n".into());
-                for m in v {
-                    if tx.send(m).await.is_err() {
-                        return;
+    pump(gen, tx, ": ping\n\n", interval, |step, gen| match step {
+        Step::Started => (Vec::new(), false),
+        Step::Output(evs) => {
+            // The tokens since the last chunk ride on its first piece.
+            let entries = gen.take_logprobs();
+            let mut logprobs = (with_logprobs && !entries.is_empty()).then(|| {
+                json!({"content": openai_logprobs(&entries, &|i| gen.token_bytes(i)), "refusal": null})
+            });
+            let deltas: Vec<Value> = evs
+                .into_iter()
+                .filter_map(|ev| match ev {
+                    OutputEvent::Content(t) => Some(json!({"content": t})),
+                    OutputEvent::Reasoning(t) => {
+                        Some(json!({"reasoning_content": t, "reasoning": t}))
                     }
-                }
-                return;
-            }
-            Some(Step::Failed(e)) => {
-                let _ = tx.send(data(&ApiError::internal(F, e).body())).await;
-                return;
-            }
-        };
-        for m in msgs {
-            if tx.send(m).await.is_err() {
-                return;
-            }
+                    OutputEvent::ToolCallStart { name } => {
+                        calls += 1;
+                        let call = json!({"index": calls - 1, "id": new_id("call_"),
+                            "type": "function", "function": {"name": name, "arguments": ""}});
+                        Some(json!({"tool_calls": [call]}))
+                    }
+                    OutputEvent::ToolCallArgs(piece) => {
+                        let call = json!({"index": calls.saturating_sub(1),
+                            "function": {"arguments": piece}});
+                        Some(json!({"tool_calls": [call]}))
+                    }
+                    OutputEvent::ToolCallEnd(_) => None,
+                })
+                .collect();
+            let msgs = deltas
+                .into_iter()
+                .map(|d| chunk_with(d, Value::Null, logprobs.take().unwrap_or(Value::Null)))
+                .collect();
+            (msgs, false)
         }
-    }
+        Step::Done(o) => {
+            let mut v = vec![chunk(json!({}), finish_reason(&o, calls).into())];
+            if include_usage {
+                v.push(data(&json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created,
+                    "model": model, "choices": [], "usage": usage(&o),
+                    "slipstream": o.figures(),
+                })));
+            }
+            v.push("data: [DONE]\n\n".into());
+            (v, true)
+        }
+        Step::Failed(e) => (vec![data(&ApiError::internal(F, e).body())], true),
+    })
+    .await;
 }
 
 pub async fn completions(
     State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
-) -> Response {
-    match completions_inner(app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn completions_inner(
-    app: Arc<App>,
-    body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req: CompletionRequest = parse_body(F, body)?;
-    refuse_unknown(F, &req.unknown, OPENAI_IGNORED)?;
-    app.check_model(&req.model, F)?;
-    check_logit_bias(req.logit_bias.as_ref())?;
-    if req.n.unwrap_or(1) != 1 {
-        return Err(ApiError::bad_request(F, "only n = 1 is supported").param("n"));
-    }
+    check_request(
+        &app,
+        &req.model,
+        &req.unknown,
+        req.n,
+        req.logit_bias.as_ref(),
+    )?;
     let prompt = match req.prompt {
         PromptSpec::One(s) => s,
         PromptSpec::Many(mut v) if v.len() == 1 => v.remove(0),
@@ -638,27 +574,11 @@ async fn completions_inner(
             )
         }
     };
-    let stop = req.stop.map(StopSpec::into_vec).unwrap_or_default();
-    check_stops(F, &stop)?;
     let params = GenParams {
         prompt_text: prompt,
         max_tokens: Some(req.max_tokens.unwrap_or(16)),
-        sampling: resolve(
-            F,
-            &RequestSampling {
-                temperature: req.temperature,
-                top_p: req.top_p,
-                top_k: req.top_k,
-                min_p: req.min_p,
-                presence_penalty: req.presence_penalty,
-                frequency_penalty: req.frequency_penalty,
-                repetition_penalty: req.repetition_penalty,
-                seed: req.seed,
-            },
-            &app.config.sampling,
-            &app.info.generation,
-        )?,
-        stop,
+        sampling: resolve(F, &req.sampling, &app.config.sampling, &app.info.generation)?,
+        stop: stops(req.stop)?,
         parse: false,
         parse_tools: false,
         in_reasoning: false,
@@ -673,9 +593,8 @@ async fn completions_inner(
     let created = now();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let (tx, rx) = mpsc::channel::<String>(64);
         let interval = app.config.ping_interval;
-        tokio::spawn(async move {
+        return Ok(spawn_sse(move |tx| async move {
             let chunk = |text: &str, finish: Value| {
                 data(
                     &json!({"id": id, "object": "text_completion", "created": created,
@@ -683,61 +602,42 @@ async fn completions_inner(
                     "finish_reason": finish}]}),
                 )
             };
-            loop {
-                let Some(step) = next_or_ping(&mut gen, &tx, ": ping\n\n", interval).await else {
-                    return;
-                };
-                let msgs = match step {
-                    None => return,
-                    Some(Step::Started) => continue,
-                    Some(Step::Output(evs)) => evs
+            pump(gen, tx, ": ping\n\n", interval, |step, _| match step {
+                Step::Started => (Vec::new(), false),
+                Step::Output(evs) => {
+                    let msgs = evs
                         .into_iter()
                         .filter_map(|e| match e {
                             OutputEvent::Content(t) => Some(chunk(&t, Value::Null)),
                             _ => None,
                         })
-                        .collect::<Vec<_>>(),
-                    Some(Step::Done(o)) => {
-                        let mut v = vec![chunk("", finish_reason(&o, 0).into())];
-                        if include_usage {
-                            v.push(data(&json!({"id": id, "object": "text_completion",
-                                "created": created, "model": model, "choices": [],
-                                "usage": usage(&o)})));
-                        }
-                        v.push("data: [DONE]\n\n".into());
-                        v
-                    }
-                    Some(Step::Failed(e)) => vec![data(&ApiError::internal(F, e).body())],
-                };
-                let last = msgs.last().is_some_and(|m| m.starts_with("data: [DONE]"));
-                for m in msgs {
-                    if tx.send(m).await.is_err() {
-                        return;
-                    }
+                        .collect();
+                    (msgs, false)
                 }
-                if last {
-                    return;
+                Step::Done(o) => {
+                    let mut v = vec![chunk("", finish_reason(&o, 0).into())];
+                    if include_usage {
+                        v.push(data(&json!({"id": id, "object": "text_completion",
+                            "created": created, "model": model, "choices": [],
+                            "usage": usage(&o)})));
+                    }
+                    v.push("data: [DONE]\n\n".into());
+                    (v, true)
                 }
-            }
-        });
-        return Ok(sse_response(sse_body(rx)));
+                Step::Failed(e) => (vec![data(&ApiError::internal(F, e).body())], true),
+            })
+            .await;
+        }));
     }
     let mut text = String::new();
-    let outcome = loop {
-        match gen.next().await {
-            Some(Step::Started) => {}
-            Some(Step::Output(evs)) => {
-                for e in evs {
-                    if let OutputEvent::Content(t) = e {
-                        text.push_str(&t);
-                    }
-                }
+    let outcome = gen
+        .collect(|e| {
+            if let OutputEvent::Content(t) = e {
+                text.push_str(&t);
             }
-            Some(Step::Done(o)) => break o,
-            Some(Step::Failed(e)) => return Err(ApiError::internal(F, e)),
-            None => return Err(ApiError::internal(F, "generation ended early")),
-        }
-    };
+        })
+        .await
+        .map_err(|e| ApiError::internal(F, e))?;
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": 0, "text": text, "logprobs": null,

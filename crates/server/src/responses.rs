@@ -19,12 +19,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
 
 use crate::constrain::{openai_format, tool_constraint, Constraint, ToolChoice};
 use crate::error::{parse_body, ApiError, Flavor};
 use crate::fields::{openai_tool_choice, tool_form};
-use crate::gen::{pump, sse_body, sse_response, submit, GenParams, Step};
+use crate::gen::{pump, spawn_sse, submit, GenParams, Step};
 use crate::openai::{new_id, now};
 use crate::prompt::Conversation;
 use crate::sampling::{resolve, RequestSampling};
@@ -286,15 +285,8 @@ fn reasoning_tokens(app: &App, w: &ResponseWriter) -> usize {
     app.codec.encode(&text).map(|t| t.len()).unwrap_or(0)
 }
 
-pub async fn create(State(app): State<Arc<App>>, body: Result<Bytes, BytesRejection>) -> Response {
-    match create_inner(app, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn create_inner(
-    app: Arc<App>,
+pub async fn create(
+    State(app): State<Arc<App>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req = parse(body)?;
@@ -377,16 +369,15 @@ async fn create_inner(
         let (_, response) = w.finish(&outcome, reasoning_tokens(&app, &w));
         return Ok(Json(response).into_response());
     }
-    let (tx, rx) = mpsc::channel::<String>(64);
     let start: Vec<String> = w.start().iter().map(sse).collect();
     let interval = app.config.ping_interval;
-    tokio::spawn(async move {
+    Ok(spawn_sse(move |tx| async move {
         for m in start {
             if tx.send(m).await.is_err() {
                 return;
             }
         }
-        pump(gen, tx, ": ping\n\n", interval, |step| {
+        pump(gen, tx, ": ping\n\n", interval, |step, _| {
             let (events, end) = match step {
                 Step::Started => (Vec::new(), false),
                 Step::Output(evs) => (evs.into_iter().flat_map(|e| w.output(e)).collect(), false),
@@ -396,8 +387,7 @@ async fn create_inner(
             (events.iter().map(sse).collect(), end)
         })
         .await;
-    });
-    Ok(sse_response(sse_body(rx)))
+    }))
 }
 
 /// `GET`/`DELETE /v1/responses/{id}`: nothing is stored, so nothing is found.

@@ -4,12 +4,14 @@
 //! repack), else the API's default (OpenAI: temperature 1, top-p 1;
 //! Anthropic: the same; no top-k, min-p or penalties).
 
+use serde::Deserialize;
 use slipstream_engine::{GenerationDefaults, Penalties, SamplingParams};
 
 use crate::error::{ApiError, Flavor};
 
-/// The sampling fields a request set (`None`: not sent).
-#[derive(Debug, Clone, Default)]
+/// The sampling fields a request set (`None`: not sent). The OpenAI
+/// requests take all of them by these names (flattened into the request).
+#[derive(Debug, Clone, Default, Deserialize)]
 pub struct RequestSampling {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
@@ -17,6 +19,7 @@ pub struct RequestSampling {
     pub min_p: Option<f32>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
+    /// Hugging Face's (vLLM's extension to OpenAI).
     pub repetition_penalty: Option<f32>,
     pub seed: Option<i64>,
 }
