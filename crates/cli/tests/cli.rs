@@ -3,6 +3,7 @@
 //! and fail cleanly on bad input.
 
 use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use slipstream_engine::npy;
 use slipstream_testkit::cli::{self, failed, ok, reference_ids};
@@ -15,6 +16,39 @@ fn repack_fixture(name: &str, quant: &str, dir: &Path) -> PathBuf {
     out
 }
 
+/// `slipstream run --model MODEL ARGS...`, not yet started (for callers
+/// that set its environment).
+fn run_command(model: &Path, args: &[&str]) -> Command {
+    let mut cmd = bin!();
+    cmd.args(["run", "--model"]).arg(model).args(args);
+    cmd
+}
+
+/// The output of `slipstream ARGS...`.
+fn slipstream(args: &[&str]) -> Output {
+    bin!().args(args).output().unwrap()
+}
+
+/// The output of `slipstream run --model MODEL ARGS...`.
+fn run(model: &Path, args: &[&str]) -> Output {
+    run_command(model, args).output().unwrap()
+}
+
+/// Token ids as `--prompt-tokens` takes them: `1,2,3`.
+fn id_list(ids: &[u32]) -> String {
+    let ids: Vec<String> = ids.iter().map(|t| t.to_string()).collect();
+    ids.join(",")
+}
+
+/// A test's path as a `&str` argument (temp and fixture paths are UTF-8).
+fn utf8(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+fn read_json(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
 #[test]
 fn prompt_tokens_and_dump_logits_match_the_reference() {
     let tmp = tempfile::tempdir().unwrap();
@@ -22,25 +56,22 @@ fn prompt_tokens_and_dump_logits_match_the_reference() {
     let model = repack_fixture(name, "f32", tmp.path());
     let prompt = reference_ids(name, "prompt_tokens");
     let greedy = reference_ids(name, "greedy_tokens");
-    let ids: Vec<String> = prompt.iter().map(|t| t.to_string()).collect();
     let dump = tmp.path().join("logits.npy");
     let stats = tmp.path().join("stats.json");
-    let (stdout, stderr) = ok(bin!()
-        .args(["run", "--model"])
-        .arg(&model)
-        .args([
+    let (stdout, stderr) = ok(run(
+        &model,
+        &[
             "--prompt-tokens",
-            &ids.join(","),
+            &id_list(&prompt),
             "--max-new",
             "8",
             "--print-ids",
-        ])
-        .arg("--dump-logits")
-        .arg(&dump)
-        .arg("--stats-json")
-        .arg(&stats)
-        .output()
-        .unwrap());
+            "--dump-logits",
+            utf8(&dump),
+            "--stats-json",
+            utf8(&stats),
+        ],
+    ));
     let got: Vec<u32> = stdout
         .split_whitespace()
         .map(|s| s.parse().unwrap())
@@ -62,31 +93,23 @@ fn prompt_tokens_and_dump_logits_match_the_reference() {
         "dumped logits differ: {}",
         max_diff / max_ref
     );
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
-    assert_eq!(json["stats"]["prompt_tokens"], prompt.len());
+    assert_eq!(read_json(&stats)["stats"]["prompt_tokens"], prompt.len());
 }
 
 #[test]
 fn text_prompt_and_chat_template_run() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_moe", "q4", tmp.path());
-    let (stdout, _) = ok(bin!()
-        .args(["run", "--model"])
-        .arg(&model)
-        .args(["--prompt", "We hold these truths", "--max-new", "6"])
-        .output()
-        .unwrap());
+    let (stdout, _) = ok(run(
+        &model,
+        &["--prompt", "We hold these truths", "--max-new", "6"],
+    ));
     assert!(stdout.starts_with("We hold these truths"), "{stdout}");
     let sampled = || {
-        ok(bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--chat", "--prompt", "Hello", "--max-new", "4"])
-            .args(["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"])
-            .args(["--min-p", "0.01", "--seed", "5"])
-            .output()
-            .unwrap())
-        .0
+        let mut cmd = run_command(&model, &["--chat", "--prompt", "Hello", "--max-new", "4"]);
+        cmd.args(["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20"])
+            .args(["--min-p", "0.01", "--seed", "5"]);
+        ok(cmd.output().unwrap()).0
     };
     let stdout = sampled();
     // Same seed, same text.
@@ -126,14 +149,7 @@ fn demo_model_runs_with_no_arguments_and_is_cached() {
 fn bad_inputs_are_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_moe", "f32", tmp.path());
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-tokens", "1,2,99999"])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&model, &["--prompt-tokens", "1,2,99999"]));
     assert!(err.contains("outside the vocabulary"), "{err}");
 
     for (flag, value, says) in [
@@ -141,24 +157,14 @@ fn bad_inputs_are_clear_errors() {
         ("--top-p", "1.5", "top-p"),
         ("--min-p", "-1", "min-p"),
     ] {
-        let err = failed(
-            bin!()
-                .args(["run", "--model"])
-                .arg(&model)
-                .args(["--prompt-tokens", "1,2", &format!("{flag}={value}")])
-                .output()
-                .unwrap(),
-        );
+        let err = failed(run(
+            &model,
+            &["--prompt-tokens", "1,2", &format!("{flag}={value}")],
+        ));
         assert!(err.contains(says), "{flag} {value}: {err}");
     }
 
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(tmp.path().join("missing.slip"))
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&tmp.path().join("missing.slip"), &[]));
     assert!(err.contains("manifest.json"), "{err}");
 
     // A flipped byte in an expert record is caught on read.
@@ -166,14 +172,7 @@ fn bad_inputs_are_clear_errors() {
     let mut bytes = std::fs::read(&experts).unwrap();
     bytes[100] ^= 0x10;
     std::fs::write(&experts, bytes).unwrap();
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-tokens", "1,2,3"])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&model, &["--prompt-tokens", "1,2,3"]));
     assert!(err.contains("checksum mismatch"), "{err}");
 
     let empty = tmp.path().join("empty");
@@ -195,12 +194,10 @@ fn bad_inputs_are_clear_errors() {
 fn phases_flag_prints_the_per_token_split() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_5_moe_fused", "q4", tmp.path());
-    let (_, stderr) = ok(bin!()
-        .args(["run", "--model"])
-        .arg(&model)
-        .args(["--prompt-tokens", "5,6,7,8", "--max-new", "6", "--phases"])
-        .output()
-        .unwrap());
+    let (_, stderr) = ok(run(
+        &model,
+        &["--prompt-tokens", "5,6,7,8", "--max-new", "6", "--phases"],
+    ));
     for part in [
         "[phases] prefill:",
         "[phases] decode: per token",
@@ -221,20 +218,14 @@ fn reader_threads_default_follows_the_last_hwbench() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_moe", "q4", tmp.path());
     let cache = tmp.path().join("cache");
-    let run = || {
-        ok(bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-tokens", "5,6,7", "--max-new", "2"])
-            .env("SLIPSTREAM_CACHE", &cache)
-            .output()
-            .unwrap())
-        .1
+    let stderr = || {
+        let mut cmd = run_command(&model, &["--prompt-tokens", "5,6,7", "--max-new", "2"]);
+        ok(cmd.env("SLIPSTREAM_CACHE", &cache).output().unwrap()).1
     };
-    assert!(run().contains("4 reader threads"));
+    assert!(stderr().contains("4 reader threads"));
     std::fs::create_dir_all(&cache).unwrap();
     std::fs::write(cache.join("hwbench.json"), r#"{"best_reader_threads": 2}"#).unwrap();
-    assert!(run().contains("2 reader threads"));
+    assert!(stderr().contains("2 reader threads"));
 }
 
 #[test]
@@ -242,36 +233,29 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
     let dir = tempfile::tempdir().unwrap();
     let docs = dir.path().join("mydocs");
     std::fs::create_dir(&docs).unwrap();
-    std::fs::write(docs.join("letter.txt"), b"keep").unwrap();
-    let e = failed(
-        bin!()
-            .args(["repack", "--force", "--input"])
-            .arg(fixture("qwen3_moe"))
-            .arg("--output")
-            .arg(&docs)
-            .output()
-            .unwrap(),
-    );
-    assert!(e.contains("not a slipstream model"), "{e}");
-    let e = failed(
-        bin!()
-            .args(["synth", "--preset", "35b", "--layers", "1", "--output"])
-            .arg(&docs)
-            .output()
-            .unwrap(),
-    );
-    assert!(e.contains("not a slipstream model"), "{e}");
-    let e = failed(
-        bin!()
-            .args([
-                "synth", "--preset", "35b", "--layers", "1", "--format", "gguf", "--output",
-            ])
-            .arg(docs.join("letter.txt"))
-            .output()
-            .unwrap(),
-    );
-    assert!(e.contains("not a GGUF file"), "{e}");
-    assert_eq!(std::fs::read(docs.join("letter.txt")).unwrap(), b"keep");
+    let letter = docs.join("letter.txt");
+    std::fs::write(&letter, b"keep").unwrap();
+    let input = fixture("qwen3_moe");
+    let (input, docs_dir, letter) = (utf8(&input), utf8(&docs), utf8(&letter));
+    let synth = ["synth", "--preset", "35b", "--layers", "1"];
+    for (args, says) in [
+        (
+            vec!["repack", "--force", "--input", input, "--output", docs_dir],
+            "not a slipstream model",
+        ),
+        (
+            [&synth[..], &["--output", docs_dir]].concat(),
+            "not a slipstream model",
+        ),
+        (
+            [&synth[..], &["--format", "gguf", "--output", letter]].concat(),
+            "not a GGUF file",
+        ),
+    ] {
+        let e = failed(slipstream(&args));
+        assert!(e.contains(says), "{args:?}: {e}");
+    }
+    assert_eq!(std::fs::read(letter).unwrap(), b"keep");
     assert_eq!(std::fs::read_dir(&docs).unwrap().count(), 1);
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
 }
@@ -279,16 +263,12 @@ fn repack_and_synth_never_replace_what_is_not_a_model() {
 /// Prompt tokens of a one-token `run` with `args`.
 fn prompt_tokens_of(model: &Path, dir: &Path, args: &[&str]) -> u64 {
     let stats = dir.join("stats.json");
-    ok(bin!()
-        .args(["run", "--model"])
-        .arg(model)
-        .args(["--prompt", "Hello there", "--max-new", "1", "--stats-json"])
-        .arg(&stats)
-        .args(args)
-        .output()
-        .unwrap());
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
-    v["stats"]["prompt_tokens"].as_u64().unwrap()
+    let mut cmd = run_command(model, &["--prompt", "Hello there", "--max-new", "1"]);
+    cmd.arg("--stats-json").arg(&stats).args(args);
+    ok(cmd.output().unwrap());
+    read_json(&stats)["stats"]["prompt_tokens"]
+        .as_u64()
+        .unwrap()
 }
 
 #[test]
@@ -301,7 +281,7 @@ fn chat_template_flags_and_max_context_checks() {
         "{% if enable_thinking %}<think>{% endif %}{{ messages[-1].content }}",
     )
     .unwrap();
-    let t = template.to_str().unwrap();
+    let t = utf8(&template);
     let plain = prompt_tokens_of(&model, tmp.path(), &[]);
     let own = prompt_tokens_of(&model, tmp.path(), &["--chat"]);
     let replaced = prompt_tokens_of(&model, tmp.path(), &["--chat", "--chat-template", t]);
@@ -334,23 +314,17 @@ fn chat_template_flags_and_max_context_checks() {
         thinking
     );
 
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--chat", "--chat-template-kwargs", "[1]"])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&model, &["--chat", "--chat-template-kwargs", "[1]"]));
     assert!(err.contains("--chat-template-kwargs"), "{err}");
-    let err = failed(
-        bin!()
-            .args(["serve", "--port", "0", "--model"])
-            .arg(&model)
-            .args(["--max-context", "100000"])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(slipstream(&[
+        "serve",
+        "--port",
+        "0",
+        "--model",
+        utf8(&model),
+        "--max-context",
+        "100000",
+    ]));
     assert!(
         err.contains("--max-context 100000") && err.contains("4096"),
         "{err}"
@@ -363,14 +337,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     let model = repack_fixture("qwen3_moe", "q4", tmp.path());
     let ids = |n: usize| vec!["1"; n].join(",");
     // 4096 positions: 4096 prompt tokens leave no room for a reply.
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-tokens", &ids(4096)])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&model, &["--prompt-tokens", &ids(4096)]));
     assert!(
         err.contains("4096 tokens") && err.contains("4096 positions"),
         "{err}"
@@ -378,15 +345,7 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     // A text prompt past the limit: refused while it is being counted.
     let long = tmp.path().join("long.txt");
     std::fs::write(&long, "many words of text ".repeat(10_000)).unwrap();
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .arg("--prompt-file")
-            .arg(&long)
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&model, &["--prompt-file", utf8(&long)]));
     assert!(
         err.contains("more than 4095 tokens") && err.contains("4096 positions"),
         "{err}"
@@ -394,35 +353,20 @@ fn run_refuses_a_prompt_past_the_models_positions() {
     // A file larger than any prompt could be is not read at all.
     let huge = tmp.path().join("huge.txt");
     std::fs::write(&huge, "x".repeat(3 << 20)).unwrap();
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .arg("--prompt-file")
-            .arg(&huge)
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(&model, &["--prompt-file", utf8(&huge)]));
     assert!(err.contains("larger than 1 MiB"), "{err}");
     // Near the end: the reply is cut to the positions left, with a note.
-    let (_, stderr) = ok(bin!()
-        .args(["run", "--model"])
-        .arg(&model)
-        .args(["--prompt-tokens", &ids(4090), "--max-new", "100"])
-        .output()
-        .unwrap());
+    let (_, stderr) = ok(run(
+        &model,
+        &["--prompt-tokens", &ids(4090), "--max-new", "100"],
+    ));
     assert!(stderr.contains("--max-new 100 cut to 6"), "{stderr}");
 }
 
 #[test]
 fn a_blank_api_key_is_refused() {
     for key in ["", "   "] {
-        let err = failed(
-            bin!()
-                .args(["serve", "--port", "0", "--api-key", key])
-                .output()
-                .unwrap(),
-        );
+        let err = failed(slipstream(&["serve", "--port", "0", "--api-key", key]));
         assert!(err.contains("empty or only whitespace"), "{err:?}");
     }
 }
@@ -431,19 +375,19 @@ fn a_blank_api_key_is_refused() {
 fn speculate_flags_keep_the_output_and_print_their_stats() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repack_fixture("qwen3_5_moe_mtp", "f32", tmp.path());
-    let run = |extra: &[&str]| {
-        ok(bin!()
-            .args(["run", "--model"])
-            .arg(&model)
-            .args(["--prompt-tokens", "5,9,5,9,5,9,5", "--max-new", "12"])
-            .args(["--print-ids"])
-            .args(extra)
-            .output()
-            .unwrap())
+    let repetitive = |extra: &[&str]| {
+        let prompt = [
+            "--prompt-tokens",
+            "5,9,5,9,5,9,5",
+            "--max-new",
+            "12",
+            "--print-ids",
+        ];
+        ok(run(&model, &[&prompt[..], extra].concat()))
     };
-    let (plain, _) = run(&[]);
+    let (plain, _) = repetitive(&[]);
     for mode in ["mtp", "lookup", "both"] {
-        let (out, err) = run(&[
+        let (out, err) = repetitive(&[
             "--speculate",
             mode,
             "--draft-tokens",
@@ -460,21 +404,12 @@ fn speculate_flags_keep_the_output_and_print_their_stats() {
         assert!(err.contains("[verify] 3 tokens:"), "{err}");
     }
     let plain_model = repack_fixture("qwen3_5_moe_fused", "f32", tmp.path());
-    let err = failed(
-        bin!()
-            .args(["run", "--model"])
-            .arg(&plain_model)
-            .args(["--prompt-tokens", "1,2", "--speculate", "mtp"])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(run(
+        &plain_model,
+        &["--prompt-tokens", "1,2", "--speculate", "mtp"],
+    ));
     assert!(err.contains("needs an MTP head"), "{err}");
-    let err = failed(
-        bin!()
-            .args(["run", "--speculate", "sometimes"])
-            .output()
-            .unwrap(),
-    );
+    let err = failed(slipstream(&["run", "--speculate", "sometimes"]));
     assert!(err.contains("unknown speculation mode"), "{err}");
 }
 
@@ -487,30 +422,23 @@ fn a_gguf_runs_in_place_like_its_repack() {
     let name = "gguf_qwen3next_q8_0";
     let gguf = tmp.path().join("model.gguf");
     std::fs::copy(fixture(name).join("model.gguf"), &gguf).unwrap();
-    let prompt: Vec<String> = reference_ids(name, "prompt_tokens")
-        .iter()
-        .map(|t| t.to_string())
-        .collect();
-    let run = |model: &Path, dump: &str| {
+    let prompt = id_list(&reference_ids(name, "prompt_tokens"));
+    let run_dumping = |model: &Path, dump: &str| {
         let dump = tmp.path().join(dump);
-        let (stdout, stderr) = ok(bin!()
-            .env("SLIPSTREAM_CACHE", tmp.path().join("cache"))
-            .args(["run", "--model"])
-            .arg(model)
-            .args(["--prompt-tokens", &prompt.join(","), "--max-new", "6"])
-            .args(["--print-ids", "--expert-cache-slots", "2", "--dump-logits"])
+        let mut cmd = run_command(model, &["--prompt-tokens", &prompt, "--max-new", "6"]);
+        cmd.args(["--print-ids", "--expert-cache-slots", "2", "--dump-logits"])
             .arg(&dump)
-            .output()
-            .unwrap());
+            .env("SLIPSTREAM_CACHE", tmp.path().join("cache"));
+        let (stdout, stderr) = ok(cmd.output().unwrap());
         (stdout, stderr, std::fs::read(&dump).unwrap())
     };
-    let (ids, first, logits) = run(&gguf, "a.npy");
+    let (ids, first, logits) = run_dumping(&gguf, "a.npy");
     assert!(first.contains("checksum table written to"), "{first}");
     assert!(tmp
         .path()
         .join("model.gguf.slipstream-index.json")
         .is_file());
-    let (again, second, _) = run(&gguf, "b.npy");
+    let (again, second, _) = run_dumping(&gguf, "b.npy");
     assert_eq!(again, ids);
     assert!(!second.contains("checksum table"), "{second}");
     let slip = tmp.path().join("m.slip");
@@ -521,7 +449,7 @@ fn a_gguf_runs_in_place_like_its_repack() {
         .arg(&slip)
         .output()
         .unwrap());
-    let (repacked_ids, _, repacked_logits) = run(&slip, "c.npy");
+    let (repacked_ids, _, repacked_logits) = run_dumping(&slip, "c.npy");
     assert_eq!(repacked_ids, ids);
     assert!(repacked_logits == logits, "logits differ from the repack's");
 }
