@@ -100,27 +100,25 @@ pub fn synth_command(args: SynthArgs) -> anyhow::Result<()> {
     }
     .with_context(|| format!("writing {}", args.output.display()))?;
     bar.finish_and_clear();
-    if args.format == SynthFormat::Gguf {
-        eprintln!(
-            "wrote {} ({} layers, {}, GGUF Q4_0 with a synthetic tokenizer): {:.2} GB in {:.1} s, {:.0} MB/s",
-            args.output.display(),
-            opts.config.num_layers(),
-            args.preset.name(),
-            report.bytes_out as f64 / 1e9,
-            report.seconds,
-            report.mb_per_s
-        );
-        return Ok(());
-    }
+    // What the format adds inside the parentheses, and after the figures.
+    let (format_note, after) = match args.format {
+        SynthFormat::Gguf => (", GGUF Q4_0 with a synthetic tokenizer", String::new()),
+        SynthFormat::Slip => (
+            "",
+            format!(
+                "; no tokenizer (use --prompt-tokens), no EOS ids; model hash {}",
+                report.model_hash
+            ),
+        ),
+    };
     eprintln!(
-        "wrote {} ({} layers, {}): {:.2} GB in {:.1} s, {:.0} MB/s; no tokenizer (use --prompt-tokens), no EOS ids; model hash {}",
+        "wrote {} ({} layers, {}{format_note}): {:.2} GB in {:.1} s, {:.0} MB/s{after}",
         args.output.display(),
         opts.config.num_layers(),
         args.preset.name(),
         report.bytes_out as f64 / 1e9,
         report.seconds,
-        report.mb_per_s,
-        report.model_hash
+        report.mb_per_s
     );
     Ok(())
 }
