@@ -110,17 +110,54 @@ pub struct BenchArgs {
     /// Prompt text file instead of the bundled KJV text.
     #[arg(long)]
     pub text: Option<PathBuf>,
-    /// Output directory (default: bench-results/<date>-<time>).
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+/// Arguments both `slipstream bench` and `slipstream bench agent` take.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CommonArgs {
+    /// Output directory (default: bench-results/<date>-<time>, with
+    /// `agent-` before the date for `bench agent`).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// The `slipstream` binary each slipstream row runs (default: this one),
-    /// e.g. a release build of the commit being measured.
+    /// The `slipstream` binary that runs each slipstream row or serves
+    /// --model (default: this one), e.g. a release build of the commit
+    /// being measured.
     #[arg(long)]
     pub runner: Option<PathBuf>,
     /// Commit recorded for the results (default: `git rev-parse HEAD` here,
     /// else this binary's build-time commit); give it with --runner.
     #[arg(long)]
     pub commit: Option<String>,
+}
+
+impl CommonArgs {
+    /// `--out`, else `bench-results/{prefix}<date>-<time>`.
+    fn out_dir(&self, prefix: &str) -> PathBuf {
+        self.out.clone().unwrap_or_else(|| {
+            PathBuf::from("bench-results").join(format!("{prefix}{}", crate::machine::utc_now().1))
+        })
+    }
+
+    /// `--runner`, else `default`.
+    fn runner(&self, default: PathBuf) -> PathBuf {
+        self.runner.clone().unwrap_or(default)
+    }
+}
+
+/// `--threads`, else every core.
+fn threads_or_all_cores(threads: Option<usize>) -> usize {
+    threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// `v` seconds of `flag`, which must be positive and finite.
+fn seconds(flag: &str, v: f64) -> Result<Duration> {
+    if v.is_finite() && v > 0.0 {
+        Ok(Duration::from_secs_f64(v))
+    } else {
+        bail!("{flag} {v} must be a positive number of seconds")
+    }
 }
 
 /// Parses the arguments into options; `runner` is the `slipstream` binary,
@@ -154,35 +191,28 @@ pub fn options(
             .map(matrix::parse_slots)
             .transpose()?,
     };
-    let timeout = match args.timeout_s {
-        Some(t) if t.is_finite() && t > 0.0 => Some(Duration::from_secs_f64(t)),
-        Some(t) => bail!("--timeout-s {t} must be a positive number of seconds"),
-        None => None,
-    };
+    let timeout = args
+        .timeout_s
+        .map(|t| seconds("--timeout-s", t))
+        .transpose()?;
     if !(args.drift_threshold.is_finite() && args.drift_threshold >= 0.0) {
         bail!("--drift-threshold must be a non-negative fraction, e.g. 0.05");
     }
-    let out_dir = match &args.out {
-        Some(p) => p.clone(),
-        None => PathBuf::from("bench-results").join(crate::machine::utc_now().1),
-    };
     let model = args.model.clone().context("--model is required")?;
     Ok(BenchOptions {
         model,
         gguf: args.gguf.clone(),
-        runner: args.runner.clone().unwrap_or(runner),
-        commit: args.commit.clone(),
+        runner: args.common.runner(runner),
+        commit: args.common.commit.clone(),
         matrix,
         peer: args.peer.as_deref().map(matrix::parse_peer).transpose()?,
         cache: CacheMode::parse(&args.cache)?,
         evict: EvictMethod::parse(&args.evict)?,
-        threads: args
-            .threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        threads: threads_or_all_cores(args.threads),
         timeout,
         decode_skip_steps: args.skip_steps,
         drift_threshold: args.drift_threshold,
-        out_dir,
+        out_dir: args.common.out_dir(""),
         cgroup_parent: args.cgroup_parent.clone(),
         text: args.text.clone(),
         progress,
@@ -301,24 +331,8 @@ pub struct AgentArgs {
     /// with the most new tokens.
     #[arg(long)]
     pub prefill_rate: Option<f64>,
-    /// Output directory (default: bench-results/agent-<date>-<time>).
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    /// The `slipstream` binary that serves --model (default: this one).
-    #[arg(long)]
-    pub runner: Option<PathBuf>,
-    /// Commit recorded for the results (default: `git rev-parse HEAD` here,
-    /// else this binary's build-time commit).
-    #[arg(long)]
-    pub commit: Option<String>,
-}
-
-fn seconds(flag: &str, v: f64) -> Result<Duration> {
-    if v.is_finite() && v > 0.0 {
-        Ok(Duration::from_secs_f64(v))
-    } else {
-        bail!("{flag} {v} must be a positive number of seconds")
-    }
+    #[command(flatten)]
+    pub common: CommonArgs,
 }
 
 /// Parses `bench agent` arguments into options; `runner` is the
@@ -337,7 +351,7 @@ pub fn agent_options(args: &AgentArgs, runner: PathBuf, progress: bool) -> Resul
             targets.push((
                 "slipstream".to_string(),
                 Target::Slipstream {
-                    runner: args.runner.clone().unwrap_or(runner),
+                    runner: args.common.runner(runner),
                     model: model.clone(),
                     extra: args.serve_args.clone(),
                 },
@@ -376,9 +390,7 @@ pub fn agent_options(args: &AgentArgs, runner: PathBuf, progress: bool) -> Resul
             bail!("--prefill-rate {r} must be a positive number of tokens per second");
         }
     }
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = threads_or_all_cores(args.threads);
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
@@ -397,10 +409,8 @@ pub fn agent_options(args: &AgentArgs, runner: PathBuf, progress: bool) -> Resul
         startup_timeout: seconds("--startup-timeout-s", args.startup_timeout_s)?,
         warmup: !args.no_warmup,
         prefill_rate: args.prefill_rate,
-        out_dir: args.out.clone().unwrap_or_else(|| {
-            PathBuf::from("bench-results").join(format!("agent-{}", crate::machine::utc_now().1))
-        }),
-        commit: args.commit.clone(),
+        out_dir: args.common.out_dir("agent-"),
+        commit: args.common.commit.clone(),
         progress,
     })
 }
