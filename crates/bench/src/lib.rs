@@ -135,20 +135,12 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
 
     std::fs::create_dir_all(opts.out_dir.join("runs"))
         .with_context(|| format!("creating {}", opts.out_dir.display()))?;
-    let (date, _) = machine::utc_now();
-    let (commit, commit_source) = match &opts.commit {
-        Some(c) => (c.clone(), "--commit"),
-        None => machine::commit(),
-    };
     if !opts.runner.is_file() {
         bail!("runner {} is not a file", opts.runner.display());
     }
     let mut report = Report {
         meta: Meta {
-            date,
-            commit,
-            commit_source: commit_source.to_string(),
-            machine: machine::Machine::detect(),
+            stamp: machine::Stamp::now(opts.commit.as_deref()),
             model: opts.model.display().to_string(),
             runner: opts.runner.display().to_string(),
             gguf: opts.gguf.as_ref().map(|g| g.display().to_string()),
@@ -230,7 +222,8 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
             rec.prefill_tok_s.map_or("-".into(), |v| format!("{v:.2}")),
             rec.decode_tok_s.map_or("-".into(), |v| format!("{v:.2}")),
             rec.peak_memory_bytes as f64 / 1e9,
-            rec.steal_fraction
+            rec.load
+                .steal_fraction
                 .map_or("-".into(), |v| format!("{:.1} %", v * 100.0))
         );
         // A bar drawing nowhere (stderr not a terminal) would swallow the line.
@@ -254,20 +247,14 @@ pub fn run_bench(opts: &BenchOptions) -> Result<Report> {
 
 /// Writes results.csv, results.json, table.md and the charts.
 pub fn write_outputs(dir: &Path, report: &Report) -> Result<()> {
-    report::write_atomic(&dir.join("results.csv"), report::csv(report).as_bytes())?;
-    report::write_atomic(
-        &dir.join("results.json"),
-        &serde_json::to_vec_pretty(report).context("serializing results")?,
-    )?;
-    report::write_atomic(&dir.join("table.md"), report::markdown(report).as_bytes())?;
-    for (name, chart) in report::charts(report) {
-        report::write_atomic(
-            &dir.join(format!("bench-{name}.svg")),
-            chart::svg(&chart).as_bytes(),
-        )?;
-        report::write_atomic(&dir.join(format!("bench-{name}.png")), &chart::png(&chart)?)?;
-    }
-    Ok(())
+    report::write_results(
+        dir,
+        report,
+        &report::csv(report),
+        &report::markdown(report),
+        &report::charts(report),
+        "bench-",
+    )
 }
 
 struct RunContext<'a> {
@@ -404,8 +391,7 @@ fn run_one(
         (Some(_), None) => bail!("a capped run without a cgroup parent"),
         _ => None,
     };
-    let load_before = machine::load_average();
-    let ticks_before = machine::cpu_ticks();
+    let load = machine::LoadWatch::start();
     let (started_at, _) = machine::utc_now();
     let stdout = log_dir.join("stdout.txt");
     let stderr = log_dir.join("stderr.txt");
@@ -416,8 +402,7 @@ fn run_one(
         cgroup.as_ref().map(|c| c.procs_fd()),
         opts.timeout,
     )?;
-    let load_after = machine::load_average();
-    let steal_fraction = machine::steal_fraction(ticks_before, machine::cpu_ticks());
+    let load = load.finish();
     let (cg_peak, cg_fail, cg_oom) = match &cgroup {
         Some(c) => (c.max_usage(), c.failcnt(), c.oom_kills()),
         None => (None, None, None),
@@ -454,9 +439,7 @@ fn run_one(
         user_s: outcome.user_s,
         sys_s: outcome.sys_s,
         cache: cache_report,
-        load_before,
-        load_after,
-        steal_fraction,
+        load,
         started_at,
         command: shell_words(&cmd),
         log_dir: log_dir.display().to_string(),

@@ -59,6 +59,87 @@ impl Machine {
     }
 }
 
+/// When, at which commit and on what machine results were measured: the
+/// first fields of both result files' `meta`.
+#[derive(Clone, Debug, Serialize)]
+pub struct Stamp {
+    pub date: String,
+    pub commit: String,
+    /// `git rev-parse HEAD`, `build time` or `--commit`.
+    pub commit_source: String,
+    pub machine: Machine,
+}
+
+impl Stamp {
+    /// Now, on this machine, at `commit` when given, else at [`commit`]'s.
+    pub fn now(commit: Option<&str>) -> Self {
+        let (commit, commit_source) = match commit {
+            Some(c) => (c.to_string(), "--commit"),
+            None => self::commit(),
+        };
+        Self {
+            date: utc_now().0,
+            commit,
+            commit_source: commit_source.to_string(),
+            machine: Machine::detect(),
+        }
+    }
+
+    /// `Measured DATE at commit COMMIT on MACHINE`, for the tables' notes.
+    pub fn measured(&self) -> String {
+        format!(
+            "Measured {} at commit {} on {}",
+            self.date,
+            self.commit,
+            self.machine.summary()
+        )
+    }
+}
+
+/// The machine's load over a run: the other work a figure shared the
+/// machine with.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Load {
+    pub load_before: Option<[f64; 3]>,
+    pub load_after: Option<[f64; 3]>,
+    /// Share of the machine's CPU time stolen by the hypervisor while the
+    /// run lasted (`/proc/stat`): a virtual machine's neighbours slow it
+    /// down without showing in the load average.
+    pub steal_fraction: Option<f64>,
+}
+
+/// A [`Load`] being measured, from [`LoadWatch::start`] on.
+pub struct LoadWatch {
+    load_before: Option<[f64; 3]>,
+    ticks_before: Option<(u64, u64)>,
+}
+
+impl LoadWatch {
+    pub fn start() -> Self {
+        Self {
+            load_before: load_average(),
+            ticks_before: cpu_ticks(),
+        }
+    }
+
+    /// What is known before the run ends: the load before it.
+    pub fn so_far(&self) -> Load {
+        Load {
+            load_before: self.load_before,
+            ..Load::default()
+        }
+    }
+
+    /// The load over the run, now that it has ended.
+    pub fn finish(&self) -> Load {
+        Load {
+            load_before: self.load_before,
+            load_after: load_average(),
+            steal_fraction: steal_fraction(self.ticks_before, cpu_ticks()),
+        }
+    }
+}
+
 /// The 1-, 5- and 15-minute load averages.
 pub fn load_average() -> Option<[f64; 3]> {
     let text = std::fs::read_to_string("/proc/loadavg").ok()?;

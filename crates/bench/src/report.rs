@@ -1,6 +1,7 @@
 //! Result records and what is written from them: CSV, JSON, a markdown
 //! table in the seed's form, and the three charts.
 
+use std::fmt::Display;
 use std::path::Path;
 
 use anyhow::{Context, Result};
@@ -8,7 +9,7 @@ use serde::Serialize;
 
 use crate::cache::CacheReport;
 use crate::chart::{Chart, Series};
-use crate::machine::Machine;
+use crate::machine::{Load, Stamp};
 use crate::matrix::Setting;
 
 /// How a run ended, for the tables.
@@ -81,12 +82,8 @@ pub struct Record {
     pub user_s: f64,
     pub sys_s: f64,
     pub cache: CacheReport,
-    pub load_before: Option<[f64; 3]>,
-    pub load_after: Option<[f64; 3]>,
-    /// Share of the machine's CPU time stolen by the hypervisor while the
-    /// run lasted (`/proc/stat`): a virtual machine's neighbours slow it
-    /// down without showing in the load average.
-    pub steal_fraction: Option<f64>,
+    #[serde(flatten)]
+    pub load: Load,
     pub started_at: String,
     pub command: String,
     pub log_dir: String,
@@ -197,11 +194,8 @@ mod drift_tests {
 /// Everything about a benchmark run that is not a record.
 #[derive(Clone, Debug, Serialize)]
 pub struct Meta {
-    pub date: String,
-    pub commit: String,
-    /// `git rev-parse HEAD` or `build time`.
-    pub commit_source: String,
-    pub machine: Machine,
+    #[serde(flatten)]
+    pub stamp: Stamp,
     pub model: String,
     /// The slipstream binary that ran the slipstream rows.
     pub runner: String,
@@ -235,8 +229,53 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", path.display()))
 }
 
-fn opt(v: Option<f64>, digits: usize) -> String {
+/// Writes a benchmark's files into `dir`: `results.csv`, `results.json`
+/// (`report`), `table.md`, and each chart as `{chart_prefix}{name}.svg`
+/// and `.png`.
+pub(crate) fn write_results(
+    dir: &Path,
+    report: &impl Serialize,
+    csv: &str,
+    markdown: &str,
+    charts: &[(&str, Chart)],
+    chart_prefix: &str,
+) -> Result<()> {
+    write_atomic(&dir.join("results.csv"), csv.as_bytes())?;
+    write_atomic(
+        &dir.join("results.json"),
+        &serde_json::to_vec_pretty(report).context("serializing results")?,
+    )?;
+    write_atomic(&dir.join("table.md"), markdown.as_bytes())?;
+    for (name, chart) in charts {
+        let path = |ext: &str| dir.join(format!("{chart_prefix}{name}.{ext}"));
+        write_atomic(&path("svg"), crate::chart::svg(chart).as_bytes())?;
+        write_atomic(&path("png"), &crate::chart::png(chart)?)?;
+    }
+    Ok(())
+}
+
+/// `v` with `digits` decimals, or an empty cell.
+pub(crate) fn fixed_or_blank(v: Option<f64>, digits: usize) -> String {
     v.map_or(String::new(), |v| format!("{v:.digits$}"))
+}
+
+/// `v`, or an empty cell.
+pub(crate) fn or_blank(v: Option<impl Display>) -> String {
+    v.map_or(String::new(), |v| v.to_string())
+}
+
+/// `header` and a line per row of fields (each escaped as it needs:
+/// [`csv_field`]).
+pub(crate) fn csv_lines<R: AsRef<[String]>>(
+    header: &str,
+    rows: impl IntoIterator<Item = R>,
+) -> String {
+    let mut out = format!("{header}\n");
+    for fields in rows {
+        out.push_str(&fields.as_ref().join(","));
+        out.push('\n');
+    }
+    out
 }
 
 pub(crate) fn csv_field(s: &str) -> String {
@@ -249,50 +288,47 @@ pub(crate) fn csv_field(s: &str) -> String {
 
 /// One CSV line per record, with a header.
 pub fn csv(report: &Report) -> String {
-    let mut out = String::from(
-        "index,repeat_of,label,runtime,prompt_len,gen,memory_cap_bytes,threads,status,tokens_done,ttft_s,prefill_tok_s,decode_tok_s,decode_skip_steps,decode_all_tok_s,vmhwm_bytes,cgroup_max_usage_bytes,peak_memory_bytes,misses_per_token,expert_bytes_read,disk_read_bytes,wall_s,cache_mode,cache_method,cache_resident_fraction,load_before_1m,load_after_1m,steal_pct,started_at,commit,discarded,error\n",
-    );
     let discarded = report.drift.as_ref().is_some_and(|d| d.discarded);
-    for r in &report.records {
-        let fields = [
+    let rows = report.records.iter().map(|r| {
+        [
             r.index.to_string(),
-            r.repeat_of.map_or(String::new(), |v| v.to_string()),
+            or_blank(r.repeat_of),
             csv_field(&r.label),
             r.runtime.clone(),
             r.prompt_len.to_string(),
             r.gen.to_string(),
-            r.memory_cap_bytes.map_or(String::new(), |v| v.to_string()),
+            or_blank(r.memory_cap_bytes),
             r.threads.to_string(),
             r.status.name().to_string(),
-            r.tokens_done.map_or(String::new(), |v| v.to_string()),
-            opt(r.ttft_s, 3),
-            opt(r.prefill_tok_s, 3),
-            opt(r.decode_tok_s, 3),
+            or_blank(r.tokens_done),
+            fixed_or_blank(r.ttft_s, 3),
+            fixed_or_blank(r.prefill_tok_s, 3),
+            fixed_or_blank(r.decode_tok_s, 3),
             r.decode_skip_steps.to_string(),
-            opt(r.decode_all_tok_s, 3),
+            fixed_or_blank(r.decode_all_tok_s, 3),
             r.vmhwm_bytes.to_string(),
-            r.cgroup_max_usage_bytes
-                .map_or(String::new(), |v| v.to_string()),
+            or_blank(r.cgroup_max_usage_bytes),
             r.peak_memory_bytes.to_string(),
-            opt(r.misses_per_token, 2),
-            r.expert_bytes_read.map_or(String::new(), |v| v.to_string()),
+            fixed_or_blank(r.misses_per_token, 2),
+            or_blank(r.expert_bytes_read),
             r.disk_read_bytes.to_string(),
             format!("{:.3}", r.wall_s),
             r.cache.mode.name().to_string(),
             r.cache.method.clone(),
-            opt(r.cache.resident_fraction, 4),
-            opt(r.load_before.map(|l| l[0]), 2),
-            opt(r.load_after.map(|l| l[0]), 2),
-            opt(r.steal_fraction.map(|f| f * 100.0), 2),
+            fixed_or_blank(r.cache.resident_fraction, 4),
+            fixed_or_blank(r.load.load_before.map(|l| l[0]), 2),
+            fixed_or_blank(r.load.load_after.map(|l| l[0]), 2),
+            fixed_or_blank(r.load.steal_fraction.map(|f| f * 100.0), 2),
             r.started_at.clone(),
-            report.meta.commit.clone(),
+            report.meta.stamp.commit.clone(),
             discarded.to_string(),
             csv_field(r.error.as_deref().unwrap_or("")),
-        ];
-        out.push_str(&fields.join(","));
-        out.push('\n');
-    }
-    out
+        ]
+    });
+    csv_lines(
+        "index,repeat_of,label,runtime,prompt_len,gen,memory_cap_bytes,threads,status,tokens_done,ttft_s,prefill_tok_s,decode_tok_s,decode_skip_steps,decode_all_tok_s,vmhwm_bytes,cgroup_max_usage_bytes,peak_memory_bytes,misses_per_token,expert_bytes_read,disk_read_bytes,wall_s,cache_mode,cache_method,cache_resident_fraction,load_before_1m,load_after_1m,steal_pct,started_at,commit,discarded,error",
+        rows,
+    )
 }
 
 /// `6.04 GB`, or `21 MB` below a gigabyte.
@@ -400,10 +436,8 @@ pub fn markdown(report: &Report) -> String {
     }
     let m = &report.meta;
     out.push_str(&format!(
-        "Measured {} at commit {} on {}; {} threads, {} generated tokens asked, file cache {} ({}) before each run, decode rate after the first {} decode steps; peak memory is the largest over the prompt lengths of max(VmHWM, the cgroup's peak under a cap, which counts page cache); llama.cpp rows come from llama-bench (pp and tg as separate loops, time to first token = prompt tokens / pp rate). ",
-        m.date,
-        m.commit,
-        m.machine.summary(),
+        "{}; {} threads, {} generated tokens asked, file cache {} ({}) before each run, decode rate after the first {} decode steps; peak memory is the largest over the prompt lengths of max(VmHWM, the cgroup's peak under a cap, which counts page cache); llama.cpp rows come from llama-bench (pp and tg as separate loops, time to first token = prompt tokens / pp rate). ",
+        m.stamp.measured(),
         m.threads,
         m.gen,
         m.cache_mode,
@@ -420,7 +454,7 @@ pub fn markdown(report: &Report) -> String {
     let steal: Vec<f64> = report
         .records
         .iter()
-        .filter_map(|r| r.steal_fraction)
+        .filter_map(|r| r.load.steal_fraction)
         .collect();
     if let (Some(lo), Some(hi)) = (
         steal.iter().copied().reduce(f64::min),

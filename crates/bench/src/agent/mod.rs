@@ -97,17 +97,9 @@ pub fn run_agent_bench(opts: &AgentOptions) -> Result<AgentReport> {
     };
     std::fs::create_dir_all(opts.out_dir.join("logs"))
         .with_context(|| format!("creating {}", opts.out_dir.display()))?;
-    let (date, _) = crate::machine::utc_now();
-    let (commit, commit_source) = match &opts.commit {
-        Some(c) => (c.clone(), "--commit"),
-        None => crate::machine::commit(),
-    };
     let mut report = AgentReport {
         meta: Meta {
-            date,
-            commit,
-            commit_source: commit_source.to_string(),
-            machine: crate::machine::Machine::detect(),
+            stamp: crate::machine::Stamp::now(opts.commit.as_deref()),
             transcript: opts.transcript.as_ref().map_or(
                 "bundled (crates/bench/transcripts/agent_session.json)".to_string(),
                 |p| p.display().to_string(),
@@ -250,6 +242,7 @@ async fn replay(
     } else {
         None
     };
+    let load = crate::machine::LoadWatch::start();
     report.sessions.push(Session {
         runtime: name.to_string(),
         base_url: base_url.clone(),
@@ -260,12 +253,9 @@ async fn replay(
         session_s: 0.0,
         failed_requests: 0,
         peak_rss_bytes: None,
-        load_before: crate::machine::load_average(),
-        load_after: None,
-        steal_fraction: None,
+        load: load.so_far(),
         rows: Vec::new(),
     });
-    let ticks_before = crate::machine::cpu_ticks();
     let session_start = Instant::now();
     for (i, req) in transcript.requests.iter().enumerate() {
         let body = transcript.body(opts.api, i, &model, opts.max_tokens);
@@ -299,9 +289,7 @@ async fn replay(
         .last_mut()
         .context("the session being recorded")?;
     session.session_s = session_start.elapsed().as_secs_f64();
-    session.load_after = crate::machine::load_average();
-    session.steal_fraction =
-        crate::machine::steal_fraction(ticks_before, crate::machine::cpu_ticks());
+    session.load = load.finish();
     session.peak_rss_bytes = process.as_ref().and_then(ServerProcess::peak_rss_bytes);
     drop(process.take());
     Ok(())
@@ -342,22 +330,12 @@ async fn first_model_id(client: &reqwest::Client, base_url: &str) -> Result<Stri
 
 /// Writes results.csv, results.json, table.md and the charts.
 pub fn write_outputs(dir: &Path, report: &AgentReport) -> Result<()> {
-    use crate::report::write_atomic;
-    write_atomic(&dir.join("results.csv"), report::csv(report).as_bytes())?;
-    write_atomic(
-        &dir.join("results.json"),
-        &serde_json::to_vec_pretty(report).context("serializing results")?,
-    )?;
-    write_atomic(&dir.join("table.md"), report::markdown(report).as_bytes())?;
-    for (name, chart) in report::charts(report) {
-        write_atomic(
-            &dir.join(format!("{name}.svg")),
-            crate::chart::svg(&chart).as_bytes(),
-        )?;
-        write_atomic(
-            &dir.join(format!("{name}.png")),
-            &crate::chart::png(&chart)?,
-        )?;
-    }
-    Ok(())
+    crate::report::write_results(
+        dir,
+        report,
+        &report::csv(report),
+        &report::markdown(report),
+        &report::charts(report),
+        "",
+    )
 }

@@ -7,7 +7,8 @@ use serde::Serialize;
 use super::client::Measured;
 use super::transcript::{Api, Kind};
 use crate::chart::{Chart, Series};
-use crate::machine::Machine;
+use crate::machine::{Load, Stamp};
+use crate::report::{csv_field, csv_lines, fixed_or_blank, or_blank};
 
 /// One request as one server answered it.
 #[derive(Clone, Debug, Serialize)]
@@ -46,10 +47,9 @@ pub struct Session {
     pub failed_requests: usize,
     /// VmHWM of a server the bench started, read after the session.
     pub peak_rss_bytes: Option<u64>,
-    pub load_before: Option<[f64; 3]>,
-    pub load_after: Option<[f64; 3]>,
-    /// Share of CPU time the hypervisor gave to other guests during the session.
-    pub steal_fraction: Option<f64>,
+    /// Over the session.
+    #[serde(flatten)]
+    pub load: Load,
     pub rows: Vec<Row>,
 }
 
@@ -66,10 +66,8 @@ pub struct BoundCheck {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Meta {
-    pub date: String,
-    pub commit: String,
-    pub commit_source: String,
-    pub machine: Machine,
+    #[serde(flatten)]
+    pub stamp: Stamp,
     /// The transcript file, or `bundled`.
     pub transcript: String,
     pub requests: usize,
@@ -150,45 +148,35 @@ impl AgentReport {
     }
 }
 
-fn opt_f(v: Option<f64>, digits: usize) -> String {
-    v.map_or(String::new(), |v| format!("{v:.digits$}"))
-}
-
-fn opt_u(v: Option<u64>) -> String {
-    v.map_or(String::new(), |v| v.to_string())
-}
-
 /// One line per request per server, with a header.
 pub fn csv(report: &AgentReport) -> String {
-    let mut out = String::from(
-        "runtime,index,label,kind,prompt_tokens,reused_tokens,new_tokens,ttft_s,server_prefill_s,total_s,completion_tokens,started_s,ttft_bound_s,within_bound,commit,error\n",
-    );
-    for s in &report.sessions {
-        for r in &s.rows {
+    let rows = report.sessions.iter().flat_map(|s| {
+        s.rows.iter().map(|r| {
             let m = &r.measured;
-            let fields = [
-                crate::report::csv_field(&s.runtime),
+            [
+                csv_field(&s.runtime),
                 r.index.to_string(),
-                crate::report::csv_field(&r.label),
+                csv_field(&r.label),
                 r.kind.name().to_string(),
-                opt_u(m.prompt_tokens),
-                opt_u(m.reused_tokens),
-                opt_u(r.new_tokens),
-                opt_f(m.ttft_s, 3),
-                opt_f(m.server_prefill_s, 3),
+                or_blank(m.prompt_tokens),
+                or_blank(m.reused_tokens),
+                or_blank(r.new_tokens),
+                fixed_or_blank(m.ttft_s, 3),
+                fixed_or_blank(m.server_prefill_s, 3),
                 format!("{:.3}", m.total_s),
-                opt_u(m.completion_tokens),
+                or_blank(m.completion_tokens),
                 format!("{:.3}", r.started_s),
-                opt_f(r.ttft_bound_s, 3),
-                r.within_bound.map_or(String::new(), |b| b.to_string()),
-                report.meta.commit.clone(),
-                crate::report::csv_field(m.error.as_deref().unwrap_or("")),
-            ];
-            out.push_str(&fields.join(","));
-            out.push('\n');
-        }
-    }
-    out
+                fixed_or_blank(r.ttft_bound_s, 3),
+                or_blank(r.within_bound),
+                report.meta.stamp.commit.clone(),
+                csv_field(m.error.as_deref().unwrap_or("")),
+            ]
+        })
+    });
+    csv_lines(
+        "runtime,index,label,kind,prompt_tokens,reused_tokens,new_tokens,ttft_s,server_prefill_s,total_s,completion_tokens,started_s,ttft_bound_s,within_bound,commit,error",
+        rows,
+    )
 }
 
 /// The per-request table, the sessions' times and the bound check.
@@ -237,9 +225,9 @@ pub fn markdown(report: &AgentReport) -> String {
                     };
                     out.push_str(&format!(
                         " {} | {} | {} | {ttft} |",
-                        opt_u(m.prompt_tokens),
-                        opt_u(m.reused_tokens),
-                        opt_u(r.new_tokens)
+                        or_blank(m.prompt_tokens),
+                        or_blank(m.reused_tokens),
+                        or_blank(r.new_tokens)
                     ));
                 }
                 None => out.push_str(" | | | |"),
@@ -263,7 +251,7 @@ pub fn markdown(report: &AgentReport) -> String {
                 ", peak RSS {:.2} GB",
                 b as f64 / 1e9
             )),
-            s.steal_fraction.map_or(String::new(), |f| format!(
+            s.load.steal_fraction.map_or(String::new(), |f| format!(
                 ", {:.1} % CPU stolen",
                 f * 100.0
             )),
@@ -283,10 +271,8 @@ pub fn markdown(report: &AgentReport) -> String {
     }
     let m = &report.meta;
     out.push_str(&format!(
-        "\nMeasured {} at commit {} on {}; transcript {} ({} requests, {} API), at most {} generated tokens a request, greedy; {} threads, context {} tokens. Time to first token is the client's: from sending the request to the first streamed chunk carrying a token or the finish reason. Reused tokens: the usage's `cached_tokens` or `cache_read_input_tokens`, llama-server's `timings.cache_n` where it sends them.\n",
-        m.date,
-        m.commit,
-        m.machine.summary(),
+        "\n{}; transcript {} ({} requests, {} API), at most {} generated tokens a request, greedy; {} threads, context {} tokens. Time to first token is the client's: from sending the request to the first streamed chunk carrying a token or the finish reason. Reused tokens: the usage's `cached_tokens` or `cache_read_input_tokens`, llama-server's `timings.cache_n` where it sends them.\n",
+        m.stamp.measured(),
         m.transcript,
         m.requests,
         match m.api {
@@ -368,7 +354,16 @@ mod tests {
         }
     }
 
-    fn session(name: &str, rows: Vec<Row>, secs: f64) -> Session {
+    /// A session of the three requests of [`report`]'s transcript (a turn,
+    /// a side request, a turn), each `(prompt, reused, ttft)`, over `secs`.
+    fn session(name: &str, requests: [(u64, u64, f64); 3], secs: f64) -> Session {
+        let kinds = [Kind::Turn, Kind::Side, Kind::Turn];
+        let rows = kinds
+            .into_iter()
+            .zip(requests)
+            .enumerate()
+            .map(|(i, (kind, (prompt, reused, ttft)))| row(i + 1, kind, prompt, reused, ttft))
+            .collect();
         Session {
             runtime: name.into(),
             base_url: "http://x".into(),
@@ -379,9 +374,7 @@ mod tests {
             session_s: secs,
             failed_requests: 0,
             peak_rss_bytes: None,
-            load_before: None,
-            load_after: None,
-            steal_fraction: None,
+            load: Load::default(),
             rows,
         }
     }
@@ -389,10 +382,12 @@ mod tests {
     fn report() -> AgentReport {
         AgentReport {
             meta: Meta {
-                date: "d".into(),
-                commit: "c".into(),
-                commit_source: "s".into(),
-                machine: Machine::detect(),
+                stamp: Stamp {
+                    date: "d".into(),
+                    commit: "c".into(),
+                    commit_source: "s".into(),
+                    machine: crate::machine::Machine::detect(),
+                },
                 transcript: "bundled".into(),
                 requests: 3,
                 api: Api::OpenAi,
@@ -404,20 +399,12 @@ mod tests {
             sessions: vec![
                 session(
                     "slipstream",
-                    vec![
-                        row(1, Kind::Turn, 1000, 0, 10.0),
-                        row(2, Kind::Side, 50, 0, 1.0),
-                        row(3, Kind::Turn, 1200, 1000, 5.0),
-                    ],
+                    [(1000, 0, 10.0), (50, 0, 1.0), (1200, 1000, 5.0)],
                     20.0,
                 ),
                 session(
                     "llama.cpp",
-                    vec![
-                        row(1, Kind::Turn, 1010, 0, 9.0),
-                        row(2, Kind::Side, 52, 0, 1.0),
-                        row(3, Kind::Turn, 1215, 0, 12.0),
-                    ],
+                    [(1010, 0, 9.0), (52, 0, 1.0), (1215, 0, 12.0)],
                     50.0,
                 ),
             ],
