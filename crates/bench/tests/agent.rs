@@ -53,34 +53,27 @@ fn server(model: &Path, states: StateCacheSpec) -> RunningServer {
     .expect("server starts")
 }
 
+/// A 1 GiB state cache with a checkpoint every 8 tokens: the server whose
+/// turns reuse the conversation so far.
+fn state_cache() -> StateCacheSpec {
+    StateCacheSpec {
+        max_bytes: Some(1 << 30),
+        checkpoint_interval: Some(8),
+        memory: None,
+    }
+}
+
 /// Three turns of a tool-using conversation and a title request after the first.
 fn transcript() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/agent_tiny.json")
 }
 
-#[test]
-fn replays_a_session_against_two_servers() {
-    let tmp = tempfile::tempdir().unwrap();
-    let model = demo_model(tmp.path());
-    let first = server(
-        &model,
-        StateCacheSpec {
-            max_bytes: Some(1 << 30),
-            checkpoint_interval: Some(8),
-            memory: None,
-        },
-    );
-    let peer = server(&model, StateCacheSpec::default());
-    let out = tmp.path().join("out");
-    let opts = AgentOptions {
+/// The tiny transcript replayed against `targets` into `out`: OpenAI chat,
+/// 4 tokens a request, one thread, no warm-up, no progress lines.
+fn options(targets: Vec<(String, Target)>, out: &Path) -> AgentOptions {
+    AgentOptions {
         transcript: Some(transcript()),
-        targets: vec![
-            (
-                "slipstream".into(),
-                Target::Url(format!("http://{}", first.addr)),
-            ),
-            ("peer".into(), Target::Url(format!("http://{}/", peer.addr))),
-        ],
+        targets,
         api: Api::OpenAi,
         model_name: None,
         max_tokens: 4,
@@ -88,11 +81,32 @@ fn replays_a_session_against_two_servers() {
         ctx_size: 4096,
         request_timeout: Duration::from_secs(120),
         startup_timeout: Duration::from_secs(60),
-        warmup: true,
+        warmup: false,
         prefill_rate: None,
-        out_dir: out.clone(),
-        commit: Some("test".into()),
+        out_dir: out.to_path_buf(),
+        commit: None,
         progress: false,
+    }
+}
+
+#[test]
+fn replays_a_session_against_two_servers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = demo_model(tmp.path());
+    let first = server(&model, state_cache());
+    let peer = server(&model, StateCacheSpec::default());
+    let out = tmp.path().join("out");
+    let targets = vec![
+        (
+            "slipstream".into(),
+            Target::Url(format!("http://{}", first.addr)),
+        ),
+        ("peer".into(), Target::Url(format!("http://{}/", peer.addr))),
+    ];
+    let opts = AgentOptions {
+        warmup: true,
+        commit: Some("test".into()),
+        ..options(targets, &out)
     };
     let report = run_agent_bench(&opts).unwrap();
     assert_eq!(report.sessions.len(), 2);
@@ -184,24 +198,15 @@ fn replays_a_session_against_two_servers() {
 fn an_unreachable_server_is_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
     let port = slipstream_bench::agent::servers::free_port().unwrap();
+    let targets = vec![(
+        "slipstream".into(),
+        Target::Url(format!("http://127.0.0.1:{port}")),
+    )];
     let opts = AgentOptions {
         transcript: None,
-        targets: vec![(
-            "slipstream".into(),
-            Target::Url(format!("http://127.0.0.1:{port}")),
-        )],
-        api: Api::OpenAi,
-        model_name: None,
-        max_tokens: 4,
-        threads: 1,
-        ctx_size: 4096,
         request_timeout: Duration::from_secs(5),
         startup_timeout: Duration::from_secs(5),
-        warmup: false,
-        prefill_rate: None,
-        out_dir: tmp.path().join("out"),
-        commit: None,
-        progress: false,
+        ..options(targets, &tmp.path().join("out"))
     };
     let e = format!("{:#}", run_agent_bench(&opts).unwrap_err());
     assert!(e.contains("/v1/models"), "{e}");
@@ -211,33 +216,16 @@ fn an_unreachable_server_is_a_clear_error() {
 fn replays_over_the_anthropic_api() {
     let tmp = tempfile::tempdir().unwrap();
     let model = demo_model(tmp.path());
-    let s = server(
-        &model,
-        StateCacheSpec {
-            max_bytes: Some(1 << 30),
-            checkpoint_interval: Some(8),
-            memory: None,
-        },
-    );
+    let s = server(&model, state_cache());
     let out = tmp.path().join("out");
+    let targets = vec![(
+        "slipstream".into(),
+        Target::Url(format!("http://{}", s.addr)),
+    )];
     let opts = AgentOptions {
-        transcript: Some(transcript()),
-        targets: vec![(
-            "slipstream".into(),
-            Target::Url(format!("http://{}", s.addr)),
-        )],
         api: Api::Anthropic,
         model_name: Some("demo".into()),
-        max_tokens: 4,
-        threads: 1,
-        ctx_size: 4096,
-        request_timeout: Duration::from_secs(120),
-        startup_timeout: Duration::from_secs(60),
-        warmup: false,
-        prefill_rate: None,
-        out_dir: out.clone(),
-        commit: None,
-        progress: false,
+        ..options(targets, &out)
     };
     let report = run_agent_bench(&opts).unwrap();
     let rows = &report.sessions[0].rows;
