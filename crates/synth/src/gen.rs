@@ -140,6 +140,11 @@ fn fill_row(
     }
 }
 
+/// Row `r`'s own random stream for a tensor seeded `seed`.
+pub(crate) fn row_rng(seed: u64, r: usize) -> Rng {
+    Rng::new(seed ^ (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
 /// A `[rows, cols]` affine tensor (group 64, f16 scales) whose group `g` of
 /// row `r` is `spec(r, g)`. Rows are generated in parallel when `parallel`;
 /// each row has its own stream, so the bytes never depend on threading.
@@ -163,7 +168,7 @@ pub fn affine(
     let (scales, biases) = params.split_at_mut(2 * rows * gpr);
     type RowParts<'a> = (usize, ((&'a mut [u8], &'a mut [u8]), &'a mut [u8]));
     let work = |(r, ((c, s), b)): RowParts<'_>| {
-        let mut rng = Rng::new(seed ^ (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let mut rng = row_rng(seed, r);
         fill_row(bits, &mut rng, c, s, b, &|g| spec(r, g));
     };
     if parallel {

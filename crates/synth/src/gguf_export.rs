@@ -31,14 +31,26 @@ use slipstream_core::schema::{self, TensorKind, TensorSpec};
 use slipstream_core::{Architecture, ModelConfig, QuantType};
 use slipstream_gguf::{GgmlType, GgufWriter, TensorDecl, Value, ValueType};
 
-use crate::gen::{Group, Rng, GROUP};
+use crate::gen::{row_rng, Group, GROUP};
 use crate::{check, Dense, Gen, SynthError, SynthEvent, SynthOptions, SynthQuant, SynthReport};
 
 /// Standard deviation of a uniform 4-bit code.
 const CODE_STD_4: f32 = 4.609_772;
 
-fn row_rng(seed: u64, r: usize) -> Rng {
-    Rng::new(seed ^ (r as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+/// Runs `work` on each `(row index, row)` of `out`, rows `row_bytes` long,
+/// in parallel when `parallel` (each row draws from its own stream, so the
+/// bytes never depend on threading).
+fn for_each_row(
+    out: &mut [u8],
+    row_bytes: usize,
+    parallel: bool,
+    work: impl Fn((usize, &mut [u8])) + Sync + Send,
+) {
+    if parallel {
+        out.par_chunks_mut(row_bytes).enumerate().for_each(work);
+    } else {
+        out.chunks_mut(row_bytes).enumerate().for_each(work);
+    }
 }
 
 /// A `[rows, cols]` GGML Q4_0 tensor (blocks of 32: f16 `d`, 16 bytes of
@@ -87,11 +99,7 @@ pub fn q4_0(
             }
         }
     };
-    if parallel {
-        out.par_chunks_mut(row_bytes).enumerate().for_each(work);
-    } else {
-        out.chunks_mut(row_bytes).enumerate().for_each(work);
-    }
+    for_each_row(&mut out, row_bytes, parallel, work);
     out
 }
 
@@ -125,11 +133,7 @@ pub fn f32_matrix(
             }
         }
     };
-    if parallel {
-        out.par_chunks_mut(cols * 4).enumerate().for_each(work);
-    } else {
-        out.chunks_mut(cols * 4).enumerate().for_each(work);
-    }
+    for_each_row(&mut out, cols * 4, parallel, work);
     out
 }
 

@@ -158,39 +158,11 @@ fn every_fourth_full(n: usize) -> Vec<LayerKind> {
 /// so beside its figures).
 pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
     let mut c = match preset {
-        Preset::Qwen36_35bA3b => ModelConfig {
-            architecture: Architecture::Qwen35Moe,
-            vocab_size: 248320,
-            hidden_size: 2048,
-            rms_norm_eps: 1e-6,
-            layer_types: every_fourth_full(40),
-            tie_word_embeddings: false,
-            max_position_embeddings: 262144,
-            num_attention_heads: 16,
-            num_key_value_heads: 2,
-            head_dim: 256,
-            rotary_dim: 64,
-            rope_theta: 1e7,
-            attn_output_gate: true,
-            linear_num_key_heads: 16,
-            linear_key_head_dim: 128,
-            linear_num_value_heads: 32,
-            linear_value_head_dim: 128,
-            linear_conv_kernel: 4,
-            num_experts: 256,
-            num_experts_per_tok: 8,
-            moe_intermediate_size: 512,
-            shared_expert_intermediate_size: 512,
-            norm_topk_prob: true,
-            mtp_num_layers: 0,
-        },
+        Preset::Qwen36_35bA3b => qwen36_35b(),
         Preset::Qwen3_30bA3b => ModelConfig {
             architecture: Architecture::Qwen3Moe,
             vocab_size: 151936,
-            hidden_size: 2048,
-            rms_norm_eps: 1e-6,
             layer_types: vec![LayerKind::FullAttention; 48],
-            tie_word_embeddings: false,
             max_position_embeddings: 40960,
             num_attention_heads: 32,
             num_key_value_heads: 4,
@@ -204,71 +176,68 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
             linear_value_head_dim: 0,
             linear_conv_kernel: 0,
             num_experts: 128,
-            num_experts_per_tok: 8,
             moe_intermediate_size: 768,
             shared_expert_intermediate_size: 0,
-            norm_topk_prob: true,
-            mtp_num_layers: 0,
+            ..qwen36_35b()
         },
+        // The 35B's attention and linear-attention layout (partial rotary
+        // factor 0.25 of head dim 256 included) with more layers and experts.
         Preset::Qwen3Next80bA3b => ModelConfig {
             architecture: Architecture::Qwen3Next,
             vocab_size: 151936,
-            hidden_size: 2048,
-            rms_norm_eps: 1e-6,
             layer_types: every_fourth_full(48),
-            tie_word_embeddings: false,
-            max_position_embeddings: 262144,
-            num_attention_heads: 16,
-            num_key_value_heads: 2,
-            head_dim: 256,
-            // partial_rotary_factor 0.25 of head dim 256.
-            rotary_dim: 64,
-            rope_theta: 1e7,
-            attn_output_gate: true,
-            linear_num_key_heads: 16,
-            linear_key_head_dim: 128,
-            linear_num_value_heads: 32,
-            linear_value_head_dim: 128,
-            linear_conv_kernel: 4,
             num_experts: 512,
             num_experts_per_tok: 10,
-            moe_intermediate_size: 512,
-            shared_expert_intermediate_size: 512,
-            norm_topk_prob: true,
-            mtp_num_layers: 0,
+            ..qwen36_35b()
         },
+        // Published: hidden, query heads, layers, experts, vocabulary. The
+        // rest is inferred (see the doc comment): the 35B's attention and
+        // linear key heads, wider value heads and experts.
         Preset::Qwen35_122bA10b => ModelConfig {
-            architecture: Architecture::Qwen35Moe,
-            vocab_size: 248320,
             hidden_size: 3072,
-            rms_norm_eps: 1e-6,
             layer_types: every_fourth_full(48),
-            tie_word_embeddings: false,
-            max_position_embeddings: 262144,
             num_attention_heads: 32,
-            // Inferred (see the doc comment): from here to the experts.
-            num_key_value_heads: 2,
-            head_dim: 256,
-            rotary_dim: 64,
-            rope_theta: 1e7,
-            attn_output_gate: true,
-            linear_num_key_heads: 16,
-            linear_key_head_dim: 128,
             linear_num_value_heads: 64,
-            linear_value_head_dim: 128,
-            linear_conv_kernel: 4,
-            num_experts: 256,
-            num_experts_per_tok: 8,
             moe_intermediate_size: 1024,
             shared_expert_intermediate_size: 1024,
-            norm_topk_prob: true,
-            mtp_num_layers: 0,
+            ..qwen36_35b()
         },
     };
     if let Some(n) = layers {
         c.layer_types.truncate(n.max(1));
     }
     c
+}
+
+/// Qwen3.6-35B-A3B's published `config.json` (the other presets are
+/// written as their differences from it).
+fn qwen36_35b() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::Qwen35Moe,
+        vocab_size: 248320,
+        hidden_size: 2048,
+        rms_norm_eps: 1e-6,
+        layer_types: every_fourth_full(40),
+        tie_word_embeddings: false,
+        max_position_embeddings: 262144,
+        num_attention_heads: 16,
+        num_key_value_heads: 2,
+        head_dim: 256,
+        rotary_dim: 64,
+        rope_theta: 1e7,
+        attn_output_gate: true,
+        linear_num_key_heads: 16,
+        linear_key_head_dim: 128,
+        linear_num_value_heads: 32,
+        linear_value_head_dim: 128,
+        linear_conv_kernel: 4,
+        num_experts: 256,
+        num_experts_per_tok: 8,
+        moe_intermediate_size: 512,
+        shared_expert_intermediate_size: 512,
+        norm_topk_prob: true,
+        mtp_num_layers: 0,
+    }
 }
 
 /// Router skew. `Skew::UNIFORM` is a plain random model.

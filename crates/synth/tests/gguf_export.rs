@@ -9,55 +9,35 @@ use slipstream_format::SlipModel;
 use slipstream_synth::gguf_export::synthesize_gguf;
 use slipstream_synth::{measure, synthesize_q, Skew, SynthOptions, SynthQuant};
 
+mod common;
+
+/// [`common::tiny`] with three layers (two linear, one full attention),
+/// more value heads than key heads (the tiled order is exercised) and 16
+/// wider experts.
 fn tiny(arch: Architecture) -> ModelConfig {
-    let qwen35 = arch.is_hybrid();
+    let base = common::tiny(arch);
+    if !arch.is_hybrid() {
+        return ModelConfig {
+            num_experts: 16,
+            moe_intermediate_size: 128,
+            ..base
+        };
+    }
     ModelConfig {
-        architecture: arch,
-        vocab_size: 512,
-        hidden_size: 256,
-        rms_norm_eps: 1e-6,
-        layer_types: if qwen35 {
-            vec![
-                LayerKind::LinearAttention,
-                LayerKind::LinearAttention,
-                LayerKind::FullAttention,
-            ]
-        } else {
-            vec![LayerKind::FullAttention; 2]
-        },
-        tie_word_embeddings: false,
-        max_position_embeddings: 4096,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 64,
-        rotary_dim: if qwen35 { 32 } else { 64 },
-        rope_theta: 1e6,
-        attn_output_gate: qwen35,
-        // More value heads than key heads: the tiled order is exercised.
-        linear_num_key_heads: if qwen35 { 2 } else { 0 },
-        linear_key_head_dim: if qwen35 { 64 } else { 0 },
-        linear_num_value_heads: if qwen35 { 6 } else { 0 },
-        linear_value_head_dim: if qwen35 { 64 } else { 0 },
-        linear_conv_kernel: if qwen35 { 4 } else { 0 },
+        layer_types: vec![
+            LayerKind::LinearAttention,
+            LayerKind::LinearAttention,
+            LayerKind::FullAttention,
+        ],
+        linear_num_value_heads: 6,
         num_experts: 16,
-        num_experts_per_tok: 4,
         moe_intermediate_size: 128,
-        shared_expert_intermediate_size: if qwen35 { 64 } else { 0 },
-        norm_topk_prob: true,
-        mtp_num_layers: 0,
+        ..base
     }
 }
 
 fn opts(cfg: &ModelConfig, out: std::path::PathBuf) -> SynthOptions {
-    SynthOptions {
-        config: cfg.clone(),
-        seed: 5,
-        skew: Skew::DEFAULT,
-        output: out,
-        preset_name: "tiny".into(),
-        batch: 5,
-        overwrite: Default::default(),
-    }
+    common::options(cfg, out, 5, Skew::DEFAULT, 5)
 }
 
 #[test]

@@ -1,41 +1,10 @@
+use common::tiny;
 use slipstream_core::config::LayerKind;
 use slipstream_core::{Architecture, ModelConfig, QuantType};
 use slipstream_format::SlipModel;
-use slipstream_synth::{measure, synthesize, Skew, SynthOptions};
+use slipstream_synth::{measure, synthesize, Skew};
 
-fn tiny(arch: Architecture) -> ModelConfig {
-    let qwen35 = arch.is_hybrid();
-    ModelConfig {
-        architecture: arch,
-        vocab_size: 512,
-        hidden_size: 256,
-        rms_norm_eps: 1e-6,
-        layer_types: if qwen35 {
-            vec![LayerKind::LinearAttention, LayerKind::FullAttention]
-        } else {
-            vec![LayerKind::FullAttention; 2]
-        },
-        tie_word_embeddings: false,
-        max_position_embeddings: 4096,
-        num_attention_heads: 4,
-        num_key_value_heads: 2,
-        head_dim: 64,
-        rotary_dim: if qwen35 { 32 } else { 64 },
-        rope_theta: 1e6,
-        attn_output_gate: qwen35,
-        linear_num_key_heads: if qwen35 { 2 } else { 0 },
-        linear_key_head_dim: if qwen35 { 64 } else { 0 },
-        linear_num_value_heads: if qwen35 { 4 } else { 0 },
-        linear_value_head_dim: if qwen35 { 64 } else { 0 },
-        linear_conv_kernel: if qwen35 { 4 } else { 0 },
-        num_experts: 32,
-        num_experts_per_tok: 4,
-        moe_intermediate_size: 64,
-        shared_expert_intermediate_size: if qwen35 { 64 } else { 0 },
-        norm_topk_prob: true,
-        mtp_num_layers: 0,
-    }
-}
+mod common;
 
 fn write(
     cfg: &ModelConfig,
@@ -45,16 +14,7 @@ fn write(
     skew: Skew,
 ) -> std::path::PathBuf {
     let out = dir.join(name);
-    let opts = SynthOptions {
-        config: cfg.clone(),
-        seed,
-        skew,
-        output: out.clone(),
-        preset_name: "tiny".into(),
-        batch: 7,
-        overwrite: Default::default(),
-    };
-    synthesize(&opts, &|_| {}).unwrap();
+    synthesize(&common::options(cfg, out.clone(), seed, skew, 7), &|_| {}).unwrap();
     out
 }
 
