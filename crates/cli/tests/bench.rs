@@ -9,10 +9,39 @@ use std::path::{Path, PathBuf};
 use slipstream_testkit::bin;
 use slipstream_testkit::cli::{self, ok};
 
-fn model(dir: &Path) -> PathBuf {
-    let out = dir.join("m.slip");
-    cli::repack(bin!(), "qwen3_moe", None, &out);
-    out
+/// A temp dir with the repacked fixture model (`m.slip`) in it, and `out`
+/// there for the results.
+fn model_and_out() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m.slip");
+    cli::repack(bin!(), "qwen3_moe", None, &model);
+    let out = tmp.path().join("out");
+    (tmp, model, out)
+}
+
+/// A test's path as a `&str` argument (temp paths are UTF-8).
+fn utf8(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+/// `slipstream bench --model MODEL FLAG VALUE... --out OUT`, which must
+/// succeed; its stdout and stderr.
+fn bench(model: &Path, flags: &[(&str, &str)], out: &Path) -> (String, String) {
+    let mut cmd = bin!();
+    cmd.args(["bench", "--model"]).arg(model);
+    for (flag, value) in flags {
+        cmd.args([flag, value]);
+    }
+    ok(cmd.arg("--out").arg(out).output().unwrap())
+}
+
+/// Stderr of `slipstream ARGS...`, which must fail without a panic.
+fn refused(args: &[&str]) -> String {
+    let out = bin!().args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    stderr
 }
 
 fn results(dir: &Path) -> serde_json::Value {
@@ -32,22 +61,19 @@ fn check_charts(dir: &Path) {
 /// thread, results in `out`; its stdout (the tables).
 fn small_matrix(model: &Path, slots: &str, gen: usize, skip_steps: usize, out: &Path) -> String {
     let (gen, skip_steps) = (gen.to_string(), skip_steps.to_string());
-    ok(bin!()
-        .args(["bench", "--model"])
-        .arg(model)
-        .args(["--slots", slots, "--prompt-lens", "8", "--gen", &gen])
-        .args(["--skip-steps", &skip_steps, "--threads", "1", "--out"])
-        .arg(out)
-        .output()
-        .unwrap())
-    .0
+    let flags = [
+        ("--slots", slots),
+        ("--prompt-lens", "8"),
+        ("--gen", &gen),
+        ("--skip-steps", &skip_steps),
+        ("--threads", "1"),
+    ];
+    bench(model, &flags, out).0
 }
 
 #[test]
 fn tiny_matrix_writes_results_with_drift_check() {
-    let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
-    let out = tmp.path().join("out");
+    let (_tmp, m, out) = model_and_out();
     let stdout = small_matrix(&m, "1,all", 12, 2, &out);
     assert!(
         stdout.contains("| slipstream, 1 slots, aging |"),
@@ -126,17 +152,9 @@ fn gguf_in_place_with_auto_slots() {
         .as_str()
         .unwrap()
         .contains("--expert-cache-slots"));
-    let runs = out.join("runs");
-    let first = std::fs::read_dir(&runs)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("00-"))
-        .unwrap();
-    let stderr = std::fs::read_to_string(first.join("stderr.txt")).unwrap();
-    assert!(stderr.contains("[memory]"), "{stderr}");
-    // The same greedy tokens whatever the slot count.
-    let ids = |i: usize| {
-        let dir = std::fs::read_dir(&runs)
+    // Run `i`'s log file `name`.
+    let log = |i: usize, name: &str| {
+        let dir = std::fs::read_dir(out.join("runs"))
             .unwrap()
             .map(|e| e.unwrap().path())
             .find(|p| {
@@ -146,27 +164,28 @@ fn gguf_in_place_with_auto_slots() {
                     .starts_with(&format!("{i:02}-"))
             })
             .unwrap();
-        std::fs::read_to_string(dir.join("stdout.txt")).unwrap()
+        std::fs::read_to_string(dir.join(name)).unwrap()
     };
+    let stderr = log(0, "stderr.txt");
+    assert!(stderr.contains("[memory]"), "{stderr}");
+    // The same greedy tokens whatever the slot count.
+    let ids = |i: usize| log(i, "stdout.txt");
     assert!(ids(0).split_whitespace().count() >= 6, "{}", ids(0));
     assert_eq!(ids(0), ids(1));
 }
 
 #[test]
 fn timeout_gives_did_not_finish_rows() {
-    let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
-    let out = tmp.path().join("out");
-    ok(bin!()
-        .args(["bench", "--model"])
-        .arg(&m)
-        // Enough work that the child is still running when the harness
-        // first looks (it polls every 10 ms): 4 tokens could finish first.
-        .args(["--slots", "2", "--prompt-lens", "8", "--gen", "1000"])
-        .args(["--timeout-s", "0.001", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap());
+    let (_tmp, m, out) = model_and_out();
+    // Enough work that the child is still running when the harness first
+    // looks (it polls every 10 ms): 4 tokens could finish first.
+    let flags = [
+        ("--slots", "2"),
+        ("--prompt-lens", "8"),
+        ("--gen", "1000"),
+        ("--timeout-s", "0.001"),
+    ];
+    bench(&m, &flags, &out);
     let j = results(&out);
     for r in j["records"].as_array().unwrap() {
         assert_eq!(r["status"], "did-not-finish", "{r}");
@@ -179,8 +198,7 @@ fn timeout_gives_did_not_finish_rows() {
 
 #[test]
 fn malformed_flags_are_clear_errors() {
-    let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let (tmp, m, _) = model_and_out();
     for (flag, value, expect) in [
         ("--slots", "16,,64", "--slots"),
         ("--slots", "many", "bad slot count"),
@@ -188,31 +206,17 @@ fn malformed_flags_are_clear_errors() {
         ("--prompt-lens", "0", "prompt length 0"),
         ("--policy", "fifo", "unknown policy"),
     ] {
-        let out = bin!()
-            .args(["bench", "--model"])
-            .arg(&m)
-            .args([flag, value])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flag} {value} should fail");
+        let stderr = refused(&["bench", "--model", utf8(&m), flag, value]);
         assert!(stderr.starts_with("error:"), "{stderr}");
         assert!(stderr.contains(expect), "{flag} {value}: {stderr}");
-        assert!(!stderr.contains("panicked"), "{stderr}");
     }
-    let out = bin!()
-        .args(["bench", "--model"])
-        .arg(tmp.path())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = refused(&["bench", "--model", utf8(tmp.path())]);
     assert!(stderr.contains("manifest.json"), "{stderr}");
 }
 
 #[test]
 fn fake_llama_bench_peer_is_parsed() {
-    let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
+    let (tmp, m, out) = model_and_out();
     let peer = tmp.path().join("peer");
     std::fs::create_dir(&peer).unwrap();
     let script = peer.join("llama-bench");
@@ -236,18 +240,16 @@ echo "{\"build_commit\": \"0c1e570\", \"load_mode\": \"$lm\", \"n_prompt\": 0, \
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     let gguf = tmp.path().join("m.gguf");
     std::fs::write(&gguf, b"GGUF fake").unwrap();
-    let out = tmp.path().join("out");
-    let (stdout, _) = ok(bin!()
-        .args(["bench", "--model"])
-        .arg(&m)
-        .arg("--gguf")
-        .arg(&gguf)
-        .arg(format!("--peer=llama.cpp={}", peer.display()))
-        .args(["--slots", "2", "--prompt-lens", "10", "--gen", "6"])
-        .args(["--threads", "1", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap());
+    let peer_dir = format!("llama.cpp={}", peer.display());
+    let flags = [
+        ("--gguf", utf8(&gguf)),
+        ("--peer", &peer_dir),
+        ("--slots", "2"),
+        ("--prompt-lens", "10"),
+        ("--gen", "6"),
+        ("--threads", "1"),
+    ];
+    let (stdout, _) = bench(&m, &flags, &out);
     assert!(
         stdout.contains("llama.cpp, --mmap 0, --repack 0"),
         "{stdout}"
@@ -295,17 +297,15 @@ fn memory_cap_runs_in_a_cgroup_where_allowed() {
         return;
     }
     std::fs::remove_dir(&probe).unwrap();
-    let tmp = tempfile::tempdir().unwrap();
-    let m = model(tmp.path());
-    let out = tmp.path().join("out");
-    ok(bin!()
-        .args(["bench", "--model"])
-        .arg(&m)
-        .args(["--slots", "2", "--prompt-lens", "8", "--gen", "4"])
-        .args(["--memory-cap", "1G", "--cap-runs", "capped", "--out"])
-        .arg(&out)
-        .output()
-        .unwrap());
+    let (_tmp, m, out) = model_and_out();
+    let flags = [
+        ("--slots", "2"),
+        ("--prompt-lens", "8"),
+        ("--gen", "4"),
+        ("--memory-cap", "1G"),
+        ("--cap-runs", "capped"),
+    ];
+    bench(&m, &flags, &out);
     let j = results(&out);
     for r in j["records"].as_array().unwrap() {
         assert_eq!(r["status"], "ok", "{r}");
@@ -452,15 +452,8 @@ exec {bin} serve --model {model} --port $port --any-model --threads 1
             "--max-tokens",
         ),
     ] {
-        let o = bin!()
-            .args(&args)
-            .arg("--out")
-            .arg(tmp.path().join("bad"))
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&o.stderr);
-        assert!(!o.status.success(), "{args:?} should fail");
+        let bad = tmp.path().join("bad");
+        let stderr = refused(&[&args[..], &["--out", utf8(&bad)]].concat());
         assert!(stderr.contains(expect), "{args:?}: {stderr}");
-        assert!(!stderr.contains("panicked"), "{stderr}");
     }
 }
