@@ -264,23 +264,37 @@ fn omitted(kind: &str) -> String {
     format!("[{kind} omitted: this model reads text only]")
 }
 
+/// A text block's text; for a block of another `kind`, a note that it was
+/// omitted.
+fn text_block(kind: &str, b: &Value) -> String {
+    match kind {
+        "text" => b
+            .get("text")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string(),
+        other => omitted(other),
+    }
+}
+
+/// The blocks' texts, a line apart: `text_of` reads each block by its
+/// type (a block without one reads as nothing).
+fn joined_blocks(blocks: &[Value], text_of: impl Fn(&str, &Value) -> String) -> String {
+    blocks
+        .iter()
+        .map(|b| match b.get("type").and_then(Value::as_str) {
+            Some(kind) => text_of(kind, b),
+            None => String::new(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Text blocks' texts (a string, or blocks whose other types are noted).
 fn texts(v: &Value) -> String {
     match v {
         Value::String(s) => s.clone(),
-        Value::Array(blocks) => blocks
-            .iter()
-            .map(|b| match b.get("type").and_then(Value::as_str) {
-                Some("text") => b
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string(),
-                Some(t) => omitted(t),
-                None => String::new(),
-            })
-            .collect::<Vec<_>>()
-            .join("\n"),
+        Value::Array(blocks) => joined_blocks(blocks, text_block),
         _ => String::new(),
     }
 }
@@ -320,28 +334,18 @@ fn search_result_text(b: &Value) -> String {
 fn tool_result_text(v: &Value, deferred: &Map<String, Value>) -> String {
     match v {
         Value::String(s) => s.clone(),
-        Value::Array(blocks) => blocks
-            .iter()
-            .map(|b| match b.get("type").and_then(Value::as_str) {
-                Some("text") => b
-                    .get("text")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string(),
-                Some("document") => document_text(b),
-                Some("search_result") => search_result_text(b),
-                Some("tool_reference") => {
-                    let name = b.get("tool_name").and_then(Value::as_str).unwrap_or("");
-                    match deferred.get(name) {
-                        Some(def) => format!("<function>{def}</function>"),
-                        None => format!("[tool {name}]"),
-                    }
+        Value::Array(blocks) => joined_blocks(blocks, |kind, b| match kind {
+            "document" => document_text(b),
+            "search_result" => search_result_text(b),
+            "tool_reference" => {
+                let name = b.get("tool_name").and_then(Value::as_str).unwrap_or("");
+                match deferred.get(name) {
+                    Some(def) => format!("<function>{def}</function>"),
+                    None => format!("[tool {name}]"),
                 }
-                Some(t) => omitted(t),
-                None => String::new(),
-            })
-            .collect::<Vec<_>>()
-            .join("\n"),
+            }
+            _ => text_block(kind, b),
+        }),
         Value::Null => String::new(),
         other => other.to_string(),
     }

@@ -471,6 +471,15 @@ fn data(v: &Value) -> String {
     format!("data: {v}\n\n")
 }
 
+/// A stream's last messages: the chunk with the finish reason, the usage
+/// chunk when the client asked for it, then `[DONE]`.
+fn stream_end(last: String, usage: Option<Value>) -> Vec<String> {
+    let mut v = vec![last];
+    v.extend(usage.as_ref().map(data));
+    v.push("data: [DONE]\n\n".into());
+    v
+}
+
 async fn stream_chat(
     app: Arc<App>,
     gen: Gen,
@@ -536,16 +545,15 @@ async fn stream_chat(
             (msgs, false)
         }
         Step::Done(o) => {
-            let mut v = vec![chunk(json!({}), finish_reason(&o, calls).into())];
-            if include_usage {
-                v.push(data(&json!({
+            let last = chunk(json!({}), finish_reason(&o, calls).into());
+            let usage = include_usage.then(|| {
+                json!({
                     "id": id, "object": "chat.completion.chunk", "created": created,
                     "model": model, "choices": [], "usage": usage(&o),
                     "slipstream": o.figures(),
-                })));
-            }
-            v.push("data: [DONE]\n\n".into());
-            (v, true)
+                })
+            });
+            (stream_end(last, usage), true)
         }
         Step::Failed(e) => (vec![data(&ApiError::internal(F, e).body())], true),
     })
@@ -615,14 +623,12 @@ pub async fn completions(
                     (msgs, false)
                 }
                 Step::Done(o) => {
-                    let mut v = vec![chunk("", finish_reason(&o, 0).into())];
-                    if include_usage {
-                        v.push(data(&json!({"id": id, "object": "text_completion",
-                            "created": created, "model": model, "choices": [],
-                            "usage": usage(&o)})));
-                    }
-                    v.push("data: [DONE]\n\n".into());
-                    (v, true)
+                    let last = chunk("", finish_reason(&o, 0).into());
+                    let usage = include_usage.then(|| {
+                        json!({"id": id, "object": "text_completion", "created": created,
+                            "model": model, "choices": [], "usage": usage(&o)})
+                    });
+                    (stream_end(last, usage), true)
                 }
                 Step::Failed(e) => (vec![data(&ApiError::internal(F, e).body())], true),
             })
