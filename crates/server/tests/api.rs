@@ -16,19 +16,8 @@ use slipstream_server::{start, BackendSpec, RunningServer};
 fn health_models_and_page() {
     let s = server(config());
     rt().block_on(async {
-        let h: Value = reqwest::get(url(&s, "/health"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert_eq!(h["status"], "ok");
-        let m: Value = reqwest::get(url(&s, "/v1/models"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        assert_eq!(get_json(&s, "/health").await["status"], "ok");
+        let m = get_json(&s, "/v1/models").await;
         assert_eq!(m["data"][0]["id"], "demo");
         let r = reqwest::get(url(&s, "/")).await.unwrap();
         assert_eq!(r.status(), 200);
@@ -97,18 +86,25 @@ fn openai_chat_non_streaming_and_streaming() {
 
         // The next turn of the conversation prefills only its new tokens.
         let prompt1 = v["usage"]["prompt_tokens"].as_u64().unwrap();
-        let turn2 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
-            {"role": "user", "content": "And it came to pass"},
-            {"role": "assistant", "content": content},
-            {"role": "user", "content": "And God said"}]});
-        let (st, v) = post(&s, "/v1/chat/completions", turn2).await;
-        assert_eq!(st, 200, "{v}");
-        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
+        let (v, cached) = second_turn(&s, "And it came to pass", &content).await;
         assert!(cached >= prompt1, "cached {cached} of {v}");
         assert!(v["slipstream"]["decode_tokens_per_s"].is_number());
     });
+}
+
+/// The second turn of a greedy chat (`first`, the model's `reply`, then
+/// "And God said"): the reply, and how many prompt tokens it reused.
+async fn second_turn(s: &RunningServer, first: &str, reply: &str) -> (Value, u64) {
+    let turn2 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "And God said"}]});
+    let (st, v) = post(s, "/v1/chat/completions", turn2).await;
+    assert_eq!(st, 200, "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    (v, cached)
 }
 
 #[test]
@@ -201,45 +197,61 @@ fn malformed_requests_get_errors_in_each_apis_shape() {
     c.max_context = Some(64);
     c.max_body_bytes = Some(4096);
     let s = server(c);
+    const CHAT: &str = "/v1/chat/completions";
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let long = "and it came to pass ".repeat(40);
+    let huge = "x".repeat(10_000);
     rt().block_on(async {
-        // OpenAI shape.
-        let (st, v) = post_raw(&s, "/v1/chat/completions", "{not json").await;
+        // OpenAI shape: the status, a part of the message ("": any), the
+        // error's code if it has one to check.
+        let (st, v) = post_raw(&s, CHAT, "{not json").await;
         assert_eq!(st, 400);
         assert!(openai_error(&v).contains("not valid JSON"), "{v}");
-        let (st, v) = post_raw(&s, "/v1/chat/completions", "").await;
+        let (st, v) = post_raw(&s, CHAT, "").await;
         assert_eq!(st, 400);
         openai_error(&v);
-        let (st, v) = post(&s, "/v1/chat/completions", json!({"model": "demo", "messages": "hi"})).await;
-        assert_eq!(st, 400);
-        openai_error(&v);
+        for (path, body, status, says, code) in [
+            (CHAT, json!({"model": "demo", "messages": "hi"}), 400, "", None),
+            (
+                CHAT,
+                json!({"model": "demo", "messages": hi, "temperature": "hot"}),
+                400,
+                "",
+                None,
+            ),
+            (
+                CHAT,
+                json!({"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}),
+                400,
+                "wizard",
+                None,
+            ),
+            (
+                CHAT,
+                json!({"model": "gpt-4o", "messages": hi}),
+                404,
+                "",
+                Some("model_not_found"),
+            ),
+            (
+                CHAT,
+                json!({"model": "demo", "messages": [{"role": "user", "content": huge}]}),
+                413,
+                "",
+                None,
+            ),
+            ("/v1/completions", json!({"model": "demo", "prompt": 5}), 400, "", None),
+        ] {
+            let (st, v) = post(&s, path, body.clone()).await;
+            assert_eq!(st, status, "{body}: {v}");
+            assert!(openai_error(&v).contains(says), "{v}");
+            if let Some(code) = code {
+                assert_eq!(v["error"]["code"], code, "{v}");
+            }
+        }
         let (st, v) = post(
             &s,
-            "/v1/chat/completions",
-            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}),
-        )
-        .await;
-        assert_eq!(st, 400);
-        openai_error(&v);
-        let (st, v) = post(
-            &s,
-            "/v1/chat/completions",
-            json!({"model": "demo", "messages": [{"role": "wizard", "content": "hi"}]}),
-        )
-        .await;
-        assert_eq!(st, 400);
-        assert!(openai_error(&v).contains("wizard"));
-        let (st, v) = post(
-            &s,
-            "/v1/chat/completions",
-            json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
-        assert_eq!(st, 404);
-        assert_eq!(v["error"]["code"], "model_not_found");
-        let long = "and it came to pass ".repeat(40);
-        let (st, v) = post(
-            &s,
-            "/v1/chat/completions",
+            CHAT,
             json!({"model": "demo", "messages": [{"role": "user", "content": long}]}),
         )
         .await;
@@ -248,55 +260,42 @@ fn malformed_requests_get_errors_in_each_apis_shape() {
         assert!(e.contains("at most 63 prompt tokens") && e.contains("cut at least"), "{v}");
         assert!(e.contains("larger --max-context") && e.contains("262144"), "{v}");
         assert_eq!(v["error"]["code"], "context_length_exceeded");
-        let huge = "x".repeat(10_000);
-        let (st, v) = post(
-            &s,
-            "/v1/chat/completions",
-            json!({"model": "demo", "messages": [{"role": "user", "content": huge}]}),
-        )
-        .await;
-        assert_eq!(st, 413);
-        openai_error(&v);
-        let (st, v) = post(&s, "/v1/completions", json!({"model": "demo", "prompt": 5})).await;
-        assert_eq!(st, 400);
-        openai_error(&v);
 
-        // Anthropic shape.
+        // Anthropic shape: the status, the error's type if it has one to
+        // check, a part of the message ("": any).
         let (st, v) = post_raw(&s, "/v1/messages", "[1,2").await;
         assert_eq!(st, 400);
         assert_eq!(anthropic_error(&v).0, "invalid_request_error");
-        let (st, v) = post(
-            &s,
-            "/v1/messages",
-            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
-        assert_eq!(st, 400);
-        assert!(anthropic_error(&v).1.contains("max_tokens"));
-        let (st, v) = post(
-            &s,
-            "/v1/messages",
-            json!({"model": "demo", "max_tokens": "many", "messages": []}),
-        )
-        .await;
-        assert_eq!(st, 400);
-        anthropic_error(&v);
-        let (st, v) = post(
-            &s,
-            "/v1/messages",
-            json!({"model": "claude-x", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
-        assert_eq!(st, 404);
-        assert_eq!(anthropic_error(&v).0, "not_found_error");
-        let (st, v) = post(
-            &s,
-            "/v1/messages",
-            json!({"model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video", "source": {}}]}]}),
-        )
-        .await;
-        assert_eq!(st, 400);
-        assert!(anthropic_error(&v).1.contains("`video`"), "{v}");
+        for (body, status, kind, says) in [
+            (json!({"model": "demo", "messages": hi}), 400, None, "max_tokens"),
+            (
+                json!({"model": "demo", "max_tokens": "many", "messages": []}),
+                400,
+                None,
+                "",
+            ),
+            (
+                json!({"model": "claude-x", "max_tokens": 5, "messages": hi}),
+                404,
+                Some("not_found_error"),
+                "",
+            ),
+            (
+                json!({"model": "demo", "max_tokens": 5,
+                    "messages": [{"role": "user", "content": [{"type": "video", "source": {}}]}]}),
+                400,
+                None,
+                "`video`",
+            ),
+        ] {
+            let (st, v) = post(&s, "/v1/messages", body.clone()).await;
+            assert_eq!(st, status, "{body}: {v}");
+            let (t, message) = anthropic_error(&v);
+            assert!(message.contains(says), "{v}");
+            if let Some(kind) = kind {
+                assert_eq!(t, kind, "{v}");
+            }
+        }
         let (st, v) = post(
             &s,
             "/v1/messages/count_tokens",
@@ -324,8 +323,8 @@ fn malformed_requests_get_errors_in_each_apis_shape() {
         // Still serving.
         let (st, _) = post(
             &s,
-            "/v1/chat/completions",
-            json!({"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+            CHAT,
+            json!({"model": "demo", "messages": hi, "max_tokens": 2}),
         )
         .await;
         assert_eq!(st, 200);
@@ -340,63 +339,29 @@ fn api_key_is_checked() {
     rt().block_on(async {
         let client = reqwest::Client::new();
         let body = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
-        let r = client.post(url(&s, "/v1/chat/completions")).json(&body).send().await.unwrap();
-        assert_eq!(r.status(), 401);
-        let v: Value = r.json().await.unwrap();
+        let chat = || client.post(url(&s, "/v1/chat/completions")).json(&body);
+        let messages = || client.post(url(&s, "/v1/messages")).json(&body);
+        let health = || client.get(url(&s, "/health"));
+        let (st, v) = json_reply(chat()).await;
+        assert_eq!(st, 401);
         assert_eq!(v["error"]["type"], "authentication_error");
-        let r = client
-            .post(url(&s, "/v1/messages"))
-            .header("x-api-key", "wrong")
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 401);
-        let v: Value = r.json().await.unwrap();
+        let (st, v) = json_reply(messages().header("x-api-key", "wrong")).await;
+        assert_eq!(st, 401);
         assert_eq!(anthropic_error(&v).0, "authentication_error");
-        let r = client
-            .post(url(&s, "/v1/chat/completions"))
-            .bearer_auth("sekrit")
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        let r = client
-            .post(url(&s, "/v1/messages"))
-            .header("x-api-key", "sekrit")
-            .json(&body)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
+        let (st, _) = json_reply(chat().bearer_auth("sekrit")).await;
+        assert_eq!(st, 200);
+        let (st, _) = json_reply(messages().header("x-api-key", "sekrit")).await;
+        assert_eq!(st, 200);
         let r = client.get(url(&s, "/v1/models")).send().await.unwrap();
         assert_eq!(r.status(), 401);
         // Liveness and the page stay open (the page asks for the key); the
         // server's details only with the key.
-        let r = client.get(url(&s, "/health")).send().await.unwrap();
-        assert_eq!(r.status(), 200);
-        let h: Value = r.json().await.unwrap();
+        let (st, h) = json_reply(health()).await;
+        assert_eq!(st, 200);
         assert_eq!(h, json!({"status": "ok"}));
-        let h: Value = client
-            .get(url(&s, "/health"))
-            .header("x-api-key", "wrong")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, h) = json_reply(health().header("x-api-key", "wrong")).await;
         assert_eq!(h, json!({"status": "ok"}));
-        let h: Value = client
-            .get(url(&s, "/health"))
-            .bearer_auth("sekrit")
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let (_, h) = json_reply(health().bearer_auth("sekrit")).await;
         assert_eq!(h["model"], "demo");
         assert!(h["max_context"].as_u64().unwrap() > 0, "{h}");
         assert!(h.get("store").is_some() && h.get("last").is_some(), "{h}");
@@ -408,18 +373,9 @@ fn api_key_is_checked() {
 fn non_loopback_bind_without_key_is_refused() {
     let mut c = config();
     c.host = "0.0.0.0".into();
-    let err = start(
-        c,
-        BackendSpec::Model {
-            opened: None,
-            path: demo_model(),
-            state_cache: Default::default(),
-            engine: engine(),
-            prompt_cache: None,
-        },
-    )
-    .err()
-    .expect("refused");
+    let err = start(c, model_backend(demo_model(), Default::default()))
+        .err()
+        .expect("refused");
     assert!(err.to_string().contains("--api-key"), "{err}");
     assert!(slipstream_server::check_bind("::", Some("")).is_err());
     // A blank key is refused wherever the server listens.
@@ -434,20 +390,11 @@ fn non_loopback_bind_without_key_is_refused() {
     assert!(slipstream_server::check_bind("localhost", None).is_ok());
 }
 
-fn long_stream_body() -> Value {
-    long_completion(true)
-}
-
 /// Polls /health until the engine is idle.
 async fn wait_idle(s: &RunningServer, within: Duration) -> Duration {
     let t0 = Instant::now();
     loop {
-        let h: Value = reqwest::get(url(s, "/health"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let h = get_json(s, "/health").await;
         if h["busy"] == false && h["queue"]["pending"] == 0 {
             return t0.elapsed();
         }
@@ -457,13 +404,7 @@ async fn wait_idle(s: &RunningServer, within: Duration) -> Duration {
 }
 
 async fn busy(s: &RunningServer) -> bool {
-    let h: Value = reqwest::get(url(s, "/health"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    h["busy"] == true
+    get_json(s, "/health").await["busy"] == true
 }
 
 /// A raw-text completion that runs for a long time (KJV text rarely ends).
@@ -541,24 +482,8 @@ fn full_queue_is_refused() {
     c.max_context = Some(4096);
     let s = server(c);
     rt().block_on(async {
-        let client = reqwest::Client::new();
-        // One running...
-        let mut a = client
-            .post(url(&s, "/v1/completions"))
-            .json(&long_stream_body())
-            .send()
-            .await
-            .unwrap();
-        a.chunk().await.unwrap();
-        a.chunk().await.unwrap();
-        // ...one waiting...
-        let b = client
-            .post(url(&s, "/v1/completions"))
-            .json(&long_stream_body())
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(b.status(), 200);
+        // One running, one waiting...
+        let (a, b) = fill_queue_of_one(&s, "/v1/completions", &long_completion(true)).await;
         // ...and the next is refused, in each API's shape.
         let body = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
         let (st, v) = post(&s, "/v1/chat/completions", body.clone()).await;
@@ -901,8 +826,9 @@ fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
         )
         .expect("server starts")
     };
+    let first = "And it came to pass in those days that the king said";
     let turn1 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
-        {"role": "user", "content": "And it came to pass in those days that the king said"}]});
+        {"role": "user", "content": first}]});
     let (content, prompt1) = {
         let s = start_server();
         rt().block_on(async {
@@ -920,15 +846,7 @@ fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
     // A new server process state: nothing kept in memory, only the cache.
     let s = start_server();
     rt().block_on(async {
-        let turn2 = json!({"model": "demo", "max_tokens": 4, "temperature": 0, "messages": [
-            {"role": "user", "content": "And it came to pass in those days that the king said"},
-            {"role": "assistant", "content": content},
-            {"role": "user", "content": "And God said"}]});
-        let (st, v) = post(&s, "/v1/chat/completions", turn2).await;
-        assert_eq!(st, 200, "{v}");
-        let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
+        let (v, cached) = second_turn(&s, first, &content).await;
         // Snapshots are taken at chunk boundaries (16 tokens here).
         assert!(
             cached >= 16 && cached <= prompt1,
@@ -941,16 +859,7 @@ fn prompt_cache_keeps_the_conversation_prefix_across_restarts() {
 fn a_max_context_above_the_model_is_refused_at_start() {
     let mut c = config();
     c.max_context = Some(300_000);
-    let e = match start(
-        c,
-        BackendSpec::Model {
-            opened: None,
-            path: demo_model(),
-            engine: engine(),
-            prompt_cache: None,
-            state_cache: Default::default(),
-        },
-    ) {
+    let e = match start(c, model_backend(demo_model(), Default::default())) {
         Ok(_) => panic!("a context above the model's positions was accepted"),
         Err(e) => format!("{e:#}"),
     };

@@ -267,13 +267,6 @@ fn request_memory_follows_the_context_not_the_body() {
     // Whole tokenization of such a body took gigabytes; the body itself,
     // its JSON and the rendered prompt are tens of megabytes.
     assert!(grew < 400 << 20, "peak RSS grew {} MB", grew >> 20);
-    let v: Value = rt().block_on(async {
-        reqwest::get(url(&s, "/health"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    });
+    let v = rt().block_on(get_json(&s, "/health"));
     assert_eq!(v["status"], "ok");
 }

@@ -200,30 +200,16 @@ fn a_full_queue_says_when_to_retry() {
     let long = "tick ".repeat(3000);
     let s = scripted(c, &[&long]);
     rt().block_on(async {
-        let client = reqwest::Client::new();
         let stream = json!({"model": "demo", "stream": true,
             "messages": [{"role": "user", "content": "count"}]});
-        let mut running = client
-            .post(url(&s, "/v1/chat/completions"))
-            .json(&stream)
-            .send()
-            .await
-            .unwrap();
-        running.chunk().await.unwrap();
-        running.chunk().await.unwrap();
-        let waiting = client
-            .post(url(&s, "/v1/chat/completions"))
-            .json(&stream)
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(waiting.status(), 200);
+        let (running, waiting) = fill_queue_of_one(&s, "/v1/chat/completions", &stream).await;
         metrics_with(
             &s,
             &["slipstream_queue_depth 1".into(), "slipstream_busy 1".into()],
         )
         .await;
 
+        let client = reqwest::Client::new();
         let body = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
         for (path, status) in [("/v1/chat/completions", 429), ("/v1/messages", 529)] {
             let r = client.post(url(&s, path)).json(&body).send().await.unwrap();

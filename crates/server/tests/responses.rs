@@ -189,12 +189,11 @@ fn instructions_developer_messages_and_reasoning_items_render() {
     let s = server(config());
     rt().block_on(async {
         let base = |extra: Value| {
-            let mut b = json!({"model": "demo", "max_output_tokens": 1, "temperature": 0,
-                "input": [{"role": "user", "content": "hello"}]});
-            for (k, v) in extra.as_object().unwrap() {
-                b[k] = v.clone();
-            }
-            b
+            with_fields(
+                json!({"model": "demo", "max_output_tokens": 1, "temperature": 0,
+                    "input": [{"role": "user", "content": "hello"}]}),
+                extra,
+            )
         };
         let tokens = |r: &Value| r["usage"]["input_tokens"].as_u64().unwrap();
         let (st, plain) = post(&s, "/v1/responses", base(json!({}))).await;
@@ -244,10 +243,7 @@ fn refused_fields_name_themselves() {
             (json!({"max_output_tokens": 0}), "max_output_tokens"),
             (json!({"input": [{"type": "input_image"}]}), "input[0].type"),
         ] {
-            let mut body = json!({"model": "demo", "input": "hi"});
-            for (k, v) in extra.as_object().unwrap() {
-                body[k] = v.clone();
-            }
+            let body = with_fields(json!({"model": "demo", "input": "hi"}), extra);
             let (st, v) = post(&s, "/v1/responses", body).await;
             assert_eq!(st, 400, "{v}");
             assert_eq!(v["error"]["param"], param, "{v}");

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use common::*;
 use serde_json::{json, Value};
 use slipstream_engine::GenerationDefaults;
-use slipstream_server::{start, BackendSpec, RunningServer, ServerConfig, StateCacheSpec};
+use slipstream_server::{start, RunningServer, ServerConfig, StateCacheSpec};
 
 /// A schema the demo model can finish within a few dozen tokens.
 fn schema() -> Value {
@@ -62,17 +62,18 @@ fn tools() -> Value {
     ])
 }
 
-fn chat(extra: Value) -> Value {
-    let mut body = json!({"model": "demo", "max_tokens": 60, "temperature": 0,
-        "messages": [{"role": "user", "content": "And it came to pass"}]});
-    for (k, v) in extra.as_object().unwrap() {
-        body[k] = v.clone();
-    }
-    body
+/// A greedy request of at most 60 tokens on one user turn, which the chat
+/// and the Anthropic APIs both take, with `extra`'s fields set over it.
+fn request(extra: Value) -> Value {
+    with_fields(
+        json!({"model": "demo", "max_tokens": 60, "temperature": 0,
+            "messages": [{"role": "user", "content": "And it came to pass"}]}),
+        extra,
+    )
 }
 
 async fn chat_ok(s: &RunningServer, extra: Value) -> Value {
-    let (st, v) = post(s, "/v1/chat/completions", chat(extra)).await;
+    let (st, v) = post(s, "/v1/chat/completions", request(extra)).await;
     assert_eq!(st, 200, "{v}");
     v
 }
@@ -110,19 +111,11 @@ fn chat_response_format_is_enforced() {
         let (st, events) = post_stream(
             &s,
             "/v1/chat/completions",
-            chat(json!({"response_format": fmt, "stream": true})),
+            request(json!({"response_format": fmt, "stream": true})),
         )
         .await;
         assert_eq!(st, 200);
-        let mut streamed = String::new();
-        for (_, d) in &events {
-            if let Ok(v) = serde_json::from_str::<Value>(d) {
-                if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
-                    streamed.push_str(t);
-                }
-            }
-        }
-        assert_eq!(streamed, whole);
+        assert_eq!(streamed_chat_text(&events), whole);
         // json_object: any object.
         let v = chat_ok(&s, json!({"response_format": {"type": "json_object"}})).await;
         let text = content(&v);
@@ -143,7 +136,7 @@ fn chat_response_format_is_enforced() {
             json!({"type": "json_schema", "json_schema": {"schema": {"type": "object"}, "bogus": 1}}),
         ] {
             let (st, v) =
-                post(&s, "/v1/chat/completions", chat(json!({"response_format": bad}))).await;
+                post(&s, "/v1/chat/completions", request(json!({"response_format": bad}))).await;
             assert_eq!(st, 400, "{v}");
             assert_eq!(v["error"]["param"], "response_format", "{v}");
         }
@@ -197,22 +190,13 @@ fn forced_tool_calls_follow_the_tools_schema() {
             let (st, v) = post(
                 &s,
                 "/v1/chat/completions",
-                chat(json!({"tools": tools, "tool_choice": choice})),
+                request(json!({"tools": tools, "tool_choice": choice})),
             )
             .await;
             assert_eq!(st, 400, "{v}");
             assert_eq!(v["error"]["param"], "tool_choice", "{v}");
         }
     });
-}
-
-fn anthropic(extra: Value) -> Value {
-    let mut body = json!({"model": "demo", "max_tokens": 60, "temperature": 0,
-        "messages": [{"role": "user", "content": "And it came to pass"}]});
-    for (k, v) in extra.as_object().unwrap() {
-        body[k] = v.clone();
-    }
-    body
 }
 
 fn anthropic_tools() -> Value {
@@ -224,6 +208,16 @@ fn anthropic_tools() -> Value {
     ])
 }
 
+/// The content blocks of type `kind` in an Anthropic reply.
+fn blocks<'a>(v: &'a Value, kind: &str) -> Vec<&'a Value> {
+    v["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|b| b["type"] == kind)
+        .collect()
+}
+
 #[test]
 fn anthropic_output_format_and_tool_choice_are_enforced() {
     let s = server(config());
@@ -231,7 +225,7 @@ fn anthropic_output_format_and_tool_choice_are_enforced() {
         let (st, v) = post(
             &s,
             "/v1/messages",
-            anthropic(
+            request(
                 json!({"output_config": {"format": {"type": "json_schema", "schema": schema()}}}),
             ),
         )
@@ -243,41 +237,29 @@ fn anthropic_output_format_and_tool_choice_are_enforced() {
         let (st, v) = post(
             &s,
             "/v1/messages",
-            anthropic(json!({"tools": anthropic_tools(),
+            request(json!({"tools": anthropic_tools(),
                 "tool_choice": {"type": "any", "disable_parallel_tool_use": true}})),
         )
         .await;
         assert_eq!(st, 200, "{v}");
         assert_eq!(v["stop_reason"], "tool_use", "{v}");
-        let uses: Vec<&Value> = v["content"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|b| b["type"] == "tool_use")
-            .collect();
+        let uses = blocks(&v, "tool_use");
         assert_eq!(uses.len(), 1, "{v}");
         assert!(
-            v["content"]
-                .as_array()
-                .unwrap()
+            blocks(&v, "text")
                 .iter()
-                .all(|b| b["type"] != "text" || b["text"].as_str().unwrap().trim().is_empty()),
+                .all(|b| b["text"].as_str().unwrap().trim().is_empty()),
             "{v}"
         );
         let (st, v) = post(
             &s,
             "/v1/messages",
-            anthropic(json!({"tools": anthropic_tools(),
+            request(json!({"tools": anthropic_tools(),
                 "tool_choice": {"type": "tool", "name": "read_file"}})),
         )
         .await;
         assert_eq!(st, 200, "{v}");
-        let uses: Vec<&Value> = v["content"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|b| b["type"] == "tool_use")
-            .collect();
+        let uses = blocks(&v, "tool_use");
         assert_eq!(uses.len(), 1, "{v}");
         assert_eq!(uses[0]["name"], "read_file");
         assert!(uses[0]["input"]["path"].is_string(), "{v}");
@@ -287,7 +269,7 @@ fn anthropic_output_format_and_tool_choice_are_enforced() {
             json!({"output_config": {"format": {"type": "xml"}}}),
             json!({"output_config": {"format": {"type": "json_schema"}}}),
         ] {
-            let (st, v) = post(&s, "/v1/messages", anthropic(bad.clone())).await;
+            let (st, v) = post(&s, "/v1/messages", request(bad.clone())).await;
             assert_eq!(st, 400, "{bad}: {v}");
             let (kind, _) = anthropic_error(&v);
             assert_eq!(kind, "invalid_request_error");
@@ -307,7 +289,7 @@ fn the_constraint_waits_for_the_reasoning_to_close() {
         let (st, v) = post(
             &s,
             "/v1/messages",
-            anthropic(json!({"max_tokens": 90,
+            request(json!({"max_tokens": 90,
                 "thinking": {"type": "enabled", "budget_tokens": 6},
                 "output_config": {"format": {"type": "json_schema", "schema": schema()}}})),
         )
@@ -325,7 +307,7 @@ fn the_constraint_waits_for_the_reasoning_to_close() {
         let (_, free) = post(
             &s,
             "/v1/messages",
-            anthropic(json!({"max_tokens": 90,
+            request(json!({"max_tokens": 90,
                 "thinking": {"type": "enabled", "budget_tokens": 6}})),
         )
         .await;
@@ -338,12 +320,11 @@ fn responses_text_format_and_tool_choice_are_enforced() {
     let s = server(config());
     rt().block_on(async {
         let body = |extra: Value| {
-            let mut b = json!({"model": "demo", "max_output_tokens": 60, "temperature": 0,
-                "input": "And it came to pass"});
-            for (k, v) in extra.as_object().unwrap() {
-                b[k] = v.clone();
-            }
-            b
+            with_fields(
+                json!({"model": "demo", "max_output_tokens": 60, "temperature": 0,
+                    "input": "And it came to pass"}),
+                extra,
+            )
         };
         let (st, v) = post(
             &s,
@@ -401,11 +382,7 @@ fn responses_text_format_and_tool_choice_are_enforced() {
 
 /// The reply's text for a greedy chat request with these settings.
 async fn greedy_text(s: &RunningServer, extra: Value) -> String {
-    let mut e = json!({"max_tokens": 40, "seed": 3});
-    for (k, v) in extra.as_object().unwrap() {
-        e[k] = v.clone();
-    }
-    content(&chat_ok(s, e).await)
+    content(&chat_ok(s, with_fields(json!({"max_tokens": 40, "seed": 3}), extra)).await)
 }
 
 #[test]
@@ -434,12 +411,11 @@ fn penalties_change_the_output() {
         }
         // Also on text completions.
         let body = |extra: Value| {
-            let mut b = json!({"model": "demo", "prompt": "And it came to pass", "max_tokens": 30,
-                "temperature": 0});
-            for (k, v) in extra.as_object().unwrap() {
-                b[k] = v.clone();
-            }
-            b
+            with_fields(
+                json!({"model": "demo", "prompt": "And it came to pass", "max_tokens": 30,
+                    "temperature": 0}),
+                extra,
+            )
         };
         let (_, a) = post(&s, "/v1/completions", body(json!({}))).await;
         let (_, b) = post(
@@ -454,7 +430,7 @@ fn penalties_change_the_output() {
             ("frequency_penalty", -2.5),
             ("repetition_penalty", 0.0),
         ] {
-            let (st, v) = post(&s, "/v1/chat/completions", chat(json!({ field: bad }))).await;
+            let (st, v) = post(&s, "/v1/chat/completions", request(json!({ field: bad }))).await;
             assert_eq!(st, 400, "{v}");
             assert_eq!(v["error"]["param"], field);
         }
@@ -463,7 +439,7 @@ fn penalties_change_the_output() {
 
 /// The `logprobs.content` entries of a chat reply, streamed or not.
 async fn logprob_entries(s: &RunningServer, stream: bool) -> (String, Vec<Value>) {
-    let body = chat(
+    let body = request(
         json!({"logprobs": true, "top_logprobs": 3, "max_tokens": 12,
         "stream": stream}),
     );
@@ -533,7 +509,7 @@ fn logprobs_are_returned_and_consistent() {
             json!({"logprobs": true, "top_logprobs": 21}),
             json!({"top_logprobs": 2}),
         ] {
-            let (st, v) = post(&s, "/v1/chat/completions", chat(bad)).await;
+            let (st, v) = post(&s, "/v1/chat/completions", request(bad)).await;
             assert_eq!(st, 400, "{v}");
             assert_eq!(v["error"]["param"], "top_logprobs");
         }
@@ -581,17 +557,7 @@ fn generation_config_and_flags_are_the_defaults() {
             ..Default::default()
         })
     );
-    let with_config = start(
-        config(),
-        BackendSpec::Model {
-            opened: None,
-            path,
-            engine: engine(),
-            prompt_cache: None,
-            state_cache: StateCacheSpec::default(),
-        },
-    )
-    .unwrap();
+    let with_config = start(config(), model_backend(path, StateCacheSpec::default())).unwrap();
     let plain = server(config());
     let flagged = server(ServerConfig {
         sampling: GenerationDefaults {
@@ -607,7 +573,7 @@ fn generation_config_and_flags_are_the_defaults() {
         // The checkpoint's value applies when the request sets none...
         assert_eq!(greedy_text(&with_config, json!({})).await, reference);
         // ...and its temperature 0 too (no request temperature: greedy).
-        let mut body = chat(json!({"max_tokens": 40}));
+        let mut body = request(json!({"max_tokens": 40}));
         body.as_object_mut().unwrap().remove("temperature");
         let (_, a) = post(&with_config, "/v1/chat/completions", body.clone()).await;
         let (_, b) = post(&with_config, "/v1/chat/completions", body).await;
@@ -638,7 +604,7 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
             (json!({"n": 2}), "n"),
             (json!({"modalities": ["audio"]}), "modalities"),
         ] {
-            let (st, v) = post(&s, "/v1/chat/completions", chat(extra.clone())).await;
+            let (st, v) = post(&s, "/v1/chat/completions", request(extra.clone())).await;
             assert_eq!(st, 400, "{extra}: {v}");
             assert_eq!(v["error"]["param"], param, "{v}");
             assert!(openai_error(&v).contains(param), "{v}");
@@ -651,7 +617,7 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
         .await;
         assert_eq!(st, 400, "{v}");
         assert_eq!(v["error"]["param"], "echo");
-        let (st, v) = post(&s, "/v1/messages", anthropic(json!({"mcp_servers": []}))).await;
+        let (st, v) = post(&s, "/v1/messages", request(json!({"mcp_servers": []}))).await;
         assert_eq!(st, 400, "{v}");
         assert!(anthropic_error(&v).1.contains("mcp_servers"), "{v}");
         let (st, v) = post(
@@ -676,7 +642,7 @@ fn unknown_and_unsupported_fields_are_refused_by_name() {
         let (st, v) = post(
             &s,
             "/v1/messages",
-            anthropic(
+            request(
                 json!({"metadata": {"user_id": "u"}, "service_tier": "auto", "top_k": 3,
                 "top_p": 0.9, "max_tokens": 4}),
             ),
@@ -708,11 +674,11 @@ fn speculative_decoding_gives_the_plain_replies_and_reports_its_drafts() {
             json!({"temperature": 0, "response_format": {"type": "json_schema",
                 "json_schema": {"name": "thing", "schema": schema()}}}),
         ] {
-            let mut body = json!({"model": "demo", "max_tokens": 48,
-                "messages": [{"role": "user", "content": prompt}]});
-            body.as_object_mut()
-                .unwrap()
-                .extend(sampling.as_object().unwrap().clone());
+            let mut body = with_fields(
+                json!({"model": "demo", "max_tokens": 48,
+                    "messages": [{"role": "user", "content": prompt}]}),
+                sampling.clone(),
+            );
             let (st, a) = post(&plain, "/v1/chat/completions", body.clone()).await;
             assert_eq!(st, 200, "{a}");
             let (st, b) = post(&spec, "/v1/chat/completions", body.clone()).await;
@@ -728,16 +694,7 @@ fn speculative_decoding_gives_the_plain_replies_and_reports_its_drafts() {
             body["stream"] = json!(true);
             let (st, ev) = post_stream(&spec, "/v1/chat/completions", body).await;
             assert_eq!(st, 200);
-            let streamed: String = ev
-                .iter()
-                .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
-                .filter_map(|v| {
-                    v["choices"][0]["delta"]["content"]
-                        .as_str()
-                        .map(String::from)
-                })
-                .collect();
-            assert_eq!(streamed, content(&a));
+            assert_eq!(streamed_chat_text(&ev), content(&a));
         }
         let text = reqwest::get(url(&spec, "/metrics"))
             .await

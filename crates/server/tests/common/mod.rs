@@ -60,17 +60,19 @@ pub fn server(config: ServerConfig) -> RunningServer {
 
 /// A server over the demo model with its state cache sized by `states`.
 pub fn server_with_states(config: ServerConfig, states: StateCacheSpec) -> RunningServer {
-    start(
-        config,
-        BackendSpec::Model {
-            opened: None,
-            path: demo_model(),
-            engine: engine(),
-            prompt_cache: None,
-            state_cache: states,
-        },
-    )
-    .expect("server starts")
+    start(config, model_backend(demo_model(), states)).expect("server starts")
+}
+
+/// The model at `path` on the tests' engine, without a prompt cache and
+/// with the state cache sized by `states`.
+pub fn model_backend(path: PathBuf, states: StateCacheSpec) -> BackendSpec {
+    BackendSpec::Model {
+        opened: None,
+        path,
+        engine: engine(),
+        prompt_cache: None,
+        state_cache: states,
+    }
 }
 
 pub fn scripted(config: ServerConfig, replies: &[&str]) -> RunningServer {
@@ -93,6 +95,24 @@ pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
+        .unwrap()
+}
+
+/// `base` (a JSON object) with the fields of `extra` set over its own.
+pub fn with_fields(mut base: Value, extra: Value) -> Value {
+    for (k, v) in extra.as_object().expect("extra fields are an object") {
+        base[k] = v.clone();
+    }
+    base
+}
+
+/// The JSON body of a `GET` of `path`.
+pub async fn get_json(s: &RunningServer, path: &str) -> Value {
+    reqwest::get(url(s, path))
+        .await
+        .unwrap()
+        .json()
+        .await
         .unwrap()
 }
 
@@ -160,6 +180,37 @@ pub async fn post_stream(
         assert_eq!(ct.as_deref(), Some("text/event-stream"));
     }
     (status, sse(&text))
+}
+
+/// The text of a streamed chat reply: its chunks' `delta.content` joined
+/// (events that are not JSON, such as `[DONE]`, are passed over).
+pub fn streamed_chat_text(events: &[(String, String)]) -> String {
+    events
+        .iter()
+        .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect()
+}
+
+/// Fills a server whose queue holds one: a streamed request of `body` to
+/// `path` runs (two chunks read) and a second waits. Both stay open
+/// until dropped.
+pub async fn fill_queue_of_one(
+    s: &RunningServer,
+    path: &str,
+    body: &Value,
+) -> (reqwest::Response, reqwest::Response) {
+    let client = reqwest::Client::new();
+    let mut running = client.post(url(s, path)).json(body).send().await.unwrap();
+    running.chunk().await.unwrap();
+    running.chunk().await.unwrap();
+    let waiting = client.post(url(s, path)).json(body).send().await.unwrap();
+    assert_eq!(waiting.status(), 200);
+    (running, waiting)
 }
 
 pub fn openai_error(v: &Value) -> &str {
