@@ -272,62 +272,75 @@ mod tests {
         assert_eq!(b.push(b"event: x\ndata: a\ndata: b\n\n"), vec!["a\nb"]);
     }
 
+    /// The figures of a stream of `events`, read in order.
+    fn figures(events: &[Value]) -> Measured {
+        let mut m = Measured::default();
+        for event in events {
+            read_figures(event, &mut m);
+        }
+        m
+    }
+
     #[test]
     fn tokens_and_figures_from_both_servers() {
-        let role_only = json!({"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
-        assert!(!carries_token(&role_only));
-        assert!(carries_token(
-            &json!({"choices": [{"delta": {"content": "x"}}]})
-        ));
-        assert!(carries_token(
-            &json!({"choices": [{"delta": {"reasoning_content": "x"}}]})
-        ));
-        assert!(carries_token(
-            &json!({"choices": [{"delta": {"tool_calls": [{}]}}]})
-        ));
-        assert!(carries_token(
-            &json!({"choices": [{"delta": {}, "finish_reason": "stop"}]})
-        ));
-        assert!(!carries_token(&json!({"choices": [], "usage": {}})));
-        let ev = |v: Value| carries_token(&v);
-        assert!(!ev(json!({"type": "message_start", "message": {}})));
-        assert!(!ev(
-            json!({"type": "content_block_start", "content_block": {"type": "text", "text": ""}})
-        ));
-        assert!(!ev(
-            json!({"type": "content_block_delta", "delta": {"type": "text_delta", "text": ""}})
-        ));
-        assert!(ev(
-            json!({"type": "content_block_delta", "delta": {"type": "thinking_delta", "thinking": "h"}})
-        ));
-        assert!(ev(
-            json!({"type": "content_block_start", "content_block": {"type": "tool_use", "name": "Read"}})
-        ));
-        assert!(ev(
-            json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}})
-        ));
-        assert!(!ev(json!({"type": "ping"})));
+        for (event, carries) in [
+            (
+                json!({"choices": [{"delta": {"role": "assistant", "content": ""}, "finish_reason": null}]}),
+                false,
+            ),
+            (json!({"choices": [{"delta": {"content": "x"}}]}), true),
+            (
+                json!({"choices": [{"delta": {"reasoning_content": "x"}}]}),
+                true,
+            ),
+            (json!({"choices": [{"delta": {"tool_calls": [{}]}}]}), true),
+            (
+                json!({"choices": [{"delta": {}, "finish_reason": "stop"}]}),
+                true,
+            ),
+            (json!({"choices": [], "usage": {}}), false),
+            (json!({"type": "message_start", "message": {}}), false),
+            (
+                json!({"type": "content_block_start", "content_block": {"type": "text", "text": ""}}),
+                false,
+            ),
+            (
+                json!({"type": "content_block_delta", "delta": {"type": "text_delta", "text": ""}}),
+                false,
+            ),
+            (
+                json!({"type": "content_block_delta", "delta": {"type": "thinking_delta", "thinking": "h"}}),
+                true,
+            ),
+            (
+                json!({"type": "content_block_start", "content_block": {"type": "tool_use", "name": "Read"}}),
+                true,
+            ),
+            (
+                json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}}),
+                true,
+            ),
+            (json!({"type": "ping"}), false),
+        ] {
+            assert_eq!(carries_token(&event), carries, "{event}");
+        }
 
-        let mut m = Measured::default();
-        read_figures(
-            &json!({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 8,
-                "prompt_tokens_details": {"cached_tokens": 90}},
-                "slipstream": {"time_to_first_token_s": 0.5}}),
-            &mut m,
-        );
+        let m = figures(&[
+            json!({"choices": [], "usage": {"prompt_tokens": 100, "completion_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 90}},
+            "slipstream": {"time_to_first_token_s": 0.5}}),
+        ]);
         assert_eq!(
             (m.prompt_tokens, m.reused_tokens, m.new_tokens()),
             (Some(100), Some(90), Some(10))
         );
         assert_eq!(m.server_prefill_s, Some(0.5));
 
-        let mut m = Measured::default();
-        read_figures(
-            &json!({"choices": [{"delta": {}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 120, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}},
-                "timings": {"cache_n": 100, "prompt_n": 20, "prompt_ms": 1500.0, "predicted_n": 8}}),
-            &mut m,
-        );
+        let m = figures(&[
+            json!({"choices": [{"delta": {}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 120, "completion_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}},
+            "timings": {"cache_n": 100, "prompt_n": 20, "prompt_ms": 1500.0, "predicted_n": 8}}),
+        ]);
         assert_eq!(
             (m.prompt_tokens, m.reused_tokens, m.new_tokens()),
             (Some(120), Some(100), Some(20))
@@ -337,32 +350,22 @@ mod tests {
 
         // Anthropic, slipstream's way: message_start counts the whole prompt
         // before prefill, message_delta splits it.
-        let mut m = Measured::default();
-        read_figures(
-            &json!({"type": "message_start", "message": {"usage": {"input_tokens": 100,
+        let m = figures(&[
+            json!({"type": "message_start", "message": {"usage": {"input_tokens": 100,
                 "output_tokens": 0, "cache_read_input_tokens": 0}}}),
-            &mut m,
-        );
-        read_figures(
-            &json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+            json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
                 "usage": {"input_tokens": 10, "output_tokens": 8, "cache_read_input_tokens": 90}}),
-            &mut m,
-        );
+        ]);
         assert_eq!(
             (m.prompt_tokens, m.reused_tokens, m.completion_tokens),
             (Some(100), Some(90), Some(8))
         );
         // llama-server's way: message_start after prefill, message_delta with output tokens only.
-        let mut m = Measured::default();
-        read_figures(
-            &json!({"type": "message_start", "message": {"usage": {"input_tokens": 20,
+        let m = figures(&[
+            json!({"type": "message_start", "message": {"usage": {"input_tokens": 20,
                 "output_tokens": 0, "cache_read_input_tokens": 100}}}),
-            &mut m,
-        );
-        read_figures(
-            &json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 8}}),
-            &mut m,
-        );
+            json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 8}}),
+        ]);
         assert_eq!(
             (m.prompt_tokens, m.reused_tokens, m.completion_tokens),
             (Some(120), Some(100), Some(8))
