@@ -42,6 +42,23 @@ pub enum LayerKind {
     LinearAttention,
 }
 
+impl LayerKind {
+    /// The hybrid models' layout: `n_layers` layers of linear attention with
+    /// every `full_every`-th one (counting from 1) full attention, as
+    /// `full_attention_interval` describes it. `full_every` must be > 0.
+    pub fn interleaved(n_layers: usize, full_every: usize) -> Vec<LayerKind> {
+        (1..=n_layers)
+            .map(|i| {
+                if i % full_every == 0 {
+                    LayerKind::FullAttention
+                } else {
+                    LayerKind::LinearAttention
+                }
+            })
+            .collect()
+    }
+}
+
 /// Hyper-parameters of a model, independent of the checkpoint format.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelConfig {

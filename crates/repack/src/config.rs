@@ -283,15 +283,7 @@ impl RawConfig {
                     if interval == 0 {
                         return Err(self.bad("\"full_attention_interval\" must be positive".into()));
                     }
-                    (0..n_layers)
-                        .map(|i| {
-                            if (i + 1) % interval == 0 {
-                                LayerKind::FullAttention
-                            } else {
-                                LayerKind::LinearAttention
-                            }
-                        })
-                        .collect()
+                    LayerKind::interleaved(n_layers, interval)
                 }
             }
         } else {

@@ -307,15 +307,7 @@ pub(crate) fn model_config(src: &Src) -> Result<ModelConfig> {
             }
             None => {
                 let interval = src.usize_or(&k("full_attention_interval"), 4)?.max(1);
-                (0..n_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerKind::FullAttention
-                        } else {
-                            LayerKind::LinearAttention
-                        }
-                    })
-                    .collect()
+                LayerKind::interleaved(n_layers, interval)
             }
         }
     } else {
@@ -840,14 +832,17 @@ pub(crate) fn repack_gguf(
     let mut w = SlipWriter::create(&opts.output, layout, opts.overwrite)?;
     let mut bytes_in = 0u64;
     let mut li = 0usize;
-    for (name, job) in &jobs {
-        // Experts of a layer go right after its dense tensors.
-        let layer_of = |n: &str| {
-            n.strip_prefix("layers.")
-                .and_then(|r| r.split('.').next())
-                .and_then(|s| s.parse::<usize>().ok())
-        };
-        while li < n_layers && layer_of(name).is_none_or(|l| l > li) {
+    // Experts of a layer go right after its dense tensors; the layers left
+    // after the last dense tensor (`None`) are written at the end.
+    let layer_of = |n: &str| {
+        n.strip_prefix("layers.")
+            .and_then(|r| r.split('.').next())
+            .and_then(|s| s.parse::<usize>().ok())
+    };
+    for next in jobs.iter().map(Some).chain([None]) {
+        let experts_due =
+            |li: usize| next.is_none_or(|(name, _)| layer_of(name).is_none_or(|l| l > li));
+        while li < n_layers && experts_due(li) {
             write_layer_experts(
                 &src,
                 &mut w,
@@ -859,6 +854,7 @@ pub(crate) fn repack_gguf(
             )?;
             li += 1;
         }
+        let Some((_, job)) = next else { break };
         let mut d = job()?;
         if opts.ggml_to_affine {
             if let Some((q, b)) = ggml_affine::to_affine(d.qtype, &d.bytes) {
@@ -872,18 +868,6 @@ pub(crate) fn repack_gguf(
             name: d.name,
             bytes_in: d.bytes_in,
         });
-    }
-    while li < n_layers {
-        write_layer_experts(
-            &src,
-            &mut w,
-            li,
-            &exps[li],
-            e_count,
-            progress,
-            &mut bytes_in,
-        )?;
-        li += 1;
     }
     // Anything we did not read is reported (e.g. rope_freqs, or nextn
     // tensors a file has but its metadata does not announce): llama.cpp files may carry extras we do not need.

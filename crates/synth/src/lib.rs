@@ -125,19 +125,6 @@ impl std::str::FromStr for Preset {
     }
 }
 
-/// `n` hybrid layers with full attention every 4th (`full_attention_interval` 4).
-fn every_fourth_full(n: usize) -> Vec<LayerKind> {
-    (0..n)
-        .map(|i| {
-            if (i + 1) % 4 == 0 {
-                LayerKind::FullAttention
-            } else {
-                LayerKind::LinearAttention
-            }
-        })
-        .collect()
-}
-
 /// The config of a preset, optionally cut to its first `layers` layers.
 ///
 /// Sources: the 35B and 30B presets are the published `config.json`s.
@@ -185,7 +172,7 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
         Preset::Qwen3Next80bA3b => ModelConfig {
             architecture: Architecture::Qwen3Next,
             vocab_size: 151936,
-            layer_types: every_fourth_full(48),
+            layer_types: LayerKind::interleaved(48, 4),
             num_experts: 512,
             num_experts_per_tok: 10,
             ..qwen36_35b()
@@ -195,7 +182,7 @@ pub fn preset_config(preset: Preset, layers: Option<usize>) -> ModelConfig {
         // linear key heads, wider value heads and experts.
         Preset::Qwen35_122bA10b => ModelConfig {
             hidden_size: 3072,
-            layer_types: every_fourth_full(48),
+            layer_types: LayerKind::interleaved(48, 4),
             num_attention_heads: 32,
             linear_num_value_heads: 64,
             moe_intermediate_size: 1024,
@@ -217,7 +204,7 @@ fn qwen36_35b() -> ModelConfig {
         vocab_size: 248320,
         hidden_size: 2048,
         rms_norm_eps: 1e-6,
-        layer_types: every_fourth_full(40),
+        layer_types: LayerKind::interleaved(40, 4),
         tie_word_embeddings: false,
         max_position_embeddings: 262144,
         num_attention_heads: 16,

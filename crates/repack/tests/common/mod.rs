@@ -207,21 +207,8 @@ pub fn hf_tensors(t: &Tiny, qwen35: bool, prefix: &str, fused: bool, lm_head: bo
         put(&mut m, format!("{p}mlp.gate.weight"), &[t.experts, h]);
         if qwen35 {
             put(&mut m, format!("{p}mlp.shared_expert_gate.weight"), &[1, h]);
-            put(
-                &mut m,
-                format!("{p}mlp.shared_expert.gate_proj.weight"),
-                &[t.shared, h],
-            );
-            put(
-                &mut m,
-                format!("{p}mlp.shared_expert.up_proj.weight"),
-                &[t.shared, h],
-            );
-            put(
-                &mut m,
-                format!("{p}mlp.shared_expert.down_proj.weight"),
-                &[h, t.shared],
-            );
+            let shared = format!("{p}mlp.shared_expert");
+            put_mlp(&mut m, &shared, [t.shared, h], [h, t.shared]);
         }
         if fused {
             put(
@@ -236,25 +223,20 @@ pub fn hf_tensors(t: &Tiny, qwen35: bool, prefix: &str, fused: bool, lm_head: bo
             );
         } else {
             for e in 0..t.experts {
-                put(
-                    &mut m,
-                    format!("{p}mlp.experts.{e}.gate_proj.weight"),
-                    &[t.inter, h],
-                );
-                put(
-                    &mut m,
-                    format!("{p}mlp.experts.{e}.up_proj.weight"),
-                    &[t.inter, h],
-                );
-                put(
-                    &mut m,
-                    format!("{p}mlp.experts.{e}.down_proj.weight"),
-                    &[h, t.inter],
-                );
+                let expert = format!("{p}mlp.experts.{e}");
+                put_mlp(&mut m, &expert, [t.inter, h], [h, t.inter]);
             }
         }
     }
     m
+}
+
+/// An MLP's `gate_proj` and `up_proj` weights (both `up_shape`) and its
+/// `down_proj` weight (`down_shape`) under `prefix`.
+fn put_mlp(m: &mut FloatMap, prefix: &str, up_shape: [usize; 2], down_shape: [usize; 2]) {
+    put(m, format!("{prefix}.gate_proj.weight"), &up_shape);
+    put(m, format!("{prefix}.up_proj.weight"), &up_shape);
+    put(m, format!("{prefix}.down_proj.weight"), &down_shape);
 }
 
 /// Rounds every value to bf16 (so the map holds what a bf16 file stores).
