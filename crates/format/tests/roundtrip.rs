@@ -36,6 +36,19 @@ fn config() -> ModelConfig {
     }
 }
 
+/// What the test models' writers finish with: [`config`], no tokenizer.
+fn manifest_info() -> ManifestInfo {
+    ManifestInfo {
+        config: config(),
+        tokenizer: None,
+        chat_template: None,
+        eos_token_ids: vec![1],
+        special_tokens: Default::default(),
+        generation: None,
+        source: SourceInfo::default(),
+    }
+}
+
 fn part_bytes(seed: u8, n: usize) -> Vec<u8> {
     (0..n)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -77,16 +90,7 @@ fn write_model(dir: &std::path::Path) -> std::path::PathBuf {
             w.write_expert(l, e, &[&g, &u, &d]).unwrap();
         }
     }
-    w.finish(ManifestInfo {
-        config: config(),
-        tokenizer: None,
-        chat_template: None,
-        eos_token_ids: vec![1],
-        special_tokens: Default::default(),
-        generation: None,
-        source: SourceInfo::default(),
-    })
-    .unwrap();
+    w.finish(manifest_info()).unwrap();
     target
 }
 
@@ -410,16 +414,7 @@ fn per_layer_expert_types_round_trip_as_version_3() {
                 w.write_expert(l, e, &refs).unwrap();
             }
         }
-        w.finish(ManifestInfo {
-            config: config(),
-            tokenizer: None,
-            chat_template: None,
-            eos_token_ids: vec![1],
-            special_tokens: Default::default(),
-            generation: None,
-            source: SourceInfo::default(),
-        })
-        .unwrap();
+        w.finish(manifest_info()).unwrap();
         target
     };
     let mixed = write("mixed.slip", vec![vec![q4; 3], vec![q4, q4, q8]]);
