@@ -65,8 +65,7 @@ fn openai_chat_non_streaming_and_streaming() {
         let mut text = String::new();
         let mut usage = None;
         let mut finish = None;
-        for (_, d) in &ev[..ev.len() - 1] {
-            let c: Value = serde_json::from_str(d).unwrap();
+        for c in chat_chunks(&ev) {
             assert_eq!(c["object"], "chat.completion.chunk");
             if let Some(u) = c.get("usage").filter(|u| !u.is_null()) {
                 usage = Some(u.clone());
@@ -537,11 +536,7 @@ fn openai_tool_calls_on_the_wire() {
         body["stream"] = json!(true);
         let (st, ev) = post_stream(&s, "/v1/chat/completions", body.clone()).await;
         assert_eq!(st, 200);
-        let chunks: Vec<Value> = ev
-            .iter()
-            .filter(|(_, d)| d != "[DONE]")
-            .map(|(_, d)| serde_json::from_str(d).unwrap())
-            .collect();
+        let chunks: Vec<Value> = chat_chunks(&ev);
         let content: String = chunks
             .iter()
             .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())

@@ -315,6 +315,16 @@ fn the_constraint_waits_for_the_reasoning_to_close() {
     });
 }
 
+/// The first output item of type `kind` in a Responses reply.
+fn output_item<'a>(v: &'a Value, kind: &str) -> &'a Value {
+    v["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o["type"] == kind)
+        .unwrap_or_else(|| panic!("no {kind}: {v}"))
+}
+
 #[test]
 fn responses_text_format_and_tool_choice_are_enforced() {
     let s = server(config());
@@ -336,14 +346,8 @@ fn responses_text_format_and_tool_choice_are_enforced() {
         )
         .await;
         assert_eq!(st, 200, "{v}");
-        let text = v["output"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|o| o["type"] == "message")
-            .map(|m| m["content"][0]["text"].as_str().unwrap().to_string())
-            .unwrap_or_else(|| panic!("no message: {v}"));
-        matches_schema(&text).unwrap();
+        let message = output_item(&v, "message");
+        matches_schema(message["content"][0]["text"].as_str().unwrap()).unwrap();
         let flat_tools = json!([{"type": "function", "name": "list", "description": "List",
             "parameters": {"type": "object", "properties": {"all": {"type": "boolean"}},
             "required": ["all"]}}]);
@@ -359,12 +363,7 @@ fn responses_text_format_and_tool_choice_are_enforced() {
             )
             .await;
             assert_eq!(st, 200, "{v}");
-            let call = v["output"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .find(|o| o["type"] == "function_call")
-                .unwrap_or_else(|| panic!("no call: {v}"));
+            let call = output_item(&v, "function_call");
             assert_eq!(call["name"], "list");
             let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
             assert!(args["all"].is_boolean(), "{args}");

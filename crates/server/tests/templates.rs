@@ -20,6 +20,15 @@ fn qwen_like_config() -> ServerConfig {
     }
 }
 
+/// [`qwen_like_config`] with `kwargs` as the server's default template
+/// variables (`serve --chat-template-kwargs`).
+fn qwen_like_with_kwargs(kwargs: Value) -> ServerConfig {
+    ServerConfig {
+        chat_template_kwargs: kwargs.as_object().unwrap().clone(),
+        ..qwen_like_config()
+    }
+}
+
 /// A request shaped like Claude Code's (2.1.x), small enough for the demo
 /// model's 4096 positions.
 fn claude_code_like(billing: &str) -> Value {
@@ -175,12 +184,7 @@ async fn prompt_tokens(s: &RunningServer, mut body: Value) -> Result<u64, Value>
 
 #[test]
 fn thinking_switches_and_server_default_template_variables() {
-    let mut c = qwen_like_config();
-    c.chat_template_kwargs = json!({"enable_thinking": false})
-        .as_object()
-        .unwrap()
-        .clone();
-    let s = server(c);
+    let s = server(qwen_like_with_kwargs(json!({"enable_thinking": false})));
     rt().block_on(async {
         let msgs = json!([{"role": "user", "content": "hi"}]);
         let off = prompt_tokens(&s, json!({"messages": msgs})).await.unwrap();
@@ -297,11 +301,7 @@ fn a_thinking_budget_closes_the_reasoning_and_the_reply_goes_on() {
 
 #[test]
 fn reasoning_is_read_and_written_under_both_names() {
-    let mut c = qwen_like_config();
-    c.chat_template_kwargs = json!({"preserve_thinking": true})
-        .as_object()
-        .unwrap()
-        .clone();
+    let c = qwen_like_with_kwargs(json!({"preserve_thinking": true}));
     let s = scripted(c, &["hmm\n</think>\n\nhello"]);
     rt().block_on(async {
         let (st, v) = post(
@@ -322,10 +322,9 @@ fn reasoning_is_read_and_written_under_both_names() {
         )
         .await;
         assert_eq!(st, 200);
-        let deltas: Vec<Value> = ev
-            .iter()
-            .filter(|(_, d)| d != "[DONE]")
-            .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["delta"].clone())
+        let deltas: Vec<Value> = chat_chunks(&ev)
+            .into_iter()
+            .map(|c| c["choices"][0]["delta"].clone())
             .collect();
         let both: String = deltas.iter().filter_map(|d| d["reasoning"].as_str()).collect();
         let named: String = deltas.iter().filter_map(|d| d["reasoning_content"].as_str()).collect();

@@ -209,11 +209,7 @@ fn a_call_cut_by_the_token_limit_is_reported_cut() {
         let mut sb = body;
         sb["stream"] = json!(true);
         let (_, ev) = post_stream(&s, "/v1/chat/completions", sb).await;
-        let chunks: Vec<Value> = ev
-            .iter()
-            .filter(|(_, d)| d != "[DONE]")
-            .map(|(_, d)| serde_json::from_str(d).unwrap())
-            .collect();
+        let chunks: Vec<Value> = chat_chunks(&ev);
         let streamed: String = chunks
             .iter()
             .filter_map(|c| c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str())

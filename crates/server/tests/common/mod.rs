@@ -182,6 +182,15 @@ pub async fn post_stream(
     (status, sse(&text))
 }
 
+/// The chunks of a streamed OpenAI reply: each event but `[DONE]`, as JSON.
+pub fn chat_chunks(events: &[(String, String)]) -> Vec<Value> {
+    events
+        .iter()
+        .filter(|(_, d)| d != "[DONE]")
+        .map(|(_, d)| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 /// The text of a streamed chat reply: its chunks' `delta.content` joined
 /// (events that are not JSON, such as `[DONE]`, are passed over).
 pub fn streamed_chat_text(events: &[(String, String)]) -> String {
