@@ -3,9 +3,12 @@
 //! timeout path; a malformed flag; a fake llama-bench peer parsed into the
 //! same records; a memory cap where cgroups are writable.
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use common::{read_json, utf8};
 use slipstream_testkit::bin;
 use slipstream_testkit::cli::{self, ok};
 
@@ -17,11 +20,6 @@ fn model_and_out() -> (tempfile::TempDir, PathBuf, PathBuf) {
     cli::repack(bin!(), "qwen3_moe", None, &model);
     let out = tmp.path().join("out");
     (tmp, model, out)
-}
-
-/// A test's path as a `&str` argument (temp paths are UTF-8).
-fn utf8(path: &Path) -> &str {
-    path.to_str().unwrap()
 }
 
 /// `slipstream bench --model MODEL FLAG VALUE... --out OUT`, which must
@@ -45,7 +43,7 @@ fn refused(args: &[&str]) -> String {
 }
 
 fn results(dir: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(dir.join("results.json")).unwrap()).unwrap()
+    read_json(&dir.join("results.json"))
 }
 
 fn check_charts(dir: &Path) {

@@ -2,51 +2,19 @@
 //! run it from token ids and from text, dump logits, run the demo model,
 //! and fail cleanly on bad input.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+
+use common::{read_json, repack_fixture, run, run_command, slipstream, utf8};
 use slipstream_engine::npy;
-use slipstream_testkit::cli::{self, failed, ok, reference_ids};
+use slipstream_testkit::cli::{failed, ok, reference_ids};
 use slipstream_testkit::{bin, fixture};
-
-fn repack_fixture(name: &str, quant: &str, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{name}.slip"));
-    let stderr = cli::repack(bin!(), name, Some(quant), &out);
-    assert!(stderr.contains("MB/s"), "repack prints its speed: {stderr}");
-    out
-}
-
-/// `slipstream run --model MODEL ARGS...`, not yet started (for callers
-/// that set its environment).
-fn run_command(model: &Path, args: &[&str]) -> Command {
-    let mut cmd = bin!();
-    cmd.args(["run", "--model"]).arg(model).args(args);
-    cmd
-}
-
-/// The output of `slipstream ARGS...`.
-fn slipstream(args: &[&str]) -> Output {
-    bin!().args(args).output().unwrap()
-}
-
-/// The output of `slipstream run --model MODEL ARGS...`.
-fn run(model: &Path, args: &[&str]) -> Output {
-    run_command(model, args).output().unwrap()
-}
 
 /// Token ids as `--prompt-tokens` takes them: `1,2,3`.
 fn id_list(ids: &[u32]) -> String {
     let ids: Vec<String> = ids.iter().map(|t| t.to_string()).collect();
     ids.join(",")
-}
-
-/// A test's path as a `&str` argument (temp and fixture paths are UTF-8).
-fn utf8(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
-
-fn read_json(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
 }
 
 #[test]

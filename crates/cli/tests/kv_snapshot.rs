@@ -1,36 +1,19 @@
 //! `slipstream run --kv-snapshot / --prompt-cache / --memory-limit` end to end.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::process::Output;
 
-use slipstream_testkit::bin;
-use slipstream_testkit::cli::{self, ok};
+use common::{read_json, repack_fixture, run_command, utf8};
+use slipstream_testkit::cli::ok;
 
-fn repack_fixture(name: &str, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{name}.slip"));
-    cli::repack(bin!(), name, Some("q4"), &out);
-    out
-}
-
+/// A sampled 12-token run of `prompt` (3 expert slots, prefill chunks of
+/// 4 tokens) with `extra`.
 fn run(model: &Path, prompt: &str, extra: &[&str]) -> Output {
-    bin!()
-        .args(["run", "--model"])
-        .arg(model)
-        .args([
-            "--prompt-tokens",
-            prompt,
-            "--max-new",
-            "12",
-            "--temperature",
-            "0.8",
-            "--seed",
-            "5",
-            "--print-ids",
-            "--expert-cache-slots",
-            "3",
-            "--prefill-chunk",
-            "4",
-        ])
+    let mut cmd = run_command(model, &["--prompt-tokens", prompt, "--max-new", "12"]);
+    cmd.args(["--temperature", "0.8", "--seed", "5", "--print-ids"])
+        .args(["--expert-cache-slots", "3", "--prefill-chunk", "4"])
         .args(extra)
         .output()
         .unwrap()
@@ -39,11 +22,11 @@ fn run(model: &Path, prompt: &str, extra: &[&str]) -> Output {
 #[test]
 fn kv_snapshot_second_run_restores_with_identical_output() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = repack_fixture("qwen3_5_moe_fused", tmp.path());
+    let model = repack_fixture("qwen3_5_moe_fused", "q4", tmp.path());
     let prompt = "11,48,85,122,159,196,233,270,307,344,381,418,455";
     let (plain, _) = ok(run(&model, prompt, &[]));
     let snap = tmp.path().join("p.snap");
-    let s = snap.to_str().unwrap();
+    let s = utf8(&snap);
 
     let (first, err1) = ok(run(&model, prompt, &["--kv-snapshot", s]));
     assert_eq!(first, plain);
@@ -60,9 +43,9 @@ fn kv_snapshot_second_run_restores_with_identical_output() {
             "--kv-snapshot",
             s,
             "--decode-curve",
-            curve.to_str().unwrap(),
+            utf8(&curve),
             "--stats-json",
-            stats.to_str().unwrap(),
+            utf8(&stats),
         ],
     ));
     assert_eq!(second, plain, "restored output differs");
@@ -74,7 +57,7 @@ fn kv_snapshot_second_run_restores_with_identical_output() {
     );
     let csv = std::fs::read_to_string(&curve).unwrap();
     assert_eq!(csv.lines().count(), 13, "{csv}");
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&stats).unwrap()).unwrap();
+    let json = read_json(&stats);
     assert_eq!(json["stats"]["reused_prompt_tokens"], 13);
     assert_eq!(json["restore"]["source"], "kv-snapshot");
     assert_eq!(json["token_times_s"].as_array().unwrap().len(), 12);
@@ -107,7 +90,7 @@ fn kv_snapshot_second_run_restores_with_identical_output() {
     assert!(err5.contains("checksum"), "{err5}");
 
     // Another model's snapshot likewise.
-    let other = repack_fixture("qwen3_moe", tmp.path());
+    let other = repack_fixture("qwen3_moe", "q4", tmp.path());
     let (_, _) = ok(run(&other, prompt, &["--kv-snapshot", s]));
     let (again, err6) = ok(run(&model, prompt, &["--kv-snapshot", s]));
     assert_eq!(again, plain);
@@ -117,9 +100,9 @@ fn kv_snapshot_second_run_restores_with_identical_output() {
 #[test]
 fn prompt_cache_and_memory_limit_flags() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = repack_fixture("qwen3_5_moe_fused", tmp.path());
+    let model = repack_fixture("qwen3_5_moe_fused", "q4", tmp.path());
     let dir = tmp.path().join("pc");
-    let d = dir.to_str().unwrap();
+    let d = utf8(&dir);
     let p1 = "11,48,85,122,159,196,233,270,307,344,381";
     let p2 = "11,48,85,122,159,196,233,270,307,1,2,3";
     let (plain2, _) = ok(run(&model, p2, &[]));
