@@ -12,14 +12,18 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 use slipstream_server::conn::ConnLimits;
-use slipstream_server::RunningServer;
+use slipstream_server::{RunningServer, ServerConfig};
 
-fn limits(header_ms: u64, body_ms: u64, max_connections: usize) -> ConnLimits {
-    ConnLimits {
-        header_timeout: Duration::from_millis(header_ms),
-        body_timeout: Duration::from_millis(body_ms),
-        max_connections,
-    }
+/// A server whose connections have these limits.
+fn server_with_limits(header_ms: u64, body_ms: u64, max_connections: usize) -> RunningServer {
+    server(ServerConfig {
+        conn_limits: ConnLimits {
+            header_timeout: Duration::from_millis(header_ms),
+            body_timeout: Duration::from_millis(body_ms),
+            max_connections,
+        },
+        ..config()
+    })
 }
 
 /// Reads until the server closes the connection (or `wait` passes):
@@ -55,9 +59,7 @@ fn health_ok(s: &slipstream_server::RunningServer) {
 
 #[test]
 fn headers_that_never_finish_are_cut_at_the_header_timeout() {
-    let mut c = config();
-    c.conn_limits = limits(500, 10_000, 16);
-    let s = server(c);
+    let s = server_with_limits(500, 10_000, 16);
     let mut t = TcpStream::connect(s.addr).unwrap();
     t.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         .unwrap();
@@ -73,9 +75,7 @@ fn headers_that_never_finish_are_cut_at_the_header_timeout() {
 
 #[test]
 fn a_trickling_body_is_cut_at_the_body_timeout() {
-    let mut c = config();
-    c.conn_limits = limits(10_000, 700, 16);
-    let s = server(c);
+    let s = server_with_limits(10_000, 700, 16);
     let body = json!({"model": "demo", "max_tokens": 1,
         "messages": [{"role": "user", "content": "hello there"}]})
     .to_string();
@@ -115,9 +115,7 @@ fn a_trickling_body_is_cut_at_the_body_timeout() {
 
 #[test]
 fn connections_past_the_limit_are_refused_and_the_server_recovers() {
-    let mut c = config();
-    c.conn_limits = limits(20_000, 20_000, 4);
-    let s = server(c);
+    let s = server_with_limits(20_000, 20_000, 4);
     // Four held connections, each in the middle of its headers.
     let held: Vec<TcpStream> = (0..4)
         .map(|_| {
