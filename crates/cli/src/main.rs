@@ -284,19 +284,7 @@ fn repack_cmd(args: RepackArgs) -> Result<()> {
     );
     bar.finish_and_clear();
     let report = report.with_context(|| format!("repacking {}", args.input.display()))?;
-    eprintln!(
-        "repacked {} ({}, {}) -> {}: {} tensors, {} experts, {:.1} MB in, {:.1} MB out, {:.2} s, {:.0} MB/s",
-        args.input.display(),
-        report.kind.name(),
-        report.config.architecture.name(),
-        args.output.display(),
-        report.tensors_written,
-        report.experts_written,
-        report.bytes_in as f64 / 1e6,
-        report.bytes_out as f64 / 1e6,
-        report.seconds,
-        report.mb_per_s
-    );
+    eprintln!("{}", report.summary(&args.input, &args.output));
     Ok(())
 }
 

@@ -20,54 +20,24 @@ use std::time::Instant;
 
 use slipstream_repack::{repack, QuantChoice, RepackOptions};
 
-const USAGE: &str =
-    "usage: repack_bench --input CHECKPOINT --output-dir DIR [--quant q4,bf16,f32] [--keep]
-       repack_bench --steps";
-
+/// Repacks a checkpoint once per quantization and prints the throughput.
+#[derive(clap::Parser)]
 struct Args {
-    input: PathBuf,
-    output_dir: PathBuf,
-    quants: Vec<QuantChoice>,
+    /// The checkpoint to repack (a folder of safetensors, or a GGUF file).
+    #[arg(short, long, required_unless_present = "steps")]
+    input: Option<PathBuf>,
+    /// Where the `bench-{quant}.slip` outputs go.
+    #[arg(short, long, required_unless_present = "steps")]
+    output_dir: Option<PathBuf>,
+    /// The quantizations to time, comma-separated.
+    #[arg(short, long, value_delimiter = ',', default_value = "q4,bf16,f32")]
+    quant: Vec<QuantChoice>,
+    /// Keep the outputs instead of deleting each after its run.
+    #[arg(long)]
     keep: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut input = None;
-    let mut output_dir = None;
-    let mut quants = vec![QuantChoice::Q4, QuantChoice::Bf16, QuantChoice::F32];
-    let mut keep = false;
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        let (key, inline) = match a.split_once('=') {
-            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
-            _ => (a.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| it.next())
-                .ok_or_else(|| format!("{key} needs a value"))
-        };
-        match key.as_str() {
-            "--input" | "-i" => input = Some(PathBuf::from(value()?)),
-            "--output-dir" | "-o" => output_dir = Some(PathBuf::from(value()?)),
-            "--quant" | "-q" => {
-                quants = value()?
-                    .split(',')
-                    .map(|q| q.trim().parse::<QuantChoice>())
-                    .collect::<Result<_, _>>()?
-            }
-            "--keep" => keep = true,
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unexpected argument {other:?}")),
-        }
-    }
-    Ok(Args {
-        input: input.ok_or("--input CHECKPOINT is required")?,
-        output_dir: output_dir.ok_or("--output-dir DIR is required")?,
-        quants,
-        keep,
-    })
+    /// Print the single-thread cost of the conversion steps instead.
+    #[arg(long)]
+    steps: bool,
 }
 
 /// Single-thread cost of the conversion steps on 16M values.
@@ -116,33 +86,20 @@ fn steps() {
 }
 
 fn main() -> ExitCode {
-    if std::env::args().skip(1).any(|a| a == "--steps") {
+    let args = <Args as clap::Parser>::parse();
+    let (Some(input), Some(output_dir)) = (&args.input, &args.output_dir) else {
         steps();
         return ExitCode::SUCCESS;
-    }
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            if !e.is_empty() {
-                eprintln!("error: {e}");
-            }
-            eprintln!("{USAGE}");
-            return if e.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(2)
-            };
-        }
     };
-    if let Err(e) = std::fs::create_dir_all(&args.output_dir) {
-        eprintln!("error: {}: {e}", args.output_dir.display());
+    if let Err(e) = std::fs::create_dir_all(output_dir) {
+        eprintln!("error: {}: {e}", output_dir.display());
         return ExitCode::FAILURE;
     }
-    for &quant in &args.quants {
-        let output = args.output_dir.join(format!("bench-{quant}.slip"));
+    for &quant in &args.quant {
+        let output = output_dir.join(format!("bench-{quant}.slip"));
         let report = match repack(
             &RepackOptions {
-                input: args.input.clone(),
+                input: input.clone(),
                 output: output.clone(),
                 overwrite: Default::default(),
                 quant,
@@ -152,23 +109,11 @@ fn main() -> ExitCode {
         ) {
             Ok(r) => r,
             Err(e) => {
-                eprintln!("error: repacking {} to {quant}: {e}", args.input.display());
+                eprintln!("error: repacking {} to {quant}: {e}", input.display());
                 return ExitCode::FAILURE;
             }
         };
-        println!(
-            "repacked {} ({}, {}) -> {}: {} tensors, {} experts, {:.1} MB in, {:.1} MB out, {:.2} s, {:.0} MB/s",
-            args.input.display(),
-            report.kind.name(),
-            report.config.architecture.name(),
-            output.display(),
-            report.tensors_written,
-            report.experts_written,
-            report.bytes_in as f64 / 1e6,
-            report.bytes_out as f64 / 1e6,
-            report.seconds,
-            report.mb_per_s
-        );
+        println!("{}", report.summary(input, &output));
         if !args.keep {
             if let Err(e) = std::fs::remove_dir_all(&output) {
                 eprintln!("warning: removing {}: {e}", output.display());

@@ -32,7 +32,7 @@ const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 128;
 const VOCAB: usize = 32768;
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum Dt {
     Bf16,
     F32,
@@ -53,56 +53,25 @@ impl Dt {
     }
 }
 
+/// Writes a synthetic sharded `qwen3_moe` checkpoint of about `--gb` GB.
+#[derive(clap::Parser)]
 struct Args {
+    /// The checkpoint folder to write.
+    #[arg(short, long)]
     output: PathBuf,
+    /// About how many gigabytes (10^9 bytes) to write.
+    #[arg(long, default_value_t = 1.5, value_parser = positive_gb)]
     gb: f64,
+    /// The tensors' storage type.
+    #[arg(long, value_enum, default_value = "bf16", ignore_case = true)]
     dtype: Dt,
 }
 
-const USAGE: &str = "usage: synth_checkpoint --output DIR [--gb 1.5] [--dtype bf16|f32]";
-
-fn parse_args() -> Result<Args, String> {
-    let mut output = None;
-    let mut gb = 1.5f64;
-    let mut dtype = Dt::Bf16;
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        let (key, inline) = match a.split_once('=') {
-            Some((k, v)) if k.starts_with("--") => (k.to_string(), Some(v.to_string())),
-            _ => (a.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| it.next())
-                .ok_or_else(|| format!("{key} needs a value"))
-        };
-        match key.as_str() {
-            "--output" | "-o" => output = Some(PathBuf::from(value()?)),
-            "--gb" => {
-                let v = value()?;
-                gb = v
-                    .parse()
-                    .ok()
-                    .filter(|g: &f64| g.is_finite() && *g > 0.0)
-                    .ok_or_else(|| format!("--gb: expected a positive number, found {v:?}"))?;
-            }
-            "--dtype" => {
-                dtype = match value()?.to_ascii_lowercase().as_str() {
-                    "bf16" => Dt::Bf16,
-                    "f32" => Dt::F32,
-                    other => return Err(format!("--dtype: expected bf16 or f32, found {other:?}")),
-                }
-            }
-            "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unexpected argument {other:?}")),
-        }
-    }
-    Ok(Args {
-        output: output.ok_or("--output DIR is required")?,
-        gb,
-        dtype,
-    })
+fn positive_gb(v: &str) -> Result<f64, String> {
+    v.parse()
+        .ok()
+        .filter(|g: &f64| g.is_finite() && *g > 0.0)
+        .ok_or_else(|| format!("expected a positive number, found {v:?}"))
 }
 
 /// Layer count and expert count for about `target` bytes.
@@ -318,20 +287,7 @@ fn run(args: &Args) -> std::io::Result<()> {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            if !e.is_empty() {
-                eprintln!("error: {e}");
-            }
-            eprintln!("{USAGE}");
-            return if e.is_empty() {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(2)
-            };
-        }
-    };
+    let args = <Args as clap::Parser>::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

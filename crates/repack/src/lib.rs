@@ -208,6 +208,26 @@ pub struct RepackReport {
     pub expert_layout: Vec<(String, QuantType, [usize; 2])>,
 }
 
+impl RepackReport {
+    /// The one-line summary `slipstream repack` prints for a repack of
+    /// `input` into `output`.
+    pub fn summary(&self, input: &std::path::Path, output: &std::path::Path) -> String {
+        format!(
+            "repacked {} ({}, {}) -> {}: {} tensors, {} experts, {:.1} MB in, {:.1} MB out, {:.2} s, {:.0} MB/s",
+            input.display(),
+            self.kind.name(),
+            self.config.architecture.name(),
+            output.display(),
+            self.tensors_written,
+            self.experts_written,
+            self.bytes_in as f64 / 1e6,
+            self.bytes_out as f64 / 1e6,
+            self.seconds,
+            self.mb_per_s
+        )
+    }
+}
+
 /// Everything that can go wrong; each message names the file, tensor or field.
 #[derive(Debug, thiserror::Error)]
 pub enum RepackError {
