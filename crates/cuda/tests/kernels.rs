@@ -5,12 +5,12 @@
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
 use slipstream_cuda::{
-    AttnIo, CudaTuning, DevPtr, ExpertsIo, GdnConv, GdnStep, Gpu, Position, RouteBases, WDesc,
+    AttnIo, CudaTuning, DBuf, DevPtr, ExpertsIo, GdnConv, GdnStep, Gpu, Position, RouteBases, WDesc,
 };
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
-use slipstream_testkit::rel_err;
+use slipstream_testkit::{rel_err, same_bits};
 
 mod common;
 use common::Rng64;
@@ -95,17 +95,27 @@ fn matvec_matches_scalar_on_every_type() {
             let bytes = rand_weight(&mut rng, q, rows, cols);
             let view = TensorView::new(q, rows, cols, &bytes).unwrap();
             let x = rvec(&mut rng, n * cols, 1.0);
-            let mut want = vec![0.0f32; n * rows];
-            scalar::matmul(&view, &x, n, &mut want);
             let w = g.upload_weight(&view).unwrap();
-            let dx = g.upload_f32(&x).unwrap();
-            let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
-            g.matvec(&w.desc, dx.ptr, dy.ptr, n).unwrap();
-            let got = g.read_f32(&dy, 0, n * rows).unwrap();
-            let e = rel_err(&got, &want);
-            assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+            checked_matvec(&g, &view, &w.desc, &x, n);
         }
     }
+}
+
+/// `g.matvec` of `w` (uploaded from `view`) over the `n` rows of `x`,
+/// checked against the scalar matmul; returns the input on the device and
+/// the output.
+fn checked_matvec(g: &Gpu, view: &TensorView, w: &WDesc, x: &[f32], n: usize) -> (DBuf, Vec<f32>) {
+    let (rows, cols) = (view.rows, view.cols);
+    let mut want = vec![0.0f32; n * rows];
+    scalar::matmul(view, x, n, &mut want);
+    let dx = g.upload_f32(x).unwrap();
+    let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
+    g.matvec(w, dx.ptr, dy.ptr, n).unwrap();
+    let got = g.read_f32(&dy, 0, n * rows).unwrap();
+    let e = rel_err(&got, &want);
+    let q = view.qtype.name();
+    assert!(e < 2e-5, "{q} [{rows}, {cols}] n={n}: rel err {e}");
+    (dx, got)
 }
 
 #[test]
@@ -145,39 +155,23 @@ fn wide_a4_case(g: &Gpu) {
             let bytes = rand_weight(&mut rng, q, rows, cols);
             let view = TensorView::new(q, rows, cols, &bytes).unwrap();
             let x = rvec(&mut rng, n * cols, 1.0);
-            let mut want = vec![0.0f32; n * rows];
-            scalar::matmul(&view, &x, n, &mut want);
             let w = g.upload_weight(&view).unwrap();
             assert!(
                 w.desc.a4v_chunks().is_some(),
                 "[{rows}, {cols}] g{group}: not a4v"
             );
-            let dx = g.upload_f32(&x).unwrap();
-            let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
-            g.matvec(&w.desc, dx.ptr, dy.ptr, n).unwrap();
-            let got = g.read_f32(&dy, 0, n * rows).unwrap();
-            let e = rel_err(&got, &want);
-            assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+            checked_matvec(g, &view, &w.desc, &x, n);
             // A prefill pass (more tokens than one block runs, ragged): each
             // token the bits of its own one-token launch.
             let n = 37;
             let x = rvec(&mut rng, n * cols, 1.0);
-            let dx = g.upload_f32(&x).unwrap();
-            let dy = g.upload_f32(&vec![f32::NAN; n * rows]).unwrap();
-            g.matvec(&w.desc, dx.ptr, dy.ptr, n).unwrap();
-            let many = g.read_f32(&dy, 0, n * rows).unwrap();
-            let mut want = vec![0.0f32; n * rows];
-            scalar::matmul(&view, &x, n, &mut want);
-            let e = rel_err(&many, &want);
-            assert!(e < 2e-5, "{} [{rows}, {cols}] n={n}: rel err {e}", q.name());
+            let (dx, many) = checked_matvec(g, &view, &w.desc, &x, n);
             let dy1 = g.alloc(4 * rows).unwrap();
             for t in 0..n {
                 g.matvec(&w.desc, dx.f32_at(t * cols), dy1.ptr, 1).unwrap();
                 let one = g.read_f32(&dy1, 0, rows).unwrap();
                 assert!(
-                    one.iter()
-                        .zip(&many[t * rows..][..rows])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&one, &many[t * rows..][..rows]),
                     "[{rows}, {cols}] token {t} of {n} differs from its one-token launch"
                 );
             }
@@ -252,9 +246,7 @@ fn many_matvecs_case(g: &Gpu, tc: bool) {
                 g.matvec(&w.desc, dx.ptr, y.ptr, n).unwrap();
                 let want = g.read_f32(y, 0, n * r).unwrap();
                 assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&got, &want),
                     "matvec_many [{r}, {cols}] of {rows:?}, {n} tokens, differs from its own launch (tensor cores: {tc})"
                 );
             }
@@ -262,17 +254,38 @@ fn many_matvecs_case(g: &Gpu, tc: bool) {
     }
 }
 
-/// CPU reference of one (token, rank) routed expert: silu(G x) * (U x), then D h.
-fn expert_ref(gv: &TensorView, uv: &TensorView, dv: &TensorView, x: &[f32]) -> Vec<f32> {
-    let inter = gv.rows;
-    let mut gg = vec![0.0; inter];
-    let mut uu = vec![0.0; inter];
-    scalar::matvec(gv, x, &mut gg);
-    scalar::matvec(uv, x, &mut uu);
-    let hh: Vec<f32> = gg.iter().zip(&uu).map(|(a, b)| ops::silu(*a) * b).collect();
-    let mut d = vec![0.0; dv.rows];
-    scalar::matvec(dv, &hh, &mut d);
-    d
+/// An expert's gate, up and down on the host.
+type ExpertViews<'a> = (TensorView<'a>, TensorView<'a>, TensorView<'a>);
+
+/// CPU reference of one token's routed experts, added into its residual
+/// `out` in rank order: each expert's silu(G x) * (U x), then D h, times
+/// its weight in `wts`; then where given the shared expert's output times
+/// the sigmoid of its gate logit.
+fn add_experts_ref(
+    out: &mut [f32],
+    experts: &[ExpertViews],
+    wts: &[f32],
+    x: &[f32],
+    shared: Option<(&[f32], f32)>,
+) {
+    for ((gv, uv, dv), w) in experts.iter().zip(wts) {
+        let inter = gv.rows;
+        let mut gg = vec![0.0; inter];
+        let mut uu = vec![0.0; inter];
+        scalar::matvec(gv, x, &mut gg);
+        scalar::matvec(uv, x, &mut uu);
+        let hh: Vec<f32> = gg.iter().zip(&uu).map(|(a, b)| ops::silu(*a) * b).collect();
+        let mut d = vec![0.0; dv.rows];
+        scalar::matvec(dv, &hh, &mut d);
+        for (o, v) in out.iter_mut().zip(&d) {
+            *o += v * w;
+        }
+    }
+    if let Some((sh_out, sg)) = shared {
+        for (o, v) in out.iter_mut().zip(sh_out) {
+            *o += ops::sigmoid(sg) * v;
+        }
+    }
 }
 
 #[test]
@@ -355,21 +368,19 @@ fn routed_experts_in_one_launch_match_scalar() {
         let wts = rvec(&mut rng, k, 1.0);
         let sh_out = rvec(&mut rng, h, 1.0);
         let sg = rvec(&mut rng, 1, 2.0);
+        let views: Vec<ExpertViews> = parts
+            .iter()
+            .map(|(gb, ub, db)| {
+                (
+                    TensorView::new(q, inter, h, gb).unwrap(),
+                    TensorView::new(q, inter, h, ub).unwrap(),
+                    TensorView::new(q, h, inter, db).unwrap(),
+                )
+            })
+            .collect();
         let mut want = x0.clone();
-        for (r, (gb, ub, db)) in parts.iter().enumerate() {
-            let gv = TensorView::new(q, inter, h, gb).unwrap();
-            let uv = TensorView::new(q, inter, h, ub).unwrap();
-            let dv = TensorView::new(q, h, inter, db).unwrap();
-            let d = expert_ref(&gv, &uv, &dv, &x);
-            for (o, v) in want.iter_mut().zip(&d) {
-                *o += v * wts[r];
-            }
-        }
-        if shared {
-            for (o, v) in want.iter_mut().zip(&sh_out) {
-                *o += ops::sigmoid(sg[0]) * v;
-            }
-        }
+        let sh_ref = shared.then_some((&sh_out[..], sg[0]));
+        add_experts_ref(&mut want, &views, &wts, &x, sh_ref);
         let bufs: Vec<_> = parts
             .iter()
             .map(|(a, b, c)| {
@@ -393,6 +404,16 @@ fn routed_experts_in_one_launch_match_scalar() {
         let dsh = g.upload_f32(&sh_out).unwrap();
         let dsg = g.upload_f32(&sg).unwrap();
         let xrow = g.alloc(4 * k).unwrap();
+        let io = ExpertsIo {
+            xrow: xrow.ptr,
+            xn: dx.ptr,
+            h: dh.ptr,
+            wts: dw.ptr,
+            k,
+            shared: common::shared_expert_io(shared, &dsh, &dsg),
+            x: dres.ptr,
+            tokens: 1,
+        };
         g.moe_gate_up(
             [&gt, &gt],
             [dt.ptr, dt.ptr.add_bytes(8 * k)],
@@ -402,22 +423,7 @@ fn routed_experts_in_one_launch_match_scalar() {
             k,
         )
         .unwrap();
-        let (s, sgp) = common::shared_expert_io(shared, &dsh, &dsg);
-        g.moe_down(
-            &dtl,
-            dt.ptr.add_bytes(16 * k),
-            &ExpertsIo {
-                xrow: DevPtr::NULL,
-                xn: DevPtr::NULL,
-                h: dh.ptr,
-                wts: dw.ptr,
-                k,
-                shared: (s, sgp),
-                x: dres.ptr,
-                tokens: 1,
-            },
-        )
-        .unwrap();
+        g.moe_down(&dtl, dt.ptr.add_bytes(16 * k), &io).unwrap();
         let got = g.read_f32(&dres, 0, h).unwrap();
         let e = rel_err(&got, &want);
         assert!(e < 5e-5, "{} h={h} i={inter} k={k}: rel err {e}", q.name());
@@ -429,21 +435,14 @@ fn routed_experts_in_one_launch_match_scalar() {
                 [&gt, &gt, &dtl],
                 [dt.ptr, dt.ptr.add_bytes(8 * k), dt.ptr.add_bytes(16 * k)],
                 &ExpertsIo {
-                    xrow: xrow.ptr,
-                    xn: dx.ptr,
                     h: dh2.ptr,
-                    wts: dw.ptr,
-                    k,
-                    shared: (s, sgp),
                     x: dres2.ptr,
-                    tokens: 1,
+                    ..io
                 },
             )
             .unwrap();
             g.read_f32(&dres2, 0, h).unwrap()
         };
-        let same_bits =
-            |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         // The one-launch path (fused kernel where the shapes allow it) gives
         // the same bits as the two launches, launch after launch (its block
         // counters reset themselves).
@@ -528,102 +527,37 @@ fn grouped_case(g: &Gpu) {
         ),
     ] {
         let ex = common::expert_records(g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
-        let (offsets, views, ids, pairs) = (ex.offsets, &ex.views, &ex.ids, tokens * k);
-        let (dtable, daddr, dids, dxrow) = (&ex.table, &ex.addr, &ex.dids, &ex.xrow);
-        let x = rvec(&mut rng, tokens * h, 1.0);
-        let x0 = rvec(&mut rng, tokens * h, 1.0);
-        let wts = rvec(&mut rng, pairs, 1.0);
-        let sh_out = rvec(&mut rng, tokens * h, 1.0);
-        let sg = rvec(&mut rng, tokens, 2.0);
-        let (dx, dw, dsh, dsg) = (
-            g.upload_f32(&x).unwrap(),
-            g.upload_f32(&wts).unwrap(),
-            g.upload_f32(&sh_out).unwrap(),
-            g.upload_f32(&sg).unwrap(),
-        );
-        let sh = common::shared_expert_io(shared, &dsh, &dsg);
-        let (gt, dtl) = common::expert_descs(q, h, inter);
-        let tp = dtable.ptr;
-        let t8 = 8 * pairs;
-        // Per-pair launches.
-        let dres = g.upload_f32(&x0).unwrap();
-        let dh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
-        g.moe_experts(
-            [&gt, &gt, &dtl],
-            [tp, tp.add_bytes(t8), tp.add_bytes(2 * t8)],
-            &ExpertsIo {
-                xrow: dxrow.ptr,
-                xn: dx.ptr,
-                h: dh.ptr,
-                wts: dw.ptr,
-                k,
-                shared: sh,
-                x: dres.ptr,
-                tokens,
-            },
-        )
-        .unwrap();
-        let want = g.read_f32(&dres, 0, tokens * h).unwrap();
-        // Grouped.
-        let dres2 = g.upload_f32(&x0).unwrap();
-        let dh2 = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
-        let (goff, glist) = (g.alloc(4 * (e + 1)).unwrap(), g.alloc(4 * pairs).unwrap());
-        let route = RouteBases {
-            addr: daddr.ptr,
-            offsets,
-            out: tp,
+        let pass = common::ExpertsPass {
+            x: rvec(&mut rng, tokens * h, 1.0),
+            x0: rvec(&mut rng, tokens * h, 1.0),
+            wts: rvec(&mut rng, tokens * k, 1.0),
+            sh_out: rvec(&mut rng, tokens * h, 1.0),
+            sg: rvec(&mut rng, tokens, 2.0),
+            shared,
         };
-        let took = g
-            .moe_experts_grouped(
-                [&gt, &gt, &dtl],
-                &route,
-                dids.ptr,
-                e,
-                (&goff, &glist),
-                &ExpertsIo {
-                    xrow: dxrow.ptr,
-                    xn: dx.ptr,
-                    h: dh2.ptr,
-                    wts: dw.ptr,
-                    k,
-                    shared: sh,
-                    x: dres2.ptr,
-                    tokens,
-                },
-            )
-            .unwrap();
+        let (want, got, took) = common::per_pair_and_grouped(g, &ex, &pass);
         assert!(
             took,
             "{} h={h} i={inter}: the grouped kernel must take the shape",
             q.name()
         );
-        let got = g.read_f32(&dres2, 0, tokens * h).unwrap();
         assert!(
-            got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&got, &want),
             "{} h={h} i={inter} k={k} tokens={tokens}: grouped experts differ from per-pair launches",
             q.name()
         );
         // And against the scalar reference, token by token.
-        let mut reference = x0.clone();
+        let mut reference = pass.x0.clone();
         for t in 0..tokens {
-            for r in 0..k {
-                let (gb, ub, db) = &views[ids[t * k + r] as usize];
-                let gv = TensorView::new(q, inter, h, gb).unwrap();
-                let uv = TensorView::new(q, inter, h, ub).unwrap();
-                let dv = TensorView::new(q, h, inter, db).unwrap();
-                let d = expert_ref(&gv, &uv, &dv, &x[t * h..][..h]);
-                for (o, v) in reference[t * h..][..h].iter_mut().zip(&d) {
-                    *o += v * wts[t * k + r];
-                }
-            }
-            if shared {
-                for (o, v) in reference[t * h..][..h]
-                    .iter_mut()
-                    .zip(&sh_out[t * h..][..h])
-                {
-                    *o += ops::sigmoid(sg[t]) * v;
-                }
-            }
+            let views: Vec<ExpertViews> = (0..k).map(|r| ex.pair_views(t * k + r)).collect();
+            let sh_ref = shared.then_some((&pass.sh_out[t * h..][..h], pass.sg[t]));
+            add_experts_ref(
+                &mut reference[t * h..][..h],
+                &views,
+                &pass.wts[t * k..][..k],
+                &pass.x[t * h..][..h],
+                sh_ref,
+            );
         }
         let er = rel_err(&got, &reference);
         assert!(er < 5e-5, "{} h={h} i={inter}: rel err {er}", q.name());
@@ -660,7 +594,7 @@ fn rms_norm_and_rope_match_cpu() {
             .unwrap();
         g.add_rms_norm(dx2.ptr, dr.ptr, dw.ptr, out2.ptr, rows, dim, 1e-6)
             .unwrap();
-        let bits = |b: &slipstream_cuda::DBuf| -> Vec<u32> {
+        let bits = |b: &DBuf| -> Vec<u32> {
             let v = g.read_f32(b, 0, rows * dim).unwrap();
             v.iter().map(|f| f.to_bits()).collect()
         };
@@ -730,6 +664,27 @@ fn attention_ref(
     out
 }
 
+/// The buffers of an attention launch over the caches `kc`, `vc` of
+/// `dims` (nh, nkv, hd): queries at `q`, output at `out`, and the output
+/// gate at `gate` where `gated`.
+fn attn_io(
+    (kc, vc): (&DBuf, &DBuf),
+    dims: (usize, usize, usize),
+    gated: bool,
+    q: DevPtr,
+    gate: DevPtr,
+    out: DevPtr,
+) -> AttnIo {
+    AttnIo {
+        q,
+        kc: kc.ptr,
+        vc: vc.ptr,
+        dims,
+        gate: if gated { gate } else { DevPtr::NULL },
+        out,
+    }
+}
+
 #[test]
 fn decode_attention_matches_cpu() {
     let Some(g) = gpu() else { return };
@@ -758,17 +713,10 @@ fn decode_attention_matches_cpu() {
         let cap = (keys + 200).next_power_of_two();
         let scratch = g.alloc(4 * Gpu::attn_scratch_f32(nh, hd, cap)).unwrap();
         let out = g.upload_f32(&vec![f32::NAN; nh * hd]).unwrap();
-        let gp = if gated { dg.ptr } else { DevPtr::NULL };
+        let caches = (&dk, &dv);
         let run = |at: Position| {
             g.attention(
-                &AttnIo {
-                    q: dq.ptr,
-                    kc: dk.ptr,
-                    vc: dv.ptr,
-                    dims: (nh, nkv, hd),
-                    gate: gp,
-                    out: out.ptr,
-                },
+                &attn_io(caches, (nh, nkv, hd), gated, dq.ptr, dg.ptr, out.ptr),
                 at,
                 &scratch,
             )
@@ -784,9 +732,7 @@ fn decode_attention_matches_cpu() {
         let dpos = g.upload_f32(&[f32::from_bits(keys as u32 - 1)]).unwrap();
         let got_dev = run(Position::Device { ptr: dpos.ptr, cap });
         assert!(
-            got.iter()
-                .zip(&got_dev)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&got, &got_dev),
             "attention with the position in device memory differs (keys {keys}, cap {cap})"
         );
         // A causal batch of the last `n` positions in one launch pair: each
@@ -801,35 +747,18 @@ fn decode_attention_matches_cpu() {
             .unwrap();
         let p0 = keys - n;
         g.attention_causal(
-            &AttnIo {
-                q: dqs.ptr,
-                kc: dk.ptr,
-                vc: dv.ptr,
-                dims: (nh, nkv, hd),
-                gate: if gated { dgs.ptr } else { DevPtr::NULL },
-                out: outs.ptr,
-            },
+            &attn_io(caches, (nh, nkv, hd), gated, dqs.ptr, dgs.ptr, outs.ptr),
             Position::Host(p0),
             n,
             &big,
         )
         .unwrap();
         let batch = g.read_f32(&outs, 0, n * nh * hd).unwrap();
-        let row = (nh * hd) as u64 * 4;
+        let row = nh * hd * 4;
         for t in 0..n {
+            let (q_t, gate_t) = (dqs.ptr.add_bytes(t * row), dgs.ptr.add_bytes(t * row));
             g.attention(
-                &AttnIo {
-                    q: dqs.ptr.add_bytes(t * row as usize),
-                    kc: dk.ptr,
-                    vc: dv.ptr,
-                    dims: (nh, nkv, hd),
-                    gate: if gated {
-                        dgs.ptr.add_bytes(t * row as usize)
-                    } else {
-                        DevPtr::NULL
-                    },
-                    out: out.ptr,
-                },
+                &attn_io(caches, (nh, nkv, hd), gated, q_t, gate_t, out.ptr),
                 Position::Host(p0 + t),
                 &scratch,
             )
@@ -837,9 +766,7 @@ fn decode_attention_matches_cpu() {
             let one = g.read_f32(&out, 0, nh * hd).unwrap();
             let mine = &batch[t * nh * hd..][..nh * hd];
             assert!(
-                one.iter()
-                    .zip(mine)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&one, mine),
                 "causal batch query {t} of {n} differs from its own launch (keys {keys})"
             );
             let want_t = attention_ref(
@@ -901,19 +828,16 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
         let row = nh * hd;
         let run = |t0: usize, m: usize| {
             let off = t0 * row * 4;
+            let (q, gate) = (dq.ptr.add_bytes(off), dg.ptr.add_bytes(off));
             g.attention_prompt(
-                &AttnIo {
-                    q: dq.ptr.add_bytes(off),
-                    kc: dk.ptr,
-                    vc: dv.ptr,
-                    dims: (nh, nkv, hd),
-                    gate: if gated {
-                        dg.ptr.add_bytes(off)
-                    } else {
-                        DevPtr::NULL
-                    },
-                    out: out.ptr.add_bytes(off),
-                },
+                &attn_io(
+                    (&dk, &dv),
+                    (nh, nkv, hd),
+                    gated,
+                    q,
+                    gate,
+                    out.ptr.add_bytes(off),
+                ),
                 p0 + t0,
                 m,
                 &scratch,
@@ -956,10 +880,7 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
             let parts = g.read_f32(&out, 0, n * row).unwrap();
             for t in 0..n {
                 assert!(
-                    parts[t * row..][..row]
-                        .iter()
-                        .zip(&whole[t * row..][..row])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&parts[t * row..][..row], &whole[t * row..][..row]),
                     "prompt attention query {t} of {n} (nh {nh} hd {hd}, cut {cut}) differs from the whole pass"
                 );
             }
@@ -1067,23 +988,20 @@ fn gated_delta_rule_cases(g: &Gpu) {
             dco.ptr,
         )
         .unwrap();
-        g.gdn_step(
-            &GdnStep {
-                conv_out: dco.ptr,
-                z: dz.ptr,
-                b: db.ptr,
-                a: da.ptr,
-                a_log: dal.ptr,
-                dt_bias: ddt.ptr,
-                norm: dnw.ptr,
-                state: ds.ptr,
-                dims: (nk, dk, nv, dv),
-                eps,
-                core: core.ptr,
-            },
-            n,
-        )
-        .unwrap();
+        let step = GdnStep {
+            conv_out: dco.ptr,
+            z: dz.ptr,
+            b: db.ptr,
+            a: da.ptr,
+            a_log: dal.ptr,
+            dt_bias: ddt.ptr,
+            norm: dnw.ptr,
+            state: ds.ptr,
+            dims: (nk, dk, nv, dv),
+            eps,
+            core: core.ptr,
+        };
+        g.gdn_step(&step, n).unwrap();
         let e1 = rel_err(&g.read_f32(&dco, 0, n * c).unwrap(), &conv_out);
         let e2 = rel_err(&g.read_f32(&dst, 0, (kern - 1) * c).unwrap(), &want_state);
         let e3 = rel_err(&g.read_f32(&core, 0, n * nv * dv).unwrap(), &want);
@@ -1109,13 +1027,9 @@ fn gated_delta_rule_cases(g: &Gpu) {
                     z: dz.f32_at(t * nv * dv),
                     b: db.f32_at(t * nv),
                     a: da.f32_at(t * nv),
-                    a_log: dal.ptr,
-                    dt_bias: ddt.ptr,
-                    norm: dnw.ptr,
                     state: ds1.ptr,
-                    dims: (nk, dk, nv, dv),
-                    eps,
                     core: core1.f32_at(t * nv * dv),
+                    ..step
                 },
                 1,
             )
@@ -1123,9 +1037,8 @@ fn gated_delta_rule_cases(g: &Gpu) {
         }
         let one = g.read_f32(&core1, 0, n * nv * dv).unwrap();
         let one_state = g.read_f32(&ds1, 0, nv * dk * dv).unwrap();
-        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(
-            same(&many, &one) && same(&many_state, &one_state),
+            same_bits(&many, &one) && same_bits(&many_state, &one_state),
             "delta rule {nk}x{dk}/{nv}x{dv}: {n} steps in one launch differ from one-token launches"
         );
     }
@@ -1218,18 +1131,7 @@ fn router_topk_and_argmax_match_cpu() {
         }
         let small = g.alloc_mapped(2 * k).unwrap();
         assert!(
-            g.router_topk(
-                dl.ptr,
-                e,
-                k,
-                renorm,
-                ids.ptr,
-                wts.ptr,
-                1,
-                Some((&small, 1)),
-                None
-            )
-            .is_err(),
+            route(1, Some((&small, 1)), None).is_err(),
             "a publish buffer without room for the sequence word is refused"
         );
     }
@@ -1245,17 +1147,7 @@ fn router_topk_and_argmax_match_cpu() {
         g.argmax(dx.ptr, n, out.ptr).unwrap();
         assert_eq!(g.read_i32(&out, 1).unwrap()[0] as usize, m, "argmax n={n}");
     }
-    // The engine's greedy rule: the first index of the largest non-NaN
-    // value (-0.0 equals 0.0), the last index when every value is NaN.
-    let scan = |x: &[f32]| -> usize {
-        let mut best: Option<usize> = None;
-        for (i, &v) in x.iter().enumerate() {
-            if !v.is_nan() && best.is_none_or(|b| v > x[b]) {
-                best = Some(i);
-            }
-        }
-        best.unwrap_or(x.len() - 1)
-    };
+    // The engine's greedy rule ([`argmax_ref`]; -0.0 equals 0.0).
     let nan = f32::NAN;
     let ninf = f32::NEG_INFINITY;
     let mut cases: Vec<Vec<f32>> = vec![
@@ -1280,7 +1172,7 @@ fn router_topk_and_argmax_match_cpu() {
         let got = g.read_i32(&out, 1).unwrap()[0] as usize;
         assert_eq!(
             got,
-            scan(x),
+            argmax_ref(x),
             "argmax of {} values with NaN / inf / zeros",
             x.len()
         );
@@ -1371,24 +1263,19 @@ fn down_pass_matches_one_token_launches() {
         let wts = g.upload_f32(&rvec(&mut rng, tokens * k, 1.0)).unwrap();
         let sh = g.upload_f32(&rvec(&mut rng, tokens * h, 1.0)).unwrap();
         let sgt = g.upload_f32(&rvec(&mut rng, tokens, 2.0)).unwrap();
-        let (shp, sgp) = common::shared_expert_io(shared, &sh, &sgt);
         let x0 = rvec(&mut rng, tokens * h, 1.0);
         let xm = g.upload_f32(&x0).unwrap();
-        g.moe_down(
-            &dt,
-            dbase.ptr,
-            &ExpertsIo {
-                xrow: DevPtr::NULL,
-                xn: DevPtr::NULL,
-                h: hv.ptr,
-                wts: wts.ptr,
-                k,
-                shared: (shp, sgp),
-                x: xm.ptr,
-                tokens,
-            },
-        )
-        .unwrap();
+        let io = ExpertsIo {
+            xrow: DevPtr::NULL,
+            xn: DevPtr::NULL,
+            h: hv.ptr,
+            wts: wts.ptr,
+            k,
+            shared: common::shared_expert_io(shared, &sh, &sgt),
+            x: xm.ptr,
+            tokens,
+        };
+        g.moe_down(&dt, dbase.ptr, &io).unwrap();
         let many = g.read_f32(&xm, 0, tokens * h).unwrap();
         let x1 = g.upload_f32(&x0).unwrap();
         for t in 0..tokens {
@@ -1396,8 +1283,6 @@ fn down_pass_matches_one_token_launches() {
                 &dt,
                 dbase.ptr.add_bytes(8 * t * k),
                 &ExpertsIo {
-                    xrow: DevPtr::NULL,
-                    xn: DevPtr::NULL,
                     h: hv.f32_at(t * k * inter),
                     wts: wts.f32_at(t * k),
                     k,
@@ -1411,6 +1296,7 @@ fn down_pass_matches_one_token_launches() {
                     ),
                     x: x1.f32_at(t * h),
                     tokens: 1,
+                    ..io
                 },
             )
             .unwrap();

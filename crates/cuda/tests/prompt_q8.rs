@@ -8,7 +8,7 @@
 
 use rand::{Rng, SeedableRng};
 use slipstream_core::{QuantType, ScaleType, TensorView};
-use slipstream_cuda::{CudaTuning, DevPtr, ExpertsIo, Gpu, RouteBases};
+use slipstream_cuda::{CudaTuning, Gpu};
 use slipstream_kernels::quantize::from_f32;
 use slipstream_kernels::scalar;
 use slipstream_models::ops;
@@ -196,85 +196,40 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
     ] {
         let q = q4(scale);
         let ex = common::expert_records(&g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
-        let (offsets, views, ids, pairs) = (ex.offsets, &ex.views, &ex.ids, tokens * k);
-        let (dtable, daddr, dids, dxrow) = (&ex.table, &ex.addr, &ex.dids, &ex.xrow);
-        let x = rand_rows(&mut rng, tokens * h);
-        let x0: Vec<f32> = (0..tokens * h)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let wts: Vec<f32> = (0..pairs).map(|_| rng.random_range(0.0..1.0)).collect();
-        let sh_out: Vec<f32> = (0..tokens * h)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let sg: Vec<f32> = (0..tokens).map(|_| rng.random_range(-2.0..2.0)).collect();
-        let (dx, dw, dsh, dsg) = (
-            g.upload_f32(&x).unwrap(),
-            g.upload_f32(&wts).unwrap(),
-            g.upload_f32(&sh_out).unwrap(),
-            g.upload_f32(&sg).unwrap(),
-        );
-        let sh = common::shared_expert_io(shared, &dsh, &dsg);
+        let pass = common::ExpertsPass {
+            x: rand_rows(&mut rng, tokens * h),
+            x0: (0..tokens * h)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect(),
+            wts: (0..tokens * k)
+                .map(|_| rng.random_range(0.0..1.0))
+                .collect(),
+            sh_out: (0..tokens * h)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect(),
+            sg: (0..tokens).map(|_| rng.random_range(-2.0..2.0)).collect(),
+            shared,
+        };
         let (gt, dtl) = common::expert_descs(q, h, inter);
         assert!(g.experts_on_q8([&gt, &gt, &dtl], k));
-        let io = |h_buf: DevPtr, x_buf: DevPtr| ExpertsIo {
-            xrow: dxrow.ptr,
-            xn: dx.ptr,
-            h: h_buf,
-            wts: dw.ptr,
-            k,
-            shared: sh,
-            x: x_buf,
-            tokens,
-        };
-        // Per pair (host routing's bases tables).
-        let (tp, t8) = (dtable.ptr, 8 * pairs);
-        let dres = g.upload_f32(&x0).unwrap();
-        let dh = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
-        g.moe_experts(
-            [&gt, &gt, &dtl],
-            [tp, tp.add_bytes(t8), tp.add_bytes(2 * t8)],
-            &io(dh.ptr, dres.ptr),
-        )
-        .unwrap();
-        let want = g.read_f32(&dres, 0, tokens * h).unwrap();
-        // Grouped by expert (device routing).
-        let dres2 = g.upload_f32(&x0).unwrap();
-        let dh2 = g.upload_f32(&vec![f32::NAN; pairs * inter]).unwrap();
-        let (goff, glist) = (g.alloc(4 * (e + 1)).unwrap(), g.alloc(4 * pairs).unwrap());
-        let route = RouteBases {
-            addr: daddr.ptr,
-            offsets,
-            out: tp,
-        };
-        let took = g
-            .moe_experts_grouped(
-                [&gt, &gt, &dtl],
-                &route,
-                dids.ptr,
-                e,
-                (&goff, &glist),
-                &io(dh2.ptr, dres2.ptr),
-            )
-            .unwrap();
+        // Per pair (host routing's bases tables), then grouped by expert
+        // (device routing).
+        let (want, got, took) = common::per_pair_and_grouped(&g, &ex, &pass);
         assert!(
             took,
             "h={h} i={inter}: the grouped q8 path must take the shape"
         );
-        let got = g.read_f32(&dres2, 0, tokens * h).unwrap();
         assert!(
             same_bits(&got, &want),
             "h={h} i={inter} k={k} tokens={tokens}: grouped q8 experts differ from per-pair launches"
         );
         // The scalar reference of the 8-bit arithmetic, and exact f32.
-        let mut reference = x0.clone();
-        let mut exact = x0.clone();
+        let mut reference = pass.x0.clone();
+        let mut exact = pass.x0.clone();
         for t in 0..tokens {
-            let xt = &x[t * h..][..h];
+            let xt = &pass.x[t * h..][..h];
             for r in 0..k {
-                let (gb, ub, db) = &views[ids[t * k + r] as usize];
-                let gv = TensorView::new(q, inter, h, gb).unwrap();
-                let uv = TensorView::new(q, inter, h, ub).unwrap();
-                let dv = TensorView::new(q, h, inter, db).unwrap();
+                let (gv, uv, dv) = ex.pair_views(t * k + r);
                 let (gq, uq) = (q8_matvec_ref(&gv, xt), q8_matvec_ref(&uv, xt));
                 let hq: Vec<f32> = gq.iter().zip(&uq).map(|(a, b)| ops::silu(*a) * b).collect();
                 let dq = q8_matvec_ref(&dv, &hq);
@@ -282,13 +237,13 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
                 let he: Vec<f32> = ge.iter().zip(&ue).map(|(a, b)| ops::silu(*a) * b).collect();
                 let de = exact_matvec(&dv, &he);
                 for j in 0..h {
-                    reference[t * h + j] += dq[j] * wts[t * k + r];
-                    exact[t * h + j] += de[j] * wts[t * k + r];
+                    reference[t * h + j] += dq[j] * pass.wts[t * k + r];
+                    exact[t * h + j] += de[j] * pass.wts[t * k + r];
                 }
             }
             if shared {
                 for j in 0..h {
-                    let s = ops::sigmoid(sg[t]) * sh_out[t * h + j];
+                    let s = ops::sigmoid(pass.sg[t]) * pass.sh_out[t * h + j];
                     reference[t * h + j] += s;
                     exact[t * h + j] += s;
                 }

@@ -1,9 +1,10 @@
 //! Test data both CUDA test files build: routed experts packed as the
-//! expert pool packs them, with the routing tables the MoE kernels read.
+//! expert pool packs them, with the routing tables the MoE kernels read,
+//! and a pass over them run per pair and grouped by expert.
 
 use rand::Rng;
-use slipstream_core::QuantType;
-use slipstream_cuda::{DBuf, DevPtr, Gpu, WDesc};
+use slipstream_core::{QuantType, TensorView};
+use slipstream_cuda::{DBuf, DevPtr, ExpertsIo, Gpu, RouteBases, WDesc};
 
 pub type Rng64 = rand::rngs::StdRng;
 
@@ -13,6 +14,9 @@ pub type Rng64 = rand::rngs::StdRng;
 pub struct ExpertRecords {
     /// Keeps the records alive on the device.
     pub _records: DBuf,
+    /// The experts' type and (h, inter, k, e, tokens), as built.
+    pub q: QuantType,
+    pub shape: (usize, usize, usize, usize, usize),
     pub offsets: [u64; 3],
     /// Each expert's (gate, up, down) bytes, for the host reference.
     pub views: Vec<(Vec<u8>, Vec<u8>, Vec<u8>)>,
@@ -34,9 +38,10 @@ pub fn expert_records(
     g: &Gpu,
     rng: &mut Rng64,
     q: QuantType,
-    (h, inter, k, e, tokens): (usize, usize, usize, usize, usize),
+    shape: (usize, usize, usize, usize, usize),
     mut weight: impl FnMut(&mut Rng64, QuantType, usize, usize) -> Vec<u8>,
 ) -> ExpertRecords {
+    let (h, inter, k, e, tokens) = shape;
     assert!(
         k <= e,
         "top-{k} of {e} experts: a token routes to k distinct experts"
@@ -88,9 +93,24 @@ pub fn expert_records(
         dids: g.upload(&le32(&ids)).unwrap(),
         xrow: g.upload(&le32(&xrow)).unwrap(),
         _records: records,
+        q,
+        shape,
         offsets,
         views,
         ids,
+    }
+}
+
+impl ExpertRecords {
+    /// Pair `p`'s expert's gate, up and down, for the host reference.
+    pub fn pair_views(&self, p: usize) -> (TensorView<'_>, TensorView<'_>, TensorView<'_>) {
+        let (h, inter, ..) = self.shape;
+        let (gb, ub, db) = &self.views[self.ids[p] as usize];
+        (
+            TensorView::new(self.q, inter, h, gb).unwrap(),
+            TensorView::new(self.q, inter, h, ub).unwrap(),
+            TensorView::new(self.q, h, inter, db).unwrap(),
+        )
     }
 }
 
@@ -111,4 +131,78 @@ pub fn expert_descs(q: QuantType, h: usize, inter: usize) -> (WDesc, WDesc) {
         WDesc::new(q, inter, h, DevPtr::NULL).unwrap(),
         WDesc::new(q, h, inter, DevPtr::NULL).unwrap(),
     )
+}
+
+/// A pass's activations for the routed experts of [`ExpertRecords`], on
+/// the host: input rows `x` and the residual `x0` they add into (`[tokens,
+/// h]` each), routing weights `wts` (`[tokens, k]`), and where `shared` the
+/// shared expert's output `sh_out` (`[tokens, h]`) and gate logits `sg`
+/// (`[tokens]`).
+pub struct ExpertsPass {
+    pub x: Vec<f32>,
+    pub x0: Vec<f32>,
+    pub wts: Vec<f32>,
+    pub sh_out: Vec<f32>,
+    pub sg: Vec<f32>,
+    pub shared: bool,
+}
+
+/// The routed experts of `pass` over `ex` both ways, each into a fresh
+/// residual `x0`: per pair (`moe_experts` over the bases tables, as host
+/// routing runs them) and grouped by expert (`moe_experts_grouped`, as
+/// device routing does). Returns the residuals (per pair, grouped) and
+/// whether the grouped form took the shape.
+pub fn per_pair_and_grouped(
+    g: &Gpu,
+    ex: &ExpertRecords,
+    pass: &ExpertsPass,
+) -> (Vec<f32>, Vec<f32>, bool) {
+    let (h, inter, k, e, tokens) = ex.shape;
+    let pairs = tokens * k;
+    let up = |v: &[f32]| g.upload_f32(v).unwrap();
+    let (dx, dw, dsh, dsg) = (up(&pass.x), up(&pass.wts), up(&pass.sh_out), up(&pass.sg));
+    let sh = shared_expert_io(pass.shared, &dsh, &dsg);
+    let (gt, dtl) = expert_descs(ex.q, h, inter);
+    let io = |h_buf: DevPtr, x_buf: DevPtr| ExpertsIo {
+        xrow: ex.xrow.ptr,
+        xn: dx.ptr,
+        h: h_buf,
+        wts: dw.ptr,
+        k,
+        shared: sh,
+        x: x_buf,
+        tokens,
+    };
+    // Per pair.
+    let (tp, t8) = (ex.table.ptr, 8 * pairs);
+    let dres = up(&pass.x0);
+    let dh = up(&vec![f32::NAN; pairs * inter]);
+    g.moe_experts(
+        [&gt, &gt, &dtl],
+        [tp, tp.add_bytes(t8), tp.add_bytes(2 * t8)],
+        &io(dh.ptr, dres.ptr),
+    )
+    .unwrap();
+    let per_pair = g.read_f32(&dres, 0, tokens * h).unwrap();
+    // Grouped by expert.
+    let dres2 = up(&pass.x0);
+    let dh2 = up(&vec![f32::NAN; pairs * inter]);
+    let (goff, glist) = (g.alloc(4 * (e + 1)).unwrap(), g.alloc(4 * pairs).unwrap());
+    let route = RouteBases {
+        addr: ex.addr.ptr,
+        offsets: ex.offsets,
+        out: tp,
+    };
+    let took = g
+        .moe_experts_grouped(
+            [&gt, &gt, &dtl],
+            &route,
+            ex.dids.ptr,
+            e,
+            (&goff, &glist),
+            &io(dh2.ptr, dres2.ptr),
+        )
+        .unwrap();
+    let grouped = g.read_f32(&dres2, 0, tokens * h).unwrap();
+    (per_pair, grouped, took)
 }
