@@ -78,15 +78,7 @@ impl Gpu {
         n: usize,
         scratch: &DBuf,
     ) -> Result<()> {
-        let AttnIo {
-            q,
-            kc,
-            vc,
-            dims,
-            gate,
-            out,
-        } = *io;
-        let (nh, nkv, hd) = dims;
+        let (nh, nkv, hd) = io.dims;
         if nh / nkv > ATT_MAXG || hd > 256 || !nh.is_multiple_of(nkv) || n == 0 {
             return Err(CudaError::Invalid(format!(
                 "attention of {n} queries with {nh} heads over {nkv} KV heads of {hd} is outside the kernel's limits"
@@ -120,16 +112,34 @@ impl Gpu {
             keys.div_ceil(ATT_CHUNK) as i32,
             per_query as i32,
         );
-        let chunk = ATT_CHUNK as i32;
         self.go(
             &self.f.attn_partial,
             (nkv as u32, nsplit as u32, n as u32),
             256,
             &mut args!(
-                &q, &kc, &vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl, &pacc, &dpos,
-                &zs
+                &io.q, &io.kc, &io.vc, &keys_i, &nh_i, &nkv_i, &hd_i, &scale, &ns_i, &pm, &pl,
+                &pacc, &dpos, &zs
             ),
         )?;
+        let chunk = ATT_CHUNK as i32;
+        self.attn_combine(io, (pm, pl, pacc), n, [ns_i, keys_i, zs, chunk], dpos)
+    }
+
+    /// The second launch of both attention forms: each of the `n` queries'
+    /// split partials ([`attn_partials`]) combined in order, times the
+    /// gate, into `io.out`. The kernel's integers: the split count, the
+    /// first query's keys, the scratch floats per query and the keys per
+    /// split; `dpos` the device position (0: none).
+    fn attn_combine(
+        &self,
+        io: &AttnIo,
+        (pm, pl, pacc): (DevPtr, DevPtr, DevPtr),
+        n: usize,
+        [ns_i, keys_i, zs, chunk]: [i32; 4],
+        dpos: DevPtr,
+    ) -> Result<()> {
+        let (nh, _, hd) = io.dims;
+        let (hd_i, gate, out) = (hd as i32, io.gate, io.out);
         self.go(
             &self.f.attn_combine,
             (nh as u32, 1, n as u32),
@@ -164,15 +174,7 @@ impl Gpu {
         n: usize,
         scratch: &DBuf,
     ) -> Result<()> {
-        let AttnIo {
-            q,
-            kc,
-            vc,
-            dims,
-            gate,
-            out,
-        } = *io;
-        let (nh, nkv, hd) = dims;
+        let (nh, nkv, hd) = io.dims;
         if n == 0
             || nkv == 0
             || !nh.is_multiple_of(nkv)
@@ -213,15 +215,17 @@ impl Gpu {
             128,
             prompt_attn_smem(hd) as u32,
             &mut args!(
-                &q, &kc, &vc, &pos0_i, &n_i, &nh_i, &nkv_i, &hd_i, &scale, &pm, &pl, &pacc, &zs
+                &io.q, &io.kc, &io.vc, &pos0_i, &n_i, &nh_i, &nkv_i, &hd_i, &scale, &pm, &pl,
+                &pacc, &zs
             ),
         )?;
-        let (dpos, chunk, ns_i) = (DevPtr::NULL, PA_SPLIT as i32, nsplit as i32);
-        self.go(
-            &self.f.attn_combine,
-            (nh as u32, 1, n as u32),
-            256,
-            &mut args!(&pm, &pl, &pacc, &ns_i, &hd_i, &gate, &out, &dpos, &keys_i, &zs, &chunk),
+        let (ns_i, chunk) = (nsplit as i32, PA_SPLIT as i32);
+        self.attn_combine(
+            io,
+            (pm, pl, pacc),
+            n,
+            [ns_i, keys_i, zs, chunk],
+            DevPtr::NULL,
         )
     }
 
