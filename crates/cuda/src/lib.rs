@@ -27,6 +27,29 @@ macro_rules! args {
     };
 }
 
+/// [`args!`] of the grouped gate/up kernels, in their order: the gate and
+/// up templates, the expert records (`$route`, a [`RouteBases`]) with the
+/// gate and up offsets, the groups (`$grp`: offsets and pair lists, two
+/// [`DBuf`]s), each pair's token row, the pass's input in the kernel's form
+/// (one or two pointers), then `h`. A macro: the input's arity differs by
+/// kernel, and the pointers must point at the caller's locals.
+macro_rules! grouped_gate_up_args {
+    ($gt:expr, $ut:expr, $route:expr, $grp:expr, $xrow:expr, [$($x:expr),+], $h:expr) => {
+        args!(
+            $gt,
+            $ut,
+            &$route.addr,
+            &$route.offsets[0],
+            &$route.offsets[1],
+            &$grp.0.ptr,
+            &$grp.1.ptr,
+            $xrow,
+            $($x,)+
+            $h
+        )
+    };
+}
+
 mod desc;
 mod device;
 mod devptr;

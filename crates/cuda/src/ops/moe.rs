@@ -278,7 +278,6 @@ impl Gpu {
             1024,
             &mut args!(&ids, &p_i, &e_i, &off.ptr, &list.ptr),
         )?;
-        let (o0, o1) = (route.offsets[0], route.offsets[1]);
         let dbase = route.out.add_bytes(16 * pairs);
         if q8 {
             return self
@@ -298,19 +297,7 @@ impl Gpu {
                 grid,
                 256,
                 self.tc_t_smem() as u32,
-                &mut args!(
-                    gt,
-                    ut,
-                    &route.addr,
-                    &o0,
-                    &o1,
-                    &off.ptr,
-                    &list.ptr,
-                    &xrow,
-                    &xs,
-                    &gs,
-                    &h
-                ),
+                &mut grouped_gate_up_args!(gt, ut, route, grp, &xrow, [&xs, &gs], &h),
             )?;
             let (hs, hg) = self.tc_split(h, dt.cols(), pairs)?;
             let hd = dt.rows();
@@ -335,18 +322,7 @@ impl Gpu {
             grid,
             256,
             a4v_tiles_smem(gt.cols()) as u32,
-            &mut args!(
-                gt,
-                ut,
-                &route.addr,
-                &o0,
-                &o1,
-                &off.ptr,
-                &list.ptr,
-                &xrow,
-                &xn,
-                &h
-            ),
+            &mut grouped_gate_up_args!(gt, ut, route, grp, &xrow, [&xn], &h),
         )?;
         self.moe_down(dt, dbase, io)?;
         Ok(true)

@@ -168,7 +168,7 @@ impl Gpu {
         let [gt, ut, dt] = parts;
         let (xrow, h) = (io.xrow, io.h);
         let (off, list) = grp;
-        let [o0, o1, o2] = route.offsets;
+        let o2 = route.offsets[2];
         self.q8_experts(
             parts,
             io,
@@ -177,19 +177,7 @@ impl Gpu {
                     &self.f.moe_gate_up_q8_grouped,
                     (gt.rows().div_ceil(Q8_GATE_UP_ROWS) as u32, e as u32, 1),
                     256,
-                    &mut args!(
-                        gt,
-                        ut,
-                        &route.addr,
-                        &o0,
-                        &o1,
-                        &off.ptr,
-                        &list.ptr,
-                        &xrow,
-                        &xq,
-                        &ds,
-                        &h
-                    ),
+                    &mut grouped_gate_up_args!(gt, ut, route, grp, &xrow, [&xq, &ds], &h),
                 )
             },
             |(hq, hs), v| {
