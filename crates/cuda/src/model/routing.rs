@@ -169,7 +169,8 @@ impl CudaModel {
                 )?
             };
         }
-        self.routed_experts(l, xn_p, x_p, self.scratch.route.f32_at(k), 1)?;
+        let wts = self.scratch.route.f32_at(k);
+        self.routed_experts(&self.experts_io(l, xn_p, x_p, wts, 1))?;
         times.router_ns += router_ns;
         times.wait_ns += fetch_ns;
         times.routed_ffn_ns += t0.elapsed().as_nanos() as u64 - router_ns - fetch_ns;
@@ -227,25 +228,23 @@ impl CudaModel {
         }
     }
 
-    /// Launches the routed experts of layer `l` for `n` tokens over the
-    /// bases table in `scratch.bases` (`[gate; n k]`, `[up; n k]`, `[down; n k]`)
-    /// with the routing weights at `wts` (`[n, k]`), adding their (and the
-    /// shared expert's) output into the residual at `x_p`.
-    pub(super) fn routed_experts(
-        &self,
-        l: usize,
-        xn_p: DevPtr,
-        x_p: DevPtr,
-        wts: DevPtr,
-        n: usize,
-    ) -> Result<()> {
+    /// Launches the routed experts of `io` (a layer's, from
+    /// [`Self::experts_io`]) over the bases table in `scratch.bases`
+    /// (`[gate; n k]`, `[up; n k]`, `[down; n k]` for `io.tokens` n),
+    /// adding their (and the shared expert's) output into the residual.
+    pub(super) fn routed_experts(&self, io: &ExpertsIo) -> Result<()> {
         let bp = self.scratch.bases.ptr;
-        let table = 8 * self.top_k * n;
+        let table = 8 * io.k * io.tokens;
         self.gpu.moe_experts(
-            [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
+            self.part_templates(),
             [bp, bp.add_bytes(table), bp.add_bytes(2 * table)],
-            &self.experts_io(l, xn_p, x_p, wts, n),
+            io,
         )
+    }
+
+    /// The templates of the routed experts' gate, up and down parts.
+    fn part_templates(&self) -> [&WDesc; 3] {
+        [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0]
     }
 
     /// The routed experts' activations of layer `l` over `n` tokens: input
@@ -317,17 +316,18 @@ impl CudaModel {
         self.shared_expert(l, xn_p, n)?;
         // A longer pass loads each routed expert's gate/up once for all
         // its pairs (same bits as the per-pair launch).
+        let io = self.experts_io(l, xn_p, x_p, wts, n);
         let grouped = n > 1
             && g.moe_experts_grouped(
-                [&self.parts[0].0, &self.parts[1].0, &self.parts[2].0],
+                self.part_templates(),
                 &bases,
                 ids,
                 e,
                 (&self.scratch.grp_off, &self.scratch.grp_list),
-                &self.experts_io(l, xn_p, x_p, wts, n),
+                &io,
             )?;
         if !grouped {
-            self.routed_experts(l, xn_p, x_p, wts, n)?;
+            self.routed_experts(&io)?;
         }
         self.routes_pending = true;
         self.routes_n = n;
