@@ -8,7 +8,8 @@
 use slipstream_core::ExpertSource;
 
 use crate::blocks::{rms_norm_rows, MoeTimes, Route};
-use crate::state::LayerState;
+use crate::speculative::StateTrail;
+use crate::state::{LayerState, LinearState};
 use crate::transformer::{Mixer, Transformer};
 use crate::ModelError;
 
@@ -102,9 +103,34 @@ pub trait Backend {
 
 /// The CPU backend: host `Vec<f32>` activations and the blocks' own code.
 /// Its numbers are the reference every other backend is tested against.
-pub struct CpuBackend;
+/// `CpuBackend::default()` runs plain passes; a verify pass
+/// ([`Transformer::forward_verify`]) gives it a trail to record every Gated
+/// DeltaNet layer's states into (recording changes no number).
+#[derive(Default)]
+pub struct CpuBackend<'t> {
+    trail: Option<&'t mut StateTrail>,
+}
 
-impl Backend for CpuBackend {
+impl<'t> CpuBackend<'t> {
+    /// A backend that records into `trail`, which must hold a slot per layer.
+    pub(crate) fn recording(trail: &'t mut StateTrail) -> Self {
+        CpuBackend { trail: Some(trail) }
+    }
+
+    /// Where layer `l`'s Gated DeltaNet states go: nowhere on a plain pass.
+    fn trail_slot(&mut self, l: usize) -> Result<Option<&mut Vec<LinearState>>, ModelError> {
+        match self.trail.as_deref_mut() {
+            Some(trail) => trail
+                .linear
+                .get_mut(l)
+                .map(Some)
+                .ok_or_else(|| ModelError::State(format!("no trail for layer {l}"))),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Backend for CpuBackend<'_> {
     type Act = Vec<f32>;
 
     fn embed(&mut self, m: &Transformer, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
@@ -143,7 +169,9 @@ impl Backend for CpuBackend {
     ) -> Result<(), ModelError> {
         let mixed = match (&m.layers[l].mixer, state) {
             (Mixer::Attention(a), LayerState::Attn(s)) => a.forward(xn, n, s),
-            (Mixer::Linear(g), LayerState::Linear(s)) => g.forward(xn, n, s),
+            (Mixer::Linear(g), LayerState::Linear(s)) => {
+                g.forward_recording(xn, n, s, self.trail_slot(l)?)
+            }
             _ => return Err(ModelError::State(format!("layer {l} state kind mismatch"))),
         };
         add_into(x, &mixed);

@@ -11,10 +11,9 @@
 
 use slipstream_core::ExpertSource;
 
-use crate::backend::{add_into, Backend, CpuBackend, NormKind};
-use crate::blocks::{MoeTimes, Route};
+use crate::backend::CpuBackend;
 use crate::state::{LayerState, LinearState, ModelState};
-use crate::transformer::{HiddenSink, Logits, Mixer, PhaseTimes, Transformer};
+use crate::transformer::{HiddenSink, Logits, PhaseTimes, Transformer};
 use crate::ModelError;
 
 /// What a verify pass of `n` tokens recorded: enough to roll the state
@@ -42,87 +41,6 @@ pub struct VerifyPass {
     pub trail: StateTrail,
 }
 
-/// The CPU backend recording Gated DeltaNet states into a trail.
-struct RecordingCpu<'a> {
-    trail: &'a mut StateTrail,
-}
-
-impl Backend for RecordingCpu<'_> {
-    type Act = Vec<f32>;
-
-    fn embed(&mut self, m: &Transformer, tokens: &[u32]) -> Result<Vec<f32>, ModelError> {
-        CpuBackend.embed(m, tokens)
-    }
-
-    fn norm(
-        &mut self,
-        m: &Transformer,
-        x: &Vec<f32>,
-        which: NormKind,
-        n: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        CpuBackend.norm(m, x, which, n)
-    }
-
-    fn mixer(
-        &mut self,
-        m: &Transformer,
-        l: usize,
-        x: &mut Vec<f32>,
-        xn: &Vec<f32>,
-        n: usize,
-        state: &mut LayerState,
-    ) -> Result<(), ModelError> {
-        match (&m.layers[l].mixer, state) {
-            (Mixer::Linear(g), LayerState::Linear(s)) => {
-                let slot = self
-                    .trail
-                    .linear
-                    .get_mut(l)
-                    .ok_or_else(|| ModelError::State(format!("no trail for layer {l}")))?;
-                let mixed = g.forward_recording(xn, n, s, Some(slot));
-                add_into(x, &mixed);
-                Ok(())
-            }
-            (_, state) => CpuBackend.mixer(m, l, x, xn, n, state),
-        }
-    }
-
-    fn moe(
-        &mut self,
-        m: &Transformer,
-        l: usize,
-        x: &mut Vec<f32>,
-        xn: &Vec<f32>,
-        n: usize,
-        experts: &mut dyn ExpertSource,
-        routes: &mut Vec<Route>,
-        times: &mut MoeTimes,
-    ) -> Result<(), ModelError> {
-        CpuBackend.moe(m, l, x, xn, n, experts, routes, times)
-    }
-
-    fn head(
-        &mut self,
-        m: &Transformer,
-        xn: &Vec<f32>,
-        n: usize,
-        rows: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        CpuBackend.head(m, xn, n, rows)
-    }
-
-    fn tail(
-        &mut self,
-        m: &Transformer,
-        x: &Vec<f32>,
-        n: usize,
-        rows: usize,
-    ) -> Result<Vec<f32>, ModelError> {
-        CpuBackend.tail(m, x, n, rows)
-    }
-}
-
 impl Transformer {
     /// Runs `tokens` (the last accepted token and the drafts after it) as
     /// one pass on the CPU and returns every row's logits, the final-normed
@@ -145,7 +63,7 @@ impl Transformer {
         };
         let mut hidden = Vec::new();
         let logits = {
-            let mut backend = RecordingCpu { trail: &mut trail };
+            let mut backend = CpuBackend::recording(&mut trail);
             let mut sink = |rows: &Vec<f32>, _n: usize| {
                 hidden.extend_from_slice(rows);
                 Ok(())

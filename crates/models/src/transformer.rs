@@ -62,6 +62,14 @@ pub struct Transformer {
 /// (`[n, hidden]`) and `n`.
 pub(crate) type HiddenSink<'a, A> = &'a mut dyn FnMut(&A, usize) -> Result<(), ModelError>;
 
+/// What the passes of one [`Transformer::run`] report to besides the
+/// logits they return.
+struct Taps<'o, 'p, 'h, A> {
+    observer: Option<RouteObserver<'o>>,
+    phases: Option<&'p mut PhaseTimes>,
+    hidden: Option<HiddenSink<'h, A>>,
+}
+
 fn set_attention_activations(a: &mut Attention, act: slipstream_kernels::Activations) {
     for l in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
         l.act = act;
@@ -165,20 +173,7 @@ impl Transformer {
         want: Logits,
     ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
         let mut hidden = Vec::with_capacity(tokens.len() * self.config.hidden_size);
-        let mut sink = |rows: &Vec<f32>, _n: usize| {
-            hidden.extend_from_slice(rows);
-            Ok(())
-        };
-        let logits = self.run_with_hidden(
-            &mut CpuBackend,
-            state,
-            tokens,
-            experts,
-            want,
-            None,
-            None,
-            Some(&mut sink),
-        )?;
+        let logits = self.forward_timed_hidden(state, tokens, experts, want, None, &mut hidden)?;
         Ok((logits, hidden))
     }
 
@@ -200,7 +195,7 @@ impl Transformer {
             Ok(())
         };
         self.run_with_hidden(
-            &mut CpuBackend,
+            &mut CpuBackend::default(),
             state,
             tokens,
             experts,
@@ -224,7 +219,7 @@ impl Transformer {
         phases: Option<&mut PhaseTimes>,
     ) -> Result<Vec<f32>, ModelError> {
         self.run(
-            &mut CpuBackend,
+            &mut CpuBackend::default(),
             state,
             tokens,
             experts,
@@ -264,9 +259,9 @@ impl Transformer {
         tokens: &[u32],
         experts: &mut dyn ExpertSource,
         want: Logits,
-        mut observer: Option<RouteObserver<'_>>,
-        mut phases: Option<&mut PhaseTimes>,
-        mut hidden: Option<HiddenSink<'_, B::Act>>,
+        observer: Option<RouteObserver<'_>>,
+        phases: Option<&mut PhaseTimes>,
+        hidden: Option<HiddenSink<'_, B::Act>>,
     ) -> Result<Vec<f32>, ModelError> {
         let n = tokens.len();
         if n == 0 {
@@ -284,12 +279,12 @@ impl Transformer {
                 vocab: self.config.vocab_size,
             });
         }
+        let mut taps = Taps {
+            observer,
+            phases,
+            hidden,
+        };
         let step = backend.max_pass_tokens().max(1);
-        if n <= step {
-            return self.pass(
-                backend, state, tokens, experts, want, observer, phases, hidden,
-            );
-        }
         let mut logits = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(step).collect();
         let last = chunks.len() - 1;
@@ -299,29 +294,13 @@ impl Transformer {
                 Logits::Last if i == last => Logits::Last,
                 _ => Logits::None,
             };
-            let obs = observer
-                .as_mut()
-                .map(|o| &mut **o as &mut dyn FnMut(usize, &[Route]));
-            let sink = hidden
-                .as_mut()
-                .map(|h| &mut **h as &mut dyn FnMut(&B::Act, usize) -> Result<(), ModelError>);
-            let part = self.pass(
-                backend,
-                state,
-                chunk,
-                experts,
-                w,
-                obs,
-                phases.as_deref_mut(),
-                sink,
-            )?;
+            let part = self.pass(backend, state, chunk, experts, w, &mut taps)?;
             logits.extend_from_slice(&part);
         }
         Ok(logits)
     }
 
     /// One pass of `tokens` (at most the backend's pass length).
-    #[allow(clippy::too_many_arguments)]
     fn pass<B: Backend>(
         &self,
         backend: &mut B,
@@ -329,9 +308,7 @@ impl Transformer {
         tokens: &[u32],
         experts: &mut dyn ExpertSource,
         want: Logits,
-        mut observer: Option<RouteObserver<'_>>,
-        phases: Option<&mut PhaseTimes>,
-        hidden: Option<HiddenSink<'_, B::Act>>,
+        taps: &mut Taps<'_, '_, '_, B::Act>,
     ) -> Result<Vec<f32>, ModelError> {
         let t_total = Instant::now();
         let n = tokens.len();
@@ -343,17 +320,17 @@ impl Transformer {
         let mut x = backend.embed(self, tokens)?;
         let mut routes = Vec::new();
         let mut moe_times = MoeTimes::default();
-        clock.lap(NORMS);
+        clock.lap(Phase::Norms);
         for (li, lstate) in state.layers.iter_mut().enumerate() {
             let xn = backend.norm(self, &x, NormKind::Input(li), n)?;
-            clock.lap(NORMS);
+            clock.lap(Phase::Norms);
             backend.mixer(self, li, &mut x, &xn, n, lstate)?;
             clock.lap(match self.layers[li].mixer {
-                Mixer::Attention(_) => FULL,
-                Mixer::Linear(_) => LINEAR,
+                Mixer::Attention(_) => Phase::Full,
+                Mixer::Linear(_) => Phase::Linear,
             });
             let xn = backend.norm(self, &x, NormKind::PostAttn(li), n)?;
-            clock.lap(NORMS);
+            clock.lap(Phase::Norms);
             routes.clear();
             backend.moe(
                 self,
@@ -365,11 +342,11 @@ impl Transformer {
                 &mut routes,
                 &mut moe_times,
             )?;
-            clock.lap(MOE);
-            if let Some(obs) = observer.as_mut() {
+            clock.lap(Phase::Moe);
+            if let Some(obs) = taps.observer.as_mut() {
                 obs(li, &routes);
             }
-            clock.lap(OTHER);
+            clock.lap(Phase::Other);
         }
         state.tokens.extend_from_slice(tokens);
 
@@ -379,26 +356,26 @@ impl Transformer {
             Logits::All => n,
         };
         let mut logits = Vec::new();
-        if let Some(sink) = hidden {
+        if let Some(sink) = taps.hidden.as_mut() {
             // Every row normed (row by row, so the tail's bits are those
             // of norming the tail alone), then the head on the last m.
             let xn = backend.norm(self, &x, NormKind::Final, n)?;
             sink(&xn, n)?;
-            clock.lap(NORMS);
+            clock.lap(Phase::Norms);
             if m > 0 {
                 let rows = backend.tail(self, &xn, n, m)?;
                 logits = backend.head(self, &rows, m, m)?;
-                clock.lap(HEAD);
+                clock.lap(Phase::Head);
             }
         } else if m > 0 {
             let rows = backend.tail(self, &x, n, m)?;
-            clock.lap(OTHER);
+            clock.lap(Phase::Other);
             let xn = backend.norm(self, &rows, NormKind::Final, m)?;
-            clock.lap(NORMS);
+            clock.lap(Phase::Norms);
             logits = backend.head(self, &xn, m, m)?;
-            clock.lap(HEAD);
+            clock.lap(Phase::Head);
         }
-        if let Some(p) = phases {
+        if let Some(p) = taps.phases.as_deref_mut() {
             // The MoE's own split: router -> norms+router, shared + routed
             // FFN -> expert FFN, the rest of its time -> expert-read wait.
             let moe_inner = moe_times.router_ns + moe_times.shared_ns + moe_times.routed_ffn_ns;
@@ -406,25 +383,29 @@ impl Transformer {
             p.forward_calls += 1;
             p.expert_ffn_ns += moe_times.shared_ns + moe_times.routed_ffn_ns;
             p.shared_expert_ns += moe_times.shared_ns;
-            p.norms_router_ns += clock.t[NORMS] + moe_times.router_ns;
-            p.expert_wait_ns += clock.t[MOE].saturating_sub(moe_inner);
-            p.linear_attn_ns += clock.t[LINEAR];
-            p.full_attn_ns += clock.t[FULL];
-            p.head_ns += clock.t[HEAD];
+            p.norms_router_ns += clock.ns(Phase::Norms) + moe_times.router_ns;
+            p.expert_wait_ns += clock.ns(Phase::Moe).saturating_sub(moe_inner);
+            p.linear_attn_ns += clock.ns(Phase::Linear);
+            p.full_attn_ns += clock.ns(Phase::Full);
+            p.head_ns += clock.ns(Phase::Head);
             p.total_ns += t_total.elapsed().as_nanos() as u64;
         }
         Ok(logits)
     }
 }
 
-const NORMS: usize = 0;
-const LINEAR: usize = 1;
-const FULL: usize = 2;
-const MOE: usize = 3;
-const HEAD: usize = 4;
-const OTHER: usize = 5;
+/// What a lap of [`Clock`] is counted as.
+#[derive(Debug, Clone, Copy)]
+enum Phase {
+    Norms,
+    Linear,
+    Full,
+    Moe,
+    Head,
+    Other,
+}
 
-/// Laps of one forward pass (nanoseconds per phase index).
+/// Laps of one forward pass (nanoseconds per [`Phase`]).
 #[derive(Default)]
 struct Clock {
     last: Option<Instant>,
@@ -432,11 +413,16 @@ struct Clock {
 }
 
 impl Clock {
-    /// Adds the time since the previous lap to phase `i`.
-    fn lap(&mut self, i: usize) {
+    /// Adds the time since the previous lap to `phase`.
+    fn lap(&mut self, phase: Phase) {
         let now = Instant::now();
-        self.t[i] += self.last.map_or(0, |l| (now - l).as_nanos() as u64);
+        self.t[phase as usize] += self.last.map_or(0, |l| (now - l).as_nanos() as u64);
         self.last = Some(now);
+    }
+
+    /// The nanoseconds counted as `phase`.
+    fn ns(&self, phase: Phase) -> u64 {
+        self.t[phase as usize]
     }
 }
 
