@@ -394,7 +394,6 @@ impl Engine {
         Ok(Some(line))
     }
 
-    /// Counters of the CUDA backend (`None` on the CPU).
     /// How the prompt's products are computed: `exact` (the CPU backend,
     /// or CUDA on its exact forms) or `int8` (CUDA's 8-bit prompt forms,
     /// [`slipstream_cuda::PromptPrecision`]).
@@ -404,6 +403,7 @@ impl Engine {
             .map_or("exact", |c| c.prompt_precision().name())
     }
 
+    /// Counters of the CUDA backend (`None` on the CPU).
     pub fn cuda_stats(&self) -> Option<slipstream_cuda::CudaStats> {
         self.cuda.as_ref().map(|c| c.stats)
     }

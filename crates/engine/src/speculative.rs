@@ -464,11 +464,12 @@ mod tests {
         assert!(lookup_draft(&[], 3, 1, 3).is_empty());
     }
 
-    #[test]
-    fn governor_turns_off_on_low_acceptance_and_probes_again() {
+    /// A governor (turning off on its own) for `k` drafts of `mode`, past
+    /// its warm-up of plain steps of 10 ms.
+    fn warmed_up(mode: SpeculateMode, k: usize) -> Governor {
         let mut g = Governor::new(&Speculation {
-            mode: SpeculateMode::Lookup,
-            draft_tokens: 4,
+            mode,
+            draft_tokens: k,
             auto_off: true,
         });
         assert!(!g.wants_drafts(), "plain steps are timed first");
@@ -476,6 +477,12 @@ mod tests {
             g.plain_step(Duration::from_millis(10));
         }
         assert!(g.wants_drafts());
+        g
+    }
+
+    #[test]
+    fn governor_turns_off_on_low_acceptance_and_probes_again() {
+        let mut g = warmed_up(SpeculateMode::Lookup, 4);
         for _ in 0..WINDOW {
             g.verify_step(4, 0, 1, Duration::from_millis(12));
         }
@@ -504,14 +511,7 @@ mod tests {
 
     #[test]
     fn governor_stops_early_when_a_verify_step_costs_far_more() {
-        let mut g = Governor::new(&Speculation {
-            mode: SpeculateMode::Mtp,
-            draft_tokens: 2,
-            auto_off: true,
-        });
-        for _ in 0..PLAIN_WARMUP {
-            g.plain_step(Duration::from_millis(10));
-        }
+        let mut g = warmed_up(SpeculateMode::Mtp, 2);
         g.verify_step(2, 2, 3, Duration::from_millis(90));
         assert!(g.wants_drafts(), "one step does not decide");
         g.verify_step(2, 2, 3, Duration::from_millis(90));
@@ -522,14 +522,7 @@ mod tests {
 
     #[test]
     fn governor_keeps_speculation_that_pays() {
-        let mut g = Governor::new(&Speculation {
-            mode: SpeculateMode::Lookup,
-            draft_tokens: 4,
-            auto_off: true,
-        });
-        for _ in 0..PLAIN_WARMUP {
-            g.plain_step(Duration::from_millis(10));
-        }
+        let mut g = warmed_up(SpeculateMode::Lookup, 4);
         for _ in 0..3 * WINDOW {
             g.verify_step(4, 3, 4, Duration::from_millis(20));
         }
