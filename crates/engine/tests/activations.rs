@@ -7,7 +7,10 @@ use std::path::Path;
 use slipstream_engine::StoreChoice;
 use slipstream_kernels::Activations;
 use slipstream_repack::QuantChoice;
-use slipstream_testkit::{greedy, open, prompt, rel_err, repacked, same_bits, streaming};
+use slipstream_testkit::{
+    fixture, greedy, open, prompt, rel_err, repacked, repacked_gguf, same_bits, streaming,
+    Reference,
+};
 
 /// Greedy tokens, all logits and the vocabulary size.
 fn logits(
@@ -51,21 +54,9 @@ fn int16_is_close_to_exact_and_cache_invariant() {
 /// tokens, and bit-identical across expert-slot counts and prefill chunks.
 /// Returns the max relative logit error against the exact run.
 fn int8_on_gguf(name: &str, bound: f32) -> f32 {
-    let fixture_dir = slipstream_testkit::fixture(name);
-    let r = slipstream_testkit::Reference::read(&fixture_dir);
+    let r = Reference::read(&fixture(name));
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m.slip");
-    slipstream_repack::repack(
-        &slipstream_repack::RepackOptions {
-            input: fixture_dir.join("model.gguf"),
-            output: model.clone(),
-            overwrite: Default::default(),
-            quant: QuantChoice::default(),
-            ggml_to_affine: false,
-        },
-        &|_| {},
-    )
-    .unwrap();
+    let model = repacked_gguf(name, dir.path());
     let run = |store, chunk, act| {
         let mut engine = open(&model, store, chunk);
         engine.model.set_activations(act);

@@ -14,8 +14,10 @@ use std::path::Path;
 
 use slipstream_cuda::{CudaOptions, CudaTuning, PromptPrecision};
 use slipstream_engine::{BackendChoice, Generation, StoreChoice};
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_testkit::{fixture, greedy, open, open_on, rel_err, repacked, same_bits, Reference};
+use slipstream_repack::QuantChoice;
+use slipstream_testkit::{
+    fixture, greedy, open, open_on, rel_err, repacked, repacked_gguf, same_bits, Reference,
+};
 
 /// Greedy tokens generated after each prompt (as the script's `--max-new 8`).
 const NEW_TOKENS: usize = 8;
@@ -80,9 +82,16 @@ const VARIANTS: [Variant; 10] = [
     },
 ];
 
-/// Why the CUDA backend cannot run here, if it cannot.
-fn no_gpu() -> Option<String> {
-    slipstream_cuda::probe().err().map(|e| e.to_string())
+/// Whether the CUDA backend can run here; says why the test is skipped
+/// when it cannot.
+fn have_gpu() -> bool {
+    match slipstream_cuda::probe() {
+        Ok(_) => true,
+        Err(why) => {
+            eprintln!("skipped: no usable GPU ({why})");
+            false
+        }
+    }
 }
 
 fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cuda::CudaStats) {
@@ -171,8 +180,7 @@ fn check(name: &str, model: &Path, prompt: &[u32], variants: &[&str]) {
 
 #[test]
 fn vram_slots_and_tuning_never_change_the_numbers_and_match_the_cpu() {
-    if let Some(why) = no_gpu() {
-        eprintln!("skipped: no usable GPU ({why})");
+    if !have_gpu() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -191,8 +199,7 @@ fn vram_slots_and_tuning_never_change_the_numbers_and_match_the_cpu() {
 
 #[test]
 fn gguf_imports_match_the_cpu_at_one_vram_slot() {
-    if let Some(why) = no_gpu() {
-        eprintln!("skipped: no usable GPU ({why})");
+    if !have_gpu() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -202,18 +209,7 @@ fn gguf_imports_match_the_cpu_at_one_vram_slot() {
         "gguf_qwen3moe_q4_0",
         "gguf_qwen35moe_f16",
     ] {
-        let model = tmp.path().join(format!("{name}.slip"));
-        repack(
-            &RepackOptions {
-                input: fixture(name).join("model.gguf"),
-                output: model.clone(),
-                overwrite: Default::default(),
-                quant: QuantChoice::default(),
-                ggml_to_affine: false,
-            },
-            &|_| {},
-        )
-        .unwrap();
+        let model = repacked_gguf(name, tmp.path());
         let prompt = Reference::read(&fixture(name)).prompt;
         check(name, &model, &prompt, &["all", "1"]);
     }

@@ -7,13 +7,13 @@
 //! speculative decoding to pay.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use slipstream_engine::npy;
-use slipstream_format::SlipModel;
+use slipstream_engine::sampler::argmax;
 use slipstream_models::{Logits, Transformer};
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
+use slipstream_repack::QuantChoice;
 use slipstream_store::ResidentStore;
+use slipstream_testkit::{fixture, read_json, rel_err, repack_resident, token_ids, ResidentModel};
 
 /// Max |ours - torch| / max |torch| of the MTP logits, f32 against torch's
 /// f32 on the same bf16 weights (the other parity tests allow 1e-4).
@@ -37,87 +37,23 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
-fn fixture() -> PathBuf {
-    repo().join("tests/fixtures/demo_mtp")
-}
-
-fn rel_error(ours: &[f32], reference: &[f32]) -> f32 {
-    assert_eq!(ours.len(), reference.len());
-    let max_ref = reference.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let max_diff = ours
-        .iter()
-        .zip(reference)
-        .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
-    max_diff / max_ref
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter()
-        .enumerate()
-        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
-        .0 as u32
-}
-
-fn ints(json: &serde_json::Value, key: &str) -> Vec<u32> {
-    json[key]
-        .as_array()
-        .unwrap_or_else(|| panic!("{key} missing"))
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn read_json(path: &Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
-}
-
-struct Loaded {
-    _dir: tempfile::TempDir,
-    model: Transformer,
-    store: ResidentStore,
-}
-
-/// `models/demo` repacked at `quant`; the MTP head must come along.
-fn load(quant: QuantChoice) -> Loaded {
+/// `models/demo` repacked at `quant` and loaded with every expert resident
+/// (the directory holding it comes first: keep it alive); the MTP head
+/// must come along.
+fn load(quant: QuantChoice) -> (tempfile::TempDir, Transformer, ResidentStore) {
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("demo.slip");
-    let report = repack(
-        &RepackOptions {
-            input: repo().join("models/demo"),
-            output: out.clone(),
-            overwrite: Default::default(),
-            quant,
-            ggml_to_affine: false,
-        },
-        &|_| {},
-    )
-    .unwrap();
-    assert!(
-        report.ignored_tensors.is_empty(),
-        "the demo's MTP tensors must be kept: {:?}",
-        report.ignored_tensors
-    );
-    let file = Arc::new(SlipModel::open(&out).unwrap());
+    let ResidentModel { file, model, store } =
+        repack_resident(&repo().join("models/demo"), quant, dir.path());
     assert_eq!(file.manifest.config.mtp_num_layers, 1);
-    let model = slipstream_models::load(&file.manifest.config, file.as_ref()).unwrap();
     assert_eq!(model.mtp_depth(), 1);
-    let store = ResidentStore::open(file.clone()).unwrap();
-    Loaded {
-        _dir: dir,
-        model,
-        store,
-    }
+    (dir, model, store)
 }
 
 #[test]
 fn demo_mtp_head_matches_the_torch_module_and_the_main_model_is_unchanged() {
-    let Loaded {
-        _dir,
-        model,
-        mut store,
-    } = load(QuantChoice::F32);
-    let json = read_json(&fixture().join("reference.json"));
-    let tokens = ints(&json, "tokens");
+    let (_dir, model, mut store) = load(QuantChoice::F32);
+    let json = read_json(&fixture("demo_mtp").join("reference.json"));
+    let tokens = token_ids(&json, "tokens");
     let prompt = json["prompt_tokens"].as_u64().unwrap() as usize;
     let (h, vocab, n) = (
         model.config.hidden_size,
@@ -137,7 +73,7 @@ fn demo_mtp_head_matches_the_torch_module_and_the_main_model_is_unchanged() {
         .map(argmax)
         .collect();
     assert_eq!(greedy, tokens[prompt..], "main model greedy tokens");
-    let logged = ints(
+    let logged = token_ids(
         &read_json(&repo().join("tools/demo/train_log.json")),
         "greedy_tokens",
     );
@@ -156,18 +92,18 @@ fn demo_mtp_head_matches_the_torch_module_and_the_main_model_is_unchanged() {
             Logits::All,
         )
         .unwrap();
-    let rows = ints(&json, "rows");
-    let (shape, reference) = npy::read_f32(&fixture().join("mtp_logits.npy")).unwrap();
+    let rows = token_ids(&json, "rows");
+    let (shape, reference) = npy::read_f32(&fixture("demo_mtp").join("mtp_logits.npy")).unwrap();
     assert_eq!(shape, vec![rows.len(), vocab]);
     let ours: Vec<f32> = rows
         .iter()
         .flat_map(|&r| out.logits[r as usize * vocab..(r as usize + 1) * vocab].to_vec())
         .collect();
-    let err = rel_error(&ours, &reference);
+    let err = rel_err(&ours, &reference);
     eprintln!("demo MTP logits vs torch, rows {rows:?}: max rel error {err:.3e}");
     assert!(err < TOLERANCE, "demo MTP logits: {err:e}");
 
-    let torch_greedy = ints(&json, "mtp_greedy");
+    let torch_greedy = token_ids(&json, "mtp_greedy");
     let margins: Vec<f32> = json["mtp_top2_margin"]
         .as_array()
         .unwrap()
@@ -192,14 +128,10 @@ fn demo_mtp_head_matches_the_torch_module_and_the_main_model_is_unchanged() {
 /// (from the last prompt token on) whose argmax is the token the main model
 /// chose at `t + 2`, i.e. the acceptance of one-token greedy speculation.
 fn greedy_acceptance(quant: QuantChoice) -> f64 {
-    let Loaded {
-        _dir,
-        model,
-        mut store,
-    } = load(quant);
-    let json = read_json(&fixture().join("reference.json"));
+    let (_dir, model, mut store) = load(quant);
+    let json = read_json(&fixture("demo_mtp").join("reference.json"));
     let prompt = json["prompt_tokens"].as_u64().unwrap() as usize;
-    let mut tokens = ints(&json, "tokens")[..prompt].to_vec();
+    let mut tokens = token_ids(&json, "tokens")[..prompt].to_vec();
     let (h, vocab) = (model.config.hidden_size, model.config.vocab_size);
 
     let mut state = model.new_state();

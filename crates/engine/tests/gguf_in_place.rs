@@ -10,15 +10,17 @@
 
 use std::path::{Path, PathBuf};
 
+use slipstream_engine::sampler::Rng;
 use slipstream_engine::{open_model, Engine, EngineConfig, StoreChoice};
 use slipstream_format::SlipModel;
 use slipstream_gguf::{GgmlType, GgufFile, GgufWriter, TensorDecl};
 use slipstream_repack::{
-    index_locations, open_gguf_in_place_with, repack, InPlaceOptions, IndexUse, QuantChoice,
-    RepackOptions,
+    index_locations, open_gguf_in_place_with, InPlaceOptions, IndexUse, QuantChoice,
 };
 use slipstream_store::StreamConfig;
-use slipstream_testkit::{fixture, greedy, rel_err, same_bits, streaming, Reference};
+use slipstream_testkit::{
+    fixture, greedy, open, rel_err, repack_into, same_bits, streaming, Reference,
+};
 
 /// Copies fixture `name`'s GGUF into `dir`.
 fn copy_gguf(name: &str, dir: &Path) -> PathBuf {
@@ -27,37 +29,14 @@ fn copy_gguf(name: &str, dir: &Path) -> PathBuf {
     to
 }
 
+/// Repacks `gguf` into `out` as a `.slip`, GGML blocks kept.
 fn repack_gguf(gguf: &Path, out: &Path) {
-    repack(
-        &RepackOptions {
-            input: gguf.to_path_buf(),
-            output: out.to_path_buf(),
-            overwrite: Default::default(),
-            quant: QuantChoice::default(),
-            ggml_to_affine: false,
-        },
-        &|_| {},
-    )
-    .unwrap_or_else(|e| panic!("repacking {}: {e}", gguf.display()));
-}
-
-fn engine(model: &Path, store: StoreChoice) -> Engine {
-    Engine::open(
-        model,
-        EngineConfig {
-            prefill_chunk: 5,
-            store,
-            route_trace: None,
-            gguf_index_dir: None,
-            ..EngineConfig::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))
+    repack_into(gguf, out, QuantChoice::default(), false);
 }
 
 /// Greedy tokens and every logits row of `model` under `store`.
 fn run(model: &Path, store: StoreChoice, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
-    let mut e = engine(model, store);
+    let mut e = open(model, store, 5);
     let g = greedy(&mut e, prompt, 8);
     (g.tokens, g.logits)
 }
@@ -257,15 +236,9 @@ fn the_checksum_table_is_built_reused_rebuilt_and_catches_corruption() {
 
 /// Random Q6_K blocks for `[rows, cols]` whose values have roughly `std`.
 fn random_q6k(rows: usize, cols: usize, std: f32, seed: u64) -> Vec<u8> {
-    let mut s = seed;
-    let mut next = move || {
-        // SplitMix64.
-        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = s;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    };
+    // The sampler's SplitMix64.
+    let mut rng = Rng::new(seed);
+    let mut next = move || rng.next_u64();
     let mut out = Vec::new();
     for _ in 0..rows * cols / 256 {
         // ql[128], qh[64], scales[16] (i8), d (f16): value d * scale * (q - 32).

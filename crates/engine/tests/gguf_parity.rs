@@ -10,8 +10,8 @@
 use slipstream_core::QuantType;
 use slipstream_engine::text::TextCodec;
 use slipstream_format::SlipModel;
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_testkit::{fixture, Reference};
+use slipstream_repack::QuantChoice;
+use slipstream_testkit::{fixture, repack_into, Reference};
 
 /// Repacks (Q4_0 / Q8_0 converted to affine or not), runs, compares;
 /// returns the max relative logit error.
@@ -21,17 +21,12 @@ fn check(name: &str, bound: f32, ggml_to_affine: bool) -> f32 {
     let text = r.text.clone().expect("the reference has a prompt_text");
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("m.slip");
-    let report = repack(
-        &RepackOptions {
-            input: dir.join("model.gguf"),
-            output: out.clone(),
-            overwrite: Default::default(),
-            quant: QuantChoice::default(),
-            ggml_to_affine,
-        },
-        &|_| {},
-    )
-    .unwrap();
+    let report = repack_into(
+        &dir.join("model.gguf"),
+        &out,
+        QuantChoice::default(),
+        ggml_to_affine,
+    );
     assert_eq!(report.kind.name(), "gguf");
     // Converted: no Q4_0 / Q8_0 left, dense or expert; kept: as stored.
     let model = SlipModel::open(&out).unwrap();

@@ -7,22 +7,21 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use slipstream_engine::snapshot::{write_snapshot, SnapshotError};
-use slipstream_engine::{
-    Engine, GenerateRequest, PromptCache, RestoreOutcome, SamplingParams, StoreChoice,
-};
+use slipstream_engine::{Engine, GenerateRequest, PromptCache, RestoreOutcome, StoreChoice};
 use slipstream_models::Logits;
 use slipstream_repack::QuantChoice;
-use slipstream_testkit::{open as engine, prompt, repacked, same_bits, streaming};
+use slipstream_testkit::{open as engine, prompt, repacked, same_bits, sampled, streaming};
 
+/// The fixtures of both architectures: hybrid (Gated DeltaNet) at q4 and
+/// pure attention at f32.
+const ARCHITECTURES: [(&str, QuantChoice); 2] = [
+    ("qwen3_5_moe_fused", QuantChoice::Q4),
+    ("qwen3_moe", QuantChoice::F32),
+];
+
+/// The sampled request every run here makes.
 fn request(prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest::new(prompt, 10)
-        .with_sampling(SamplingParams {
-            temperature: 0.9,
-            top_p: 0.95,
-            seed: 7,
-            ..Default::default()
-        })
-        .keeping_logits()
+    sampled(prompt, 10, 7)
 }
 
 /// Fresh run: tokens, logits rows (prompt rows then decode rows) and the
@@ -45,10 +44,7 @@ fn snapshot_of(model: &Path, store: StoreChoice, tokens: &[u32], path: &Path) {
 #[test]
 fn restore_equals_fresh_run_bit_for_bit_on_both_architectures() {
     let tmp = tempfile::tempdir().unwrap();
-    for (name, quant) in [
-        ("qwen3_5_moe_fused", QuantChoice::Q4),
-        ("qwen3_moe", QuantChoice::F32),
-    ] {
+    for (name, quant) in ARCHITECTURES {
         let model = repacked(name, quant, tmp.path());
         let p = prompt();
         let (tokens, logits, vocab) = fresh(&model, p.clone());
@@ -125,10 +121,7 @@ fn warming_fills_the_slots_the_snapshot_recorded() {
 #[test]
 fn prefix_extend_restores_and_prefills_only_the_suffix() {
     let tmp = tempfile::tempdir().unwrap();
-    for (name, quant) in [
-        ("qwen3_5_moe_fused", QuantChoice::Q4),
-        ("qwen3_moe", QuantChoice::F32),
-    ] {
+    for (name, quant) in ARCHITECTURES {
         let model = repacked(name, quant, tmp.path());
         let p = prompt();
         let (tokens, logits, vocab) = fresh(&model, p.clone());

@@ -12,7 +12,7 @@ use slipstream_engine::{
 };
 use slipstream_models::Logits;
 use slipstream_repack::QuantChoice;
-use slipstream_testkit::{open, repacked, same_bits, small_hybrid_model, streaming};
+use slipstream_testkit::{load_resident, open, repacked, same_bits, small_hybrid_model, streaming};
 
 /// The small hybrid test model with one MTP layer (hidden 128).
 fn synthetic_mtp_model(dir: &Path) -> PathBuf {
@@ -141,10 +141,7 @@ fn a_rolled_back_verify_pass_is_the_shorter_pass() {
         .expect("prefill");
     let pass = [11u32, 22, 33, 44, 55, 66];
     let m = engine.model.clone();
-    let mut store = slipstream_store::ResidentStore::open(std::sync::Arc::new(
-        slipstream_format::SlipModel::open(&model_path).unwrap(),
-    ))
-    .unwrap();
+    let mut store = load_resident(&model_path).store;
     for keep in 1..=pass.len() {
         let mut verified = base.clone();
         let v = m

@@ -6,23 +6,17 @@
 
 use std::path::Path;
 
-use slipstream_engine::{Engine, GenerateRequest, Generation, SamplingParams, StateCache};
+use slipstream_engine::{Engine, GenerateRequest, Generation, StateCache};
 use slipstream_repack::QuantChoice;
-use slipstream_testkit::{open, prompt, repacked, same_bits, streaming};
+use slipstream_testkit::{open, prompt, repacked, same_bits, sampled, streaming};
 
 fn engine(model: &Path, chunk: usize) -> Engine {
     open(model, streaming(4), chunk)
 }
 
+/// The sampled request every run here makes.
 fn request(prompt: Vec<u32>) -> GenerateRequest {
-    GenerateRequest::new(prompt, 6)
-        .with_sampling(SamplingParams {
-            temperature: 0.9,
-            top_p: 0.95,
-            seed: 11,
-            ..Default::default()
-        })
-        .keeping_logits()
+    sampled(prompt, 6, 11)
 }
 
 /// Runs `prompt` through the cache and checks it against a fresh run:

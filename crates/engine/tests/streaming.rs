@@ -3,34 +3,38 @@
 //! all-resident run.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use slipstream_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StoreChoice};
+use slipstream_engine::{
+    Engine, EngineConfig, GenerateRequest, SamplingParams, SlipModel, StoreChoice,
+};
 use slipstream_repack::QuantChoice;
 use slipstream_store::{PolicyKind, Readahead, StreamConfig};
-use slipstream_testkit::{open, prompt, repacked, same_bits};
+use slipstream_testkit::{open, prompt, repacked, same_bits, sampled};
 
 fn generate(model: &Path, store: StoreChoice, chunk: usize) -> (Vec<u32>, Vec<f32>, u64) {
     let mut engine = open(model, store, chunk);
-    let request = GenerateRequest::new(prompt(), 12)
-        .with_sampling(SamplingParams {
-            temperature: 0.9,
-            top_p: 0.95,
-            seed: 3,
-            ..Default::default()
-        })
-        .keeping_logits();
-    let gen = engine.generate(&request, &mut |_| true).unwrap();
+    let gen = engine
+        .generate(&sampled(prompt(), 12, 3), &mut |_| true)
+        .unwrap();
     (gen.tokens, gen.logits, engine.store_counters().misses)
 }
 
-/// Flips one bit at each byte offset of the model's expert pool file.
-fn corrupt_pool(model: &Path, offsets: &[usize]) {
+/// Flips one bit inside every expert record `(layer, expert)` of the
+/// model's pool file that `bad` picks; returns the model opened afterwards.
+fn corrupt_records(model: &Path, bad: impl Fn(usize, usize) -> bool) -> Arc<SlipModel> {
+    let file = SlipModel::open(model).unwrap();
+    let pool = &file.manifest.experts;
     let path = model.join("experts.bin");
     let mut bytes = std::fs::read(&path).unwrap();
-    for &off in offsets {
-        bytes[off] ^= 0x01;
+    for layer in 0..pool.num_layers {
+        for expert in (0..pool.num_experts).filter(|&e| bad(layer, e)) {
+            bytes[pool.record_offset(layer, expert) as usize + 64] ^= 0x01;
+        }
     }
+    drop(file);
     std::fs::write(&path, bytes).unwrap();
+    Arc::new(SlipModel::open(model).unwrap())
 }
 
 #[test]
@@ -94,10 +98,7 @@ fn fewer_slots_miss_more() {
 fn corrupted_record_read_at_run_time_names_layer_and_expert() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
-    let file = slipstream_format::SlipModel::open(&model).unwrap();
-    let off = file.manifest.experts.record_offset(2, 5) as usize + 64;
-    drop(file);
-    corrupt_pool(&model, &[off]);
+    drop(corrupt_records(&model, |l, e| (l, e) == (2, 5)));
     let mut engine = Engine::open(&model, EngineConfig::default()).unwrap();
     // Route every token of a long prompt so expert 5 of layer 2 is needed.
     let err = engine
@@ -122,15 +123,9 @@ fn failed_batch_keeps_no_unverified_expert() {
     use slipstream_store::{ExpertStore, StreamingStore};
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
-    let file = slipstream_format::SlipModel::open(&model).unwrap();
-    let pool = &file.manifest.experts;
-    let (layer, experts) = (2usize, pool.num_experts);
-    let offsets: Vec<usize> = (0..experts)
-        .map(|e| pool.record_offset(layer, e) as usize + 64)
-        .collect();
-    drop(file);
-    corrupt_pool(&model, &offsets);
-    let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
+    let layer = 2;
+    let file = corrupt_records(&model, |l, _| l == layer);
+    let experts = file.manifest.experts.num_experts;
     let mut store = StreamingStore::open(
         file,
         StreamConfig {
@@ -263,7 +258,7 @@ fn cancel_flag_stops_prefill_between_chunks() {
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::Q4, tmp.path());
     let mut engine = open(&model, EngineConfig::default().store, 4);
-    let flag = std::sync::Arc::new(AtomicBool::new(true));
+    let flag = Arc::new(AtomicBool::new(true));
     let gen = engine
         .generate(
             &GenerateRequest::new(prompt(), 6).cancelled_by(flag.clone()),
@@ -313,7 +308,7 @@ fn synthetic_model_is_bit_identical_at_every_slot_count() {
 fn auto_direct_io_follows_slots_and_memory() {
     let tmp = tempfile::tempdir().unwrap();
     let path = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
-    let file = slipstream_format::SlipModel::open(&path).unwrap();
+    let file = SlipModel::open(&path).unwrap();
     let m = &file.manifest;
     let experts = m.config.num_experts;
     let pool = m.experts.record_stride * (m.config.num_layers() * experts) as u64;
@@ -389,14 +384,10 @@ fn background_fill_makes_every_expert_resident_and_verifies_on_use() {
     use slipstream_store::{ExpertStore, StreamingStore};
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
-    let file = slipstream_format::SlipModel::open(&model).unwrap();
+    let (bad_layer, bad_expert) = (1usize, 3u32);
+    let file = corrupt_records(&model, |l, e| (l, e) == (bad_layer, bad_expert as usize));
     let pool = &file.manifest.experts;
     let (layers, experts) = (pool.num_layers, pool.num_experts);
-    let (bad_layer, bad_expert) = (1usize, 3u32);
-    let off = pool.record_offset(bad_layer, bad_expert as usize) as usize + 64;
-    drop(file);
-    corrupt_pool(&model, &[off]);
-    let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
     let open = |fill| {
         StreamingStore::open(
             file.clone(),
@@ -477,7 +468,7 @@ fn a_request_abandoned_mid_layer_does_not_wedge_the_store() {
     use slipstream_store::{ExpertStore, StreamingStore};
     let tmp = tempfile::tempdir().unwrap();
     let model = repacked("qwen3_moe", QuantChoice::F32, tmp.path());
-    let file = std::sync::Arc::new(slipstream_format::SlipModel::open(&model).unwrap());
+    let file = Arc::new(SlipModel::open(&model).unwrap());
     let mut store = StreamingStore::open(
         file,
         StreamConfig {

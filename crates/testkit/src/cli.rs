@@ -1,6 +1,6 @@
 //! Driving the `slipstream` binary from a test of the CLI crate.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 /// A `Command` for the `slipstream` binary under test (only in the CLI
@@ -57,7 +57,6 @@ pub fn repack(mut bin: Command, name: &str, quant: Option<&str>, out: &Path) -> 
 /// The fixture's reference token ids under `key` (`prompt_tokens`,
 /// `greedy_tokens`).
 pub fn reference_ids(name: &str, key: &str) -> Vec<u32> {
-    let path: PathBuf = crate::fixture(name).join("reference.json");
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    let json = crate::read_json(&crate::fixture(name).join("reference.json"));
     crate::token_ids(&json, key)
 }

@@ -6,12 +6,15 @@
 pub mod cli;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use slipstream_engine::{
-    npy, BackendChoice, Engine, EngineConfig, GenerateRequest, Generation, StoreChoice,
+    npy, BackendChoice, Engine, EngineConfig, GenerateRequest, Generation, SamplingParams,
+    SlipModel, StoreChoice,
 };
-use slipstream_repack::{repack, QuantChoice, RepackOptions};
-use slipstream_store::StreamConfig;
+use slipstream_models::Transformer;
+use slipstream_repack::{repack, QuantChoice, RepackOptions, RepackReport};
+use slipstream_store::{ResidentStore, StreamConfig};
 
 /// The committed fixtures directory, `tests/fixtures/` at the workspace
 /// root: where the test was built, or else under the current directory (a
@@ -31,21 +34,81 @@ pub fn fixture(name: &str) -> PathBuf {
     fixtures().join(name)
 }
 
-/// Repacks fixture `name` with `quant` into `dir` and returns the model path.
-pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
-    let out = dir.join(format!("{name}-{quant}.slip"));
+/// Repacks `input` (a checkpoint directory or a GGUF file) into `output`
+/// with `quant`, converting GGML block weights to affine when
+/// `ggml_to_affine`.
+pub fn repack_into(
+    input: &Path,
+    output: &Path,
+    quant: QuantChoice,
+    ggml_to_affine: bool,
+) -> RepackReport {
     repack(
         &RepackOptions {
-            input: fixture(name),
-            output: out.clone(),
+            input: input.to_path_buf(),
+            output: output.to_path_buf(),
             overwrite: Default::default(),
             quant,
-            ggml_to_affine: false,
+            ggml_to_affine,
         },
         &|_| {},
     )
-    .unwrap_or_else(|e| panic!("repacking fixture {name}: {e}"));
+    .unwrap_or_else(|e| panic!("repacking {}: {e}", input.display()))
+}
+
+/// Repacks fixture `name` with `quant` into `dir` and returns the model path.
+pub fn repacked(name: &str, quant: QuantChoice, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{name}-{quant}.slip"));
+    repack_into(&fixture(name), &out, quant, false);
     out
+}
+
+/// Repacks GGUF fixture `name` (its `model.gguf`, repack's default quant:
+/// GGML blocks kept) into `dir` and returns the model path.
+pub fn repacked_gguf(name: &str, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("{name}.slip"));
+    repack_into(
+        &fixture(name).join("model.gguf"),
+        &out,
+        QuantChoice::default(),
+        false,
+    );
+    out
+}
+
+/// A model opened beneath the engine, for tests that drive
+/// [`Transformer`] directly: the file, its weights, every expert resident.
+pub struct ResidentModel {
+    pub file: Arc<SlipModel>,
+    pub model: Transformer,
+    pub store: ResidentStore,
+}
+
+/// Loads the `.slip` at `path` as a [`ResidentModel`].
+pub fn load_resident(path: &Path) -> ResidentModel {
+    let file = Arc::new(
+        SlipModel::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display())),
+    );
+    let model = slipstream_models::load(&file.manifest.config, file.as_ref())
+        .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));
+    let store = ResidentStore::open(file.clone())
+        .unwrap_or_else(|e| panic!("opening the experts of {}: {e}", path.display()));
+    ResidentModel { file, model, store }
+}
+
+/// Repacks `input` with `quant` into `dir` (as `model.slip`), checks that
+/// no tensor was left out (an MTP head's included) and loads the result as
+/// a [`ResidentModel`].
+pub fn repack_resident(input: &Path, quant: QuantChoice, dir: &Path) -> ResidentModel {
+    let out = dir.join("model.slip");
+    let report = repack_into(input, &out, quant, false);
+    assert!(
+        report.ignored_tensors.is_empty(),
+        "{}: tensors left out: {:?}",
+        input.display(),
+        report.ignored_tensors
+    );
+    load_resident(&out)
 }
 
 /// The prompt the streaming, snapshot, activation and hook tests share:
@@ -81,6 +144,20 @@ pub fn open_on(model: &Path, store: StoreChoice, chunk: usize, backend: BackendC
         },
     )
     .unwrap_or_else(|e| panic!("opening {}: {e}", model.display()))
+}
+
+/// A request for `max_new_tokens` tokens after `prompt`, sampled at
+/// temperature 0.9 and top-p 0.95 from `seed`, keeping every logits row:
+/// the sampled run the cache, snapshot and state-cache tests compare.
+pub fn sampled(prompt: Vec<u32>, max_new_tokens: usize, seed: u64) -> GenerateRequest {
+    GenerateRequest::new(prompt, max_new_tokens)
+        .with_sampling(SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed,
+            ..Default::default()
+        })
+        .keeping_logits()
 }
 
 /// `max_new_tokens` greedy tokens after `prompt`, keeping every logits row
@@ -132,8 +209,7 @@ pub struct Reference {
 impl Reference {
     /// Reads the reference in fixture directory `dir`.
     pub fn read(dir: &Path) -> Reference {
-        let json: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("reference.json")).unwrap()).unwrap();
+        let json = read_json(&dir.join("reference.json"));
         let (shape, logits) = npy::read_f32(&dir.join("logits.npy")).unwrap();
         Reference {
             text: json["prompt_text"].as_str().map(str::to_string),
@@ -168,6 +244,12 @@ impl Reference {
         let err = rel_err(&gen.logits, &self.logits[..rows * self.vocab()]);
         (gen, err, rows)
     }
+}
+
+/// The JSON file at `path`.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("parsing {}: {e}", path.display()))
 }
 
 /// The token id array `key` of a reference JSON.
