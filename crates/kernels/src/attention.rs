@@ -61,10 +61,10 @@ pub fn attend_tokens(
         // `isa` (checked above).
         return unsafe { attend_tokens_avx2(q, kv, tokens, first_keys, scale, scores, out) };
     }
-    attend_tokens_impl(q, kv, tokens, first_keys, scale, scores, out)
+    attend_tiles::<false>(q, kv, tokens, first_keys, scale, scores, out)
 }
 
-/// [`attend_tokens_impl`] compiled for AVX2 + FMA.
+/// [`attend_tiles`] with AVX2 intrinsics, compiled for AVX2 + FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn attend_tokens_avx2(
@@ -77,19 +77,6 @@ fn attend_tokens_avx2(
     out: &mut [f32],
 ) {
     attend_tiles::<true>(q, kv, tokens, first_keys, scale, scores, out)
-}
-
-/// The portable body of [`attend_tokens`] (also its reference).
-fn attend_tokens_impl(
-    q: &[f32],
-    kv: &KvRows,
-    tokens: usize,
-    first_keys: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    attend_tiles::<false>(q, kv, tokens, first_keys, scale, scores, out)
 }
 
 /// [`attend_tokens`] with its score and weighted-sum tiles in AVX2

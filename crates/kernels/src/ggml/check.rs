@@ -172,49 +172,77 @@ fn magnitude(w: &TensorView, r: usize, x: &[f32]) -> f64 {
     mag
 }
 
-/// [`random_weights`] of `qtype` `[rows, cols]` and `n` tokens of `x`
-/// uniform in [-1, 1) (seeded by `seed ^ x_salt`, so each check draws its
-/// own inputs).
-fn random_problem(
-    qtype: QuantType,
-    rows: usize,
-    cols: usize,
-    n: usize,
-    seed: u64,
-    extreme: bool,
-    x_salt: u64,
-) -> (Vec<u8>, Vec<f32>) {
-    let data = random_weights(qtype, rows, cols, seed, extreme);
-    let mut rng = SplitMix(seed ^ x_salt);
-    let x = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
-    (data, x)
+/// A random product to check kernels on: [`random_weights`] of `qtype`
+/// `[rows, cols]` and `n` tokens of `x` uniform in [-1, 1) (seeded by
+/// `seed ^ x_salt`, so each check draws its own inputs).
+pub struct Problem {
+    pub qtype: QuantType,
+    pub rows: usize,
+    pub cols: usize,
+    pub n: usize,
+    pub weights: Vec<u8>,
+    pub x: Vec<f32>,
 }
 
-/// Checks `kernel` against the scalar reference on [`random_weights`]:
-/// `[rows, cols]` of `qtype`, `n` tokens of random `x`. Each output must be
-/// within `1e-4 * magnitude + 1e-30` of the reference, and the reference
-/// within the same bound of the float64 dot product of the dequantized row.
-#[allow(clippy::too_many_arguments)]
-pub fn check_against_reference(
-    kernel: MatmulFn,
-    qtype: QuantType,
-    rows: usize,
-    cols: usize,
-    n: usize,
-    seed: u64,
-    extreme: bool,
-) -> Result<(), String> {
-    let (data, x) = random_problem(qtype, rows, cols, n, seed, extreme, 0x5eed);
-    let w = TensorView::new(qtype, rows, cols, &data).map_err(|e| e.to_string())?;
-    let mut y = vec![0f32; n * rows];
-    kernel(&w, &x, n, &mut y);
-    let mut yr = vec![0f32; n * rows];
-    crate::scalar::matmul(&w, &x, n, &mut yr);
+impl Problem {
+    pub fn random(
+        qtype: QuantType,
+        [rows, cols]: [usize; 2],
+        n: usize,
+        seed: u64,
+        extreme: bool,
+        x_salt: u64,
+    ) -> Problem {
+        let weights = random_weights(qtype, rows, cols, seed, extreme);
+        let mut rng = SplitMix(seed ^ x_salt);
+        let x = (0..n * cols).map(|_| rng.uniform(-1.0, 1.0)).collect();
+        Problem {
+            qtype,
+            rows,
+            cols,
+            n,
+            weights,
+            x,
+        }
+    }
+
+    fn view(&self) -> Result<TensorView<'_>, String> {
+        TensorView::new(self.qtype, self.rows, self.cols, &self.weights).map_err(|e| e.to_string())
+    }
+
+    /// `kernel`'s `[n, rows]` output.
+    fn run(&self, kernel: MatmulFn) -> Result<Vec<f32>, String> {
+        let mut y = vec![0f32; self.n * self.rows];
+        kernel(&self.view()?, &self.x, self.n, &mut y);
+        Ok(y)
+    }
+
+    /// "Q4_0 [rows x cols] n=N", for error messages.
+    fn name(&self) -> String {
+        format!(
+            "{} [{}x{}] n={}",
+            self.qtype.name(),
+            self.rows,
+            self.cols,
+            self.n
+        )
+    }
+}
+
+/// Checks `kernel` against the scalar reference on `p`. Each output must
+/// be within `1e-4 * magnitude + 1e-30` of the reference, and the
+/// reference within the same bound of the float64 dot product of the
+/// dequantized row.
+pub fn check_against_reference(kernel: MatmulFn, p: &Problem) -> Result<(), String> {
+    let w = p.view()?;
+    let (rows, cols) = (p.rows, p.cols);
+    let y = p.run(kernel)?;
+    let yr = p.run(&|w, x, n, y| crate::scalar::matmul(w, x, n, y))?;
     let mut dense = vec![0f32; cols];
     for r in 0..rows {
         crate::scalar::dequantize_row(&w, r, &mut dense);
-        for t in 0..n {
-            let xt = &x[t * cols..(t + 1) * cols];
+        for t in 0..p.n {
+            let xt = &p.x[t * cols..(t + 1) * cols];
             let tol = 1e-4 * magnitude(&w, r, xt) + 1e-30;
             let exact: f64 = dense
                 .iter()
@@ -224,14 +252,14 @@ pub fn check_against_reference(
             let (got, want) = (y[t * rows + r] as f64, yr[t * rows + r] as f64);
             if (got - want).abs() > tol || got.is_nan() != want.is_nan() {
                 return Err(format!(
-                    "{} [{rows}x{cols}] n={n} seed={seed} r={r} t={t}: kernel {got} reference {want} tol {tol}",
-                    qtype.name()
+                    "{} r={r} t={t}: kernel {got} reference {want} tol {tol}",
+                    p.name()
                 ));
             }
             if (want - exact).abs() > tol {
                 return Err(format!(
-                    "{} [{rows}x{cols}] seed={seed} r={r} t={t}: reference {want} exact {exact} tol {tol}",
-                    qtype.name()
+                    "{} r={r} t={t}: reference {want} exact {exact} tol {tol}",
+                    p.name()
                 ));
             }
         }
@@ -239,29 +267,20 @@ pub fn check_against_reference(
     Ok(())
 }
 
-/// Checks that row `t` of `kernel` over `n` tokens is bit-identical to
-/// `kernel` over token `t` alone (the batching invariant), on
-/// [`random_weights`].
-pub fn check_batch_is_single(
-    kernel: MatmulFn,
-    qtype: QuantType,
-    rows: usize,
-    cols: usize,
-    n: usize,
-    seed: u64,
-) -> Result<(), String> {
-    let (data, x) = random_problem(qtype, rows, cols, n, seed, true, 0xba7c);
-    let w = TensorView::new(qtype, rows, cols, &data).map_err(|e| e.to_string())?;
-    let mut y = vec![0f32; n * rows];
-    kernel(&w, &x, n, &mut y);
+/// Checks that row `t` of `kernel` over `p`'s `n` tokens is bit-identical
+/// to `kernel` over token `t` alone (the batching invariant).
+pub fn check_batch_is_single(kernel: MatmulFn, p: &Problem) -> Result<(), String> {
+    let w = p.view()?;
+    let (rows, cols) = (p.rows, p.cols);
+    let y = p.run(kernel)?;
     let mut y1 = vec![0f32; rows];
-    for t in 0..n {
-        kernel(&w, &x[t * cols..(t + 1) * cols], 1, &mut y1);
+    for t in 0..p.n {
+        kernel(&w, &p.x[t * cols..(t + 1) * cols], 1, &mut y1);
         for r in 0..rows {
             if y1[r].to_bits() != y[t * rows + r].to_bits() {
                 return Err(format!(
-                    "{} [{rows}x{cols}] n={n} seed={seed} t={t} r={r}: batch {} single {}",
-                    qtype.name(),
+                    "{} t={t} r={r}: batch {} single {}",
+                    p.name(),
                     y[t * rows + r],
                     y1[r]
                 ));

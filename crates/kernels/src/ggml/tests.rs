@@ -1,5 +1,5 @@
 use super::check::{
-    check_against_reference, check_batch_is_single, random_blocks, SplitMix, GGML_TYPES,
+    check_against_reference, check_batch_is_single, random_blocks, Problem, SplitMix, GGML_TYPES,
 };
 use super::*;
 use crate::{matmul_with, matvec_with, Isa};
@@ -21,12 +21,14 @@ fn check_every_isa(
     seed: u64,
     extreme: bool,
 ) -> Result<(), TestCaseError> {
+    let reference_case = Problem::random(q, [rows, cols], n, seed, extreme, 0x5eed);
+    let batch_case = Problem::random(q, [rows, cols], n, seed, true, 0xba7c);
     for isa in Isa::available() {
         let k = isa_kernel(isa);
-        let r = check_against_reference(&k, q, rows, cols, n, seed, extreme);
-        prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
-        let r = check_batch_is_single(&k, q, rows, cols, n, seed);
-        prop_assert!(r.is_ok(), "{:?}: {}", isa, r.unwrap_err());
+        let r = check_against_reference(&k, &reference_case);
+        prop_assert!(r.is_ok(), "{:?} seed {}: {}", isa, seed, r.unwrap_err());
+        let r = check_batch_is_single(&k, &batch_case);
+        prop_assert!(r.is_ok(), "{:?} seed {}: {}", isa, seed, r.unwrap_err());
     }
     Ok(())
 }
