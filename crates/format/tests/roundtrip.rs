@@ -129,14 +129,20 @@ fn round_trip_is_bit_exact() {
     assert_eq!(leftovers.len(), 1);
 }
 
+/// `path` open for reading and writing in place (to damage it).
+fn open_rw(path: &std::path::Path) -> std::fs::File {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap()
+}
+
 #[test]
 fn truncated_expert_file_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_model(dir.path());
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(path.join(EXPERTS_FILE))
-        .unwrap();
+    let f = open_rw(&path.join(EXPERTS_FILE));
     let len = f.metadata().unwrap().len();
     f.set_len(len - 100).unwrap();
     let err = SlipModel::open(&path).err().expect("must fail");
@@ -150,11 +156,7 @@ fn flipped_byte_in_expert_record_is_an_error() {
     let path = write_model(dir.path());
     let m = SlipModel::open(&path).unwrap();
     let off = m.manifest.experts.record_offset(1, 2) + 17;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path.join(EXPERTS_FILE))
-        .unwrap();
+    let f = open_rw(&path.join(EXPERTS_FILE));
     let mut b = [0u8];
     f.read_exact_at(&mut b, off).unwrap();
     f.write_all_at(&[b[0] ^ 0x40], off).unwrap();
@@ -178,10 +180,7 @@ fn flipped_byte_in_expert_record_is_an_error() {
 fn flipped_byte_in_dense_file_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let path = write_model(dir.path());
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(path.join(DENSE_FILE))
-        .unwrap();
+    let f = open_rw(&path.join(DENSE_FILE));
     f.write_all_at(&[0xff], 3).unwrap();
     let err = SlipModel::open(&path).err().expect("must fail");
     assert!(matches!(err, FormatError::DenseChecksum { .. }), "{err}");
