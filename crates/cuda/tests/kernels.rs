@@ -35,22 +35,24 @@ fn rvec(rng: &mut Rng64, n: usize, scale: f32) -> Vec<f32> {
         .collect()
 }
 
+/// The affine type of `bits`-bit codes in groups of `group` with `scale`
+/// scales.
+fn affine(bits: u8, group: u32, scale: ScaleType) -> QuantType {
+    QuantType::Affine { bits, group, scale }
+}
+
 fn qtypes() -> Vec<QuantType> {
     let mut v = vec![QuantType::F32, QuantType::F16, QuantType::Bf16];
     for bits in [4u8, 8] {
         for scale in [ScaleType::F16, ScaleType::Bf16] {
             for group in [32u32, 64, 128] {
-                v.push(QuantType::Affine { bits, group, scale });
+                v.push(affine(bits, group, scale));
             }
         }
     }
     // 4-bit groups that force the narrower load widths of the multi-row kernels.
     for group in [8u32, 16, 24] {
-        v.push(QuantType::Affine {
-            bits: 4,
-            group,
-            scale: ScaleType::F16,
-        });
+        v.push(affine(4, group, ScaleType::F16));
     }
     // The GGML block types of GGUF import.
     v.extend([
@@ -146,11 +148,7 @@ fn wide_a4_case(g: &Gpu) {
             if cols % group as usize != 0 {
                 continue;
             }
-            let q = QuantType::Affine {
-                bits: 4,
-                group,
-                scale,
-            };
+            let q = affine(4, group, scale);
             let n = rng.random_range(1..4);
             let bytes = rand_weight(&mut rng, q, rows, cols);
             let view = TensorView::new(q, rows, cols, &bytes).unwrap();
@@ -195,16 +193,8 @@ fn many_matvecs_in_one_launch_match_single_launches() {
 
 fn many_matvecs_case(g: &Gpu, tc: bool) {
     let mut rng = Rng64::seed_from_u64(13);
-    let q = QuantType::Affine {
-        bits: 4,
-        group: 64,
-        scale: ScaleType::Bf16,
-    };
-    let q8 = QuantType::Affine {
-        bits: 8,
-        group: 64,
-        scale: ScaleType::Bf16,
-    };
+    let q = affine(4, 64, ScaleType::Bf16);
+    let q8 = affine(8, 64, ScaleType::Bf16);
     // The last two cases run on the generic kernel (8-bit and f16 rows:
     // a router with its shared-expert gate, and a ragged mix).
     for (cols, rows, kinds) in [
@@ -301,58 +291,18 @@ fn routed_experts_in_one_launch_match_scalar() {
         (QuantType::Q4K, 512, 256, 4, true),
         (QuantType::Q6K, 256, 512, 2, true),
         (QuantType::Q4_0, 96, 64, 3, false),
-        (
-            QuantType::Affine {
-                bits: 4,
-                group: 32,
-                scale: ScaleType::Bf16,
-            },
-            96,
-            64,
-            1,
-            true,
-        ),
+        (affine(4, 32, ScaleType::Bf16), 96, 64, 1, true),
         (QuantType::Q8, 128, 320, 5, true),
         // Shapes the wide (a4v) kernels take: the 35B layer (gate/up 2
         // chunks per lane, down 16 lanes per row), 4 chunks per lane with
         // more experts than one down batch, 32 lanes per row, 1 lane per row.
         (QuantType::Q4, 2048, 512, 8, true),
-        (
-            QuantType::Affine {
-                bits: 4,
-                group: 128,
-                scale: ScaleType::Bf16,
-            },
-            4096,
-            256,
-            9,
-            true,
-        ),
+        (affine(4, 128, ScaleType::Bf16), 4096, 256, 9, true),
         (QuantType::Q4, 1024, 1024, 2, false),
-        (
-            QuantType::Affine {
-                bits: 4,
-                group: 32,
-                scale: ScaleType::F16,
-            },
-            256,
-            32,
-            3,
-            true,
-        ),
+        (affine(4, 32, ScaleType::F16), 256, 32, 3, true),
         // Tensor-core shapes (group 64): bf16 scales, 5 ranks, 3 groups
         // per down row.
-        (
-            QuantType::Affine {
-                bits: 4,
-                group: 64,
-                scale: ScaleType::Bf16,
-            },
-            768,
-            192,
-            5,
-            true,
-        ),
+        (affine(4, 64, ScaleType::Bf16), 768, 192, 5, true),
     ] {
         // k experts, records laid out as [gate | up | down] each in its own buffer.
         let mut parts = Vec::new();
@@ -499,32 +449,12 @@ fn grouped_experts_match_per_pair_launches() {
 fn grouped_case(g: &Gpu) {
     let mut rng = Rng64::seed_from_u64(12);
     for (q, h, inter, k, e, tokens, shared) in [
-        (
-            QuantType::Q4,
-            256usize,
-            128usize,
-            3usize,
-            12usize,
-            7usize,
-            true,
-        ),
+        (QuantType::Q4, 256, 128, 3, 12, 7, true),
         (QuantType::Q4, 2048, 512, 8, 20, 5, true),
         (QuantType::Q4, 1024, 1024, 2, 6, 9, false),
         // Many pairs per expert: several tiles of pairs per block.
         (QuantType::Q4, 512, 256, 3, 4, 37, true),
-        (
-            QuantType::Affine {
-                bits: 4,
-                group: 128,
-                scale: ScaleType::Bf16,
-            },
-            4096,
-            256,
-            9,
-            16,
-            3,
-            true,
-        ),
+        (affine(4, 128, ScaleType::Bf16), 4096, 256, 9, 16, 3, true),
     ] {
         let ex = common::expert_records(g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
         let pass = common::ExpertsPass {
@@ -629,16 +559,14 @@ fn rms_norm_and_rope_match_cpu() {
     }
 }
 
-/// The CPU decode attention of `blocks.rs` for one token.
-#[allow(clippy::too_many_arguments)]
+/// The CPU decode attention of `blocks.rs` for one query over the first
+/// `keys` positions of the caches `k`, `v` (`[positions, nkv * hd]`) of
+/// `dims` (nh, nkv, hd).
 fn attention_ref(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (k, v): (&[f32], &[f32]),
     keys: usize,
-    nh: usize,
-    nkv: usize,
-    hd: usize,
+    (nh, nkv, hd): (usize, usize, usize),
     gate: Option<&[f32]>,
 ) -> Vec<f32> {
     let group = nh / nkv;
@@ -701,7 +629,8 @@ fn decode_attention_matches_cpu() {
         let k = rvec(&mut rng, keys * nkv * hd, 1.0);
         let v = rvec(&mut rng, keys * nkv * hd, 1.0);
         let gate = rvec(&mut rng, nh * hd, 2.0);
-        let want = attention_ref(&q, &k, &v, keys, nh, nkv, hd, gated.then_some(&gate[..]));
+        let dims = (nh, nkv, hd);
+        let want = attention_ref(&q, (&k, &v), keys, dims, gated.then_some(&gate[..]));
         let (dq, dk, dv, dg) = (
             g.upload_f32(&q).unwrap(),
             g.upload_f32(&k).unwrap(),
@@ -716,7 +645,7 @@ fn decode_attention_matches_cpu() {
         let caches = (&dk, &dv);
         let run = |at: Position| {
             g.attention(
-                &attn_io(caches, (nh, nkv, hd), gated, dq.ptr, dg.ptr, out.ptr),
+                &attn_io(caches, dims, gated, dq.ptr, dg.ptr, out.ptr),
                 at,
                 &scratch,
             )
@@ -747,7 +676,7 @@ fn decode_attention_matches_cpu() {
             .unwrap();
         let p0 = keys - n;
         g.attention_causal(
-            &attn_io(caches, (nh, nkv, hd), gated, dqs.ptr, dgs.ptr, outs.ptr),
+            &attn_io(caches, dims, gated, dqs.ptr, dgs.ptr, outs.ptr),
             Position::Host(p0),
             n,
             &big,
@@ -758,7 +687,7 @@ fn decode_attention_matches_cpu() {
         for t in 0..n {
             let (q_t, gate_t) = (dqs.ptr.add_bytes(t * row), dgs.ptr.add_bytes(t * row));
             g.attention(
-                &attn_io(caches, (nh, nkv, hd), gated, q_t, gate_t, out.ptr),
+                &attn_io(caches, dims, gated, q_t, gate_t, out.ptr),
                 Position::Host(p0 + t),
                 &scratch,
             )
@@ -771,12 +700,9 @@ fn decode_attention_matches_cpu() {
             );
             let want_t = attention_ref(
                 &qs[t * nh * hd..][..nh * hd],
-                &k[..(p0 + t + 1) * nkv * hd],
-                &v[..(p0 + t + 1) * nkv * hd],
+                (&k, &v),
                 p0 + t + 1,
-                nh,
-                nkv,
-                hd,
+                dims,
                 gated.then_some(&gs[t * nh * hd..][..nh * hd]),
             );
             assert!(rel_err(mine, &want_t) < 1e-4, "causal batch query {t}");
@@ -826,18 +752,12 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
             .unwrap();
         let out = g.upload_f32(&vec![f32::NAN; n * nh * hd]).unwrap();
         let row = nh * hd;
+        let dims = (nh, nkv, hd);
         let run = |t0: usize, m: usize| {
             let off = t0 * row * 4;
-            let (q, gate) = (dq.ptr.add_bytes(off), dg.ptr.add_bytes(off));
+            let [q, gate, out] = [&dq, &dg, &out].map(|b| b.ptr.add_bytes(off));
             g.attention_prompt(
-                &attn_io(
-                    (&dk, &dv),
-                    (nh, nkv, hd),
-                    gated,
-                    q,
-                    gate,
-                    out.ptr.add_bytes(off),
-                ),
+                &attn_io((&dk, &dv), dims, gated, q, gate, out),
                 p0 + t0,
                 m,
                 &scratch,
@@ -849,12 +769,9 @@ fn prompt_attention_on_tensor_cores_matches_cpu_and_one_query_launches() {
         for t in 0..n {
             let want = attention_ref(
                 &q[t * row..][..row],
-                &k[..(p0 + t + 1) * nkv * hd],
-                &v[..(p0 + t + 1) * nkv * hd],
+                (&k, &v),
                 p0 + t + 1,
-                nh,
-                nkv,
-                hd,
+                dims,
                 gated.then_some(&gate[t * row..][..row]),
             );
             let e = rel_err(&whole[t * row..][..row], &want);
@@ -1212,29 +1129,9 @@ fn down_pass_matches_one_token_launches() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng64::seed_from_u64(21);
     for (q, h, inter, k, e, tokens, shared) in [
-        (
-            QuantType::Q4,
-            2048usize,
-            512usize,
-            8usize,
-            12usize,
-            37usize,
-            true,
-        ),
+        (QuantType::Q4, 2048, 512, 8, 12, 37, true),
         (QuantType::Q4, 200, 256, 3, 5, 4, false),
-        (
-            QuantType::Affine {
-                bits: 4,
-                group: 32,
-                scale: ScaleType::Bf16,
-            },
-            1000,
-            128,
-            5,
-            7,
-            9,
-            true,
-        ),
+        (affine(4, 32, ScaleType::Bf16), 1000, 128, 5, 7, 9, true),
     ] {
         let dt = WDesc::new(q, h, inter, DevPtr::NULL).unwrap();
         assert_eq!(
