@@ -494,30 +494,19 @@ impl Gen<'_> {
         let std = 1.0 / (h as f32).sqrt();
         // Context heads: query heads of KV head 0 read only channel 0 in
         // their rotary dims; so does KV head 0's key.
+        // Row `within` of a context head (`None` for other rows), group `g`.
+        let spec = |context_row: Option<usize>, g: usize| match context_row {
+            Some(within) if within < rd && g == 0 => Group::First(1.0),
+            Some(_) => Group::Zero,
+            None if g == 0 => Group::Zero,
+            None => Group::Rand(std),
+        };
         let q = self.q(t.get("attn.q_proj")?, 4, &|r, g| {
             let (head, within) = (r / per_head, r % per_head);
-            if ctx && head < q_per_kv && within < hd {
-                match (within < rd, g) {
-                    (true, 0) => Group::First(1.0),
-                    _ => Group::Zero,
-                }
-            } else if g == 0 {
-                Group::Zero
-            } else {
-                Group::Rand(std)
-            }
+            spec((ctx && head < q_per_kv && within < hd).then_some(within), g)
         });
         let k = self.q(t.get("attn.k_proj")?, 4, &|r, g| {
-            if ctx && r < hd {
-                match (r < rd, g) {
-                    (true, 0) => Group::First(1.0),
-                    _ => Group::Zero,
-                }
-            } else if g == 0 {
-                Group::Zero
-            } else {
-                Group::Rand(std)
-            }
+            spec((ctx && r < hd).then_some(r), g)
         });
         let v = self.reader(t.get("attn.v_proj")?, 4);
         let pers = self.skew.persistence;
