@@ -360,7 +360,7 @@ fn routed_experts_in_one_launch_match_scalar() {
             h: dh.ptr,
             wts: dw.ptr,
             k,
-            shared: common::shared_expert_io(shared, &dsh, &dsg),
+            shared: common::shared_expert_io(shared.then_some((&dsh, &dsg))),
             x: dres.ptr,
             tokens: 1,
         };
@@ -457,15 +457,13 @@ fn grouped_case(g: &Gpu) {
         (affine(4, 128, ScaleType::Bf16), 4096, 256, 9, 16, 3, true),
     ] {
         let ex = common::expert_records(g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
-        let pass = common::ExpertsPass {
-            x: rvec(&mut rng, tokens * h, 1.0),
-            x0: rvec(&mut rng, tokens * h, 1.0),
-            wts: rvec(&mut rng, tokens * k, 1.0),
-            sh_out: rvec(&mut rng, tokens * h, 1.0),
-            sg: rvec(&mut rng, tokens, 2.0),
-            shared,
-        };
-        let (want, got, took) = common::per_pair_and_grouped(g, &ex, &pass);
+        let x = rvec(&mut rng, tokens * h, 1.0);
+        let x0 = rvec(&mut rng, tokens * h, 1.0);
+        let wts = rvec(&mut rng, tokens * k, 1.0);
+        let sh_out = rvec(&mut rng, tokens * h, 1.0);
+        let sg = rvec(&mut rng, tokens, 2.0);
+        let sh = shared.then_some((&sh_out[..], &sg[..]));
+        let (want, got, took) = common::per_pair_and_grouped(g, &ex, &x, &x0, &wts, sh);
         assert!(
             took,
             "{} h={h} i={inter}: the grouped kernel must take the shape",
@@ -477,15 +475,15 @@ fn grouped_case(g: &Gpu) {
             q.name()
         );
         // And against the scalar reference, token by token.
-        let mut reference = pass.x0.clone();
+        let mut reference = x0.clone();
         for t in 0..tokens {
             let views: Vec<ExpertViews> = (0..k).map(|r| ex.pair_views(t * k + r)).collect();
-            let sh_ref = shared.then_some((&pass.sh_out[t * h..][..h], pass.sg[t]));
+            let sh_ref = shared.then_some((&sh_out[t * h..][..h], sg[t]));
             add_experts_ref(
                 &mut reference[t * h..][..h],
                 &views,
-                &pass.wts[t * k..][..k],
-                &pass.x[t * h..][..h],
+                &wts[t * k..][..k],
+                &x[t * h..][..h],
                 sh_ref,
             );
         }
@@ -1168,7 +1166,7 @@ fn down_pass_matches_one_token_launches() {
             h: hv.ptr,
             wts: wts.ptr,
             k,
-            shared: common::shared_expert_io(shared, &sh, &sgt),
+            shared: common::shared_expert_io(shared.then_some((&sh, &sgt))),
             x: xm.ptr,
             tokens,
         };

@@ -196,25 +196,23 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
     ] {
         let q = q4(scale);
         let ex = common::expert_records(&g, &mut rng, q, (h, inter, k, e, tokens), rand_weight);
-        let pass = common::ExpertsPass {
-            x: rand_rows(&mut rng, tokens * h),
-            x0: (0..tokens * h)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect(),
-            wts: (0..tokens * k)
-                .map(|_| rng.random_range(0.0..1.0))
-                .collect(),
-            sh_out: (0..tokens * h)
-                .map(|_| rng.random_range(-1.0..1.0))
-                .collect(),
-            sg: (0..tokens).map(|_| rng.random_range(-2.0..2.0)).collect(),
-            shared,
-        };
+        let x = rand_rows(&mut rng, tokens * h);
+        let x0: Vec<f32> = (0..tokens * h)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let wts: Vec<f32> = (0..tokens * k)
+            .map(|_| rng.random_range(0.0..1.0))
+            .collect();
+        let sh_out: Vec<f32> = (0..tokens * h)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let sg: Vec<f32> = (0..tokens).map(|_| rng.random_range(-2.0..2.0)).collect();
         let (gt, dtl) = common::expert_descs(q, h, inter);
         assert!(g.experts_on_q8([&gt, &gt, &dtl], k));
         // Per pair (host routing's bases tables), then grouped by expert
         // (device routing).
-        let (want, got, took) = common::per_pair_and_grouped(&g, &ex, &pass);
+        let sh = shared.then_some((&sh_out[..], &sg[..]));
+        let (want, got, took) = common::per_pair_and_grouped(&g, &ex, &x, &x0, &wts, sh);
         assert!(
             took,
             "h={h} i={inter}: the grouped q8 path must take the shape"
@@ -224,10 +222,10 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
             "h={h} i={inter} k={k} tokens={tokens}: grouped q8 experts differ from per-pair launches"
         );
         // The scalar reference of the 8-bit arithmetic, and exact f32.
-        let mut reference = pass.x0.clone();
-        let mut exact = pass.x0.clone();
+        let mut reference = x0.clone();
+        let mut exact = x0.clone();
         for t in 0..tokens {
-            let xt = &pass.x[t * h..][..h];
+            let xt = &x[t * h..][..h];
             for r in 0..k {
                 let (gv, uv, dv) = ex.pair_views(t * k + r);
                 let (gq, uq) = (q8_matvec_ref(&gv, xt), q8_matvec_ref(&uv, xt));
@@ -237,13 +235,13 @@ fn q8_experts_grouped_and_per_pair_agree_with_the_reference() {
                 let he: Vec<f32> = ge.iter().zip(&ue).map(|(a, b)| ops::silu(*a) * b).collect();
                 let de = exact_matvec(&dv, &he);
                 for j in 0..h {
-                    reference[t * h + j] += dq[j] * pass.wts[t * k + r];
-                    exact[t * h + j] += de[j] * pass.wts[t * k + r];
+                    reference[t * h + j] += dq[j] * wts[t * k + r];
+                    exact[t * h + j] += de[j] * wts[t * k + r];
                 }
             }
             if shared {
                 for j in 0..h {
-                    let s = ops::sigmoid(pass.sg[t]) * pass.sh_out[t * h + j];
+                    let s = ops::sigmoid(sg[t]) * sh_out[t * h + j];
                     reference[t * h + j] += s;
                     exact[t * h + j] += s;
                 }

@@ -116,12 +116,10 @@ impl ExpertRecords {
 
 /// The shared expert's output and gate for an `ExpertsIo` (`[tokens, h]`
 /// and `[tokens]` f32), or none.
-pub fn shared_expert_io(shared: bool, out: &DBuf, gate: &DBuf) -> (DevPtr, DevPtr) {
-    if shared {
+pub fn shared_expert_io(shared: Option<(&DBuf, &DBuf)>) -> (DevPtr, DevPtr) {
+    shared.map_or((DevPtr::NULL, DevPtr::NULL), |(out, gate)| {
         (out.ptr, gate.ptr)
-    } else {
-        (DevPtr::NULL, DevPtr::NULL)
-    }
+    })
 }
 
 /// Descriptor templates of an expert's gate/up (`[inter, h]`) and down
@@ -133,35 +131,28 @@ pub fn expert_descs(q: QuantType, h: usize, inter: usize) -> (WDesc, WDesc) {
     )
 }
 
-/// A pass's activations for the routed experts of [`ExpertRecords`], on
-/// the host: input rows `x` and the residual `x0` they add into (`[tokens,
-/// h]` each), routing weights `wts` (`[tokens, k]`), and where `shared` the
-/// shared expert's output `sh_out` (`[tokens, h]`) and gate logits `sg`
-/// (`[tokens]`).
-pub struct ExpertsPass {
-    pub x: Vec<f32>,
-    pub x0: Vec<f32>,
-    pub wts: Vec<f32>,
-    pub sh_out: Vec<f32>,
-    pub sg: Vec<f32>,
-    pub shared: bool,
-}
-
-/// The routed experts of `pass` over `ex` both ways, each into a fresh
-/// residual `x0`: per pair (`moe_experts` over the bases tables, as host
-/// routing runs them) and grouped by expert (`moe_experts_grouped`, as
-/// device routing does). Returns the residuals (per pair, grouped) and
-/// whether the grouped form took the shape.
+/// The routed experts of a pass over `ex` both ways, each into a fresh
+/// copy of the residual `x0` (`[tokens, h]`): per pair (`moe_experts`
+/// over the bases tables, as host routing runs them) and grouped by
+/// expert (`moe_experts_grouped`, as device routing does). The pass: input
+/// rows `x` (`[tokens, h]`), routing weights `wts` (`[tokens, k]`) and the
+/// shared expert's output and gate logits (`[tokens, h]`, `[tokens]`), if
+/// any. Returns the residuals (per pair, grouped) and whether the grouped
+/// form took the shape.
 pub fn per_pair_and_grouped(
     g: &Gpu,
     ex: &ExpertRecords,
-    pass: &ExpertsPass,
+    x: &[f32],
+    x0: &[f32],
+    wts: &[f32],
+    shared: Option<(&[f32], &[f32])>,
 ) -> (Vec<f32>, Vec<f32>, bool) {
     let (h, inter, k, e, tokens) = ex.shape;
     let pairs = tokens * k;
     let up = |v: &[f32]| g.upload_f32(v).unwrap();
-    let (dx, dw, dsh, dsg) = (up(&pass.x), up(&pass.wts), up(&pass.sh_out), up(&pass.sg));
-    let sh = shared_expert_io(pass.shared, &dsh, &dsg);
+    let (dx, dw) = (up(x), up(wts));
+    let sh_bufs = shared.map(|(out, gate)| (up(out), up(gate)));
+    let sh = shared_expert_io(sh_bufs.as_ref().map(|(out, gate)| (out, gate)));
     let (gt, dtl) = expert_descs(ex.q, h, inter);
     let io = |h_buf: DevPtr, x_buf: DevPtr| ExpertsIo {
         xrow: ex.xrow.ptr,
@@ -175,7 +166,7 @@ pub fn per_pair_and_grouped(
     };
     // Per pair.
     let (tp, t8) = (ex.table.ptr, 8 * pairs);
-    let dres = up(&pass.x0);
+    let dres = up(x0);
     let dh = up(&vec![f32::NAN; pairs * inter]);
     g.moe_experts(
         [&gt, &gt, &dtl],
@@ -185,7 +176,7 @@ pub fn per_pair_and_grouped(
     .unwrap();
     let per_pair = g.read_f32(&dres, 0, tokens * h).unwrap();
     // Grouped by expert.
-    let dres2 = up(&pass.x0);
+    let dres2 = up(x0);
     let dh2 = up(&vec![f32::NAN; pairs * inter]);
     let (goff, glist) = (g.alloc(4 * (e + 1)).unwrap(), g.alloc(4 * pairs).unwrap());
     let route = RouteBases {
