@@ -64,10 +64,9 @@ impl Tiny {
         2 * self.nk * self.dk + self.nv * self.dv
     }
 
-    /// `text_config` of a qwen3_5_moe checkpoint.
-    pub fn qwen35_text_config(&self) -> Value {
-        json!({
-            "model_type": "qwen3_5_moe_text",
+    /// `config` with the fields both architectures' configs share.
+    fn with_common_fields(&self, mut config: Value) -> Value {
+        let common = json!({
             "vocab_size": self.vocab,
             "hidden_size": self.hidden,
             "num_hidden_layers": self.full.len(),
@@ -77,6 +76,18 @@ impl Tiny {
             "rms_norm_eps": 1e-6,
             "max_position_embeddings": 4096,
             "tie_word_embeddings": false,
+        });
+        let map = config.as_object_mut().expect("a config object");
+        for (k, v) in common.as_object().expect("an object") {
+            map.insert(k.clone(), v.clone());
+        }
+        config
+    }
+
+    /// `text_config` of a qwen3_5_moe checkpoint.
+    pub fn qwen35_text_config(&self) -> Value {
+        self.with_common_fields(json!({
+            "model_type": "qwen3_5_moe_text",
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
             "layer_types": self.full.iter().map(|f| if *f { "full_attention" } else { "linear_attention" }).collect::<Vec<_>>(),
             "linear_conv_kernel_dim": self.kernel,
@@ -89,7 +100,7 @@ impl Tiny {
             "num_experts_per_tok": self.top_k,
             "num_experts": self.experts,
             "eos_token_id": 2,
-        })
+        }))
     }
 
     pub fn qwen35_config(&self) -> Value {
@@ -102,17 +113,8 @@ impl Tiny {
     }
 
     pub fn qwen3_config(&self) -> Value {
-        json!({
+        self.with_common_fields(json!({
             "model_type": "qwen3_moe",
-            "vocab_size": self.vocab,
-            "hidden_size": self.hidden,
-            "num_hidden_layers": self.full.len(),
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "rms_norm_eps": 1e-6,
-            "max_position_embeddings": 4096,
-            "tie_word_embeddings": false,
             "rope_theta": 1e6,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [],
@@ -121,7 +123,7 @@ impl Tiny {
             "num_experts": self.experts,
             "norm_topk_prob": true,
             "eos_token_id": [2, 3],
-        })
+        }))
     }
 }
 
