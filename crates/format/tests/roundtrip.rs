@@ -238,6 +238,26 @@ fn unfinished_writer_leaves_nothing() {
 /// A change made to a manifest by hand.
 type Edit = fn(&mut Manifest);
 
+/// The error opening the model at `path` after `edit` of its manifest
+/// `good` (with the hash and checksum recomputed when `reseal`, so only a
+/// check of the content itself can refuse it); `what` names the edit.
+fn open_error_after(
+    path: &std::path::Path,
+    good: &Manifest,
+    edit: Edit,
+    reseal: bool,
+    what: &str,
+) -> String {
+    let mut m = good.clone();
+    edit(&mut m);
+    if reseal {
+        m.model_hash = m.content_hash();
+        m.manifest_checksum = m.self_checksum();
+    }
+    write_manifest(path, &m);
+    SlipModel::open(path).err().expect(what).to_string()
+}
+
 fn read_manifest(path: &std::path::Path) -> Manifest {
     serde_json::from_slice(&std::fs::read(path.join(MANIFEST_FILE)).unwrap()).unwrap()
 }
@@ -268,10 +288,7 @@ fn edited_manifests_are_refused() {
         }),
     ];
     for (what, edit) in edits {
-        let mut m = good.clone();
-        edit(&mut m);
-        write_manifest(&path, &m);
-        let e = SlipModel::open(&path).err().expect(what).to_string();
+        let e = open_error_after(&path, &good, edit, false, what);
         assert!(e.contains("checksum does not match"), "{what}: {e}");
     }
     // Someone who also fixes the checksum still cannot claim another hash.
@@ -300,12 +317,7 @@ fn a_pool_that_disagrees_with_the_config_is_refused() {
         ("part shape", |m| m.config.moe_intermediate_size = 128),
     ];
     for (what, edit) in edits {
-        let mut m = good.clone();
-        edit(&mut m);
-        m.model_hash = m.content_hash();
-        m.manifest_checksum = m.self_checksum();
-        write_manifest(&path, &m);
-        let e = SlipModel::open(&path).err().expect(what).to_string();
+        let e = open_error_after(&path, &good, edit, true, what);
         assert!(
             e.contains("expert pool has") || e.contains("expert part"),
             "{what}: {e}"
