@@ -184,24 +184,12 @@ impl Engine {
     ) -> Result<u32, slipstream_models::ModelError> {
         // A prompt restored whole runs no prefill: its first generated token
         // is the first pass from the restored state.
-        self.state_to_device(state)?;
+        self.run_on_device(state, &[token], Logits::None, false)?;
         let Some(c) = self.cuda.as_mut() else {
             return Err(slipstream_models::ModelError::State(
                 "choosing tokens on the device without a CUDA backend".into(),
             ));
         };
-        c.set_prompt_pass(false);
-        let out = self.model.run(
-            c,
-            state,
-            &[token],
-            &mut self.store,
-            Logits::None,
-            None,
-            self.phases.as_mut(),
-        );
-        crate::device_ran(&mut self.device_tokens, &[token], out.is_ok());
-        out?;
         c.next_token(&self.model, draw)
     }
 
