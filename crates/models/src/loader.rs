@@ -49,11 +49,6 @@ pub fn attention(
     layer: usize,
 ) -> Result<Attention, ModelError> {
     let t = LayerSpecs::new(src, cfg, layer);
-    let (nh, nkv, hd) = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-    );
     Ok(Attention {
         q_proj: t.linear("attn.q_proj")?,
         k_proj: t.linear("attn.k_proj")?,
@@ -61,9 +56,9 @@ pub fn attention(
         o_proj: t.linear("attn.o_proj")?,
         q_norm: t.vector("attn.q_norm")?,
         k_norm: t.vector("attn.k_norm")?,
-        num_heads: nh,
-        num_kv_heads: nkv,
-        head_dim: hd,
+        num_heads: cfg.num_attention_heads,
+        num_kv_heads: cfg.num_key_value_heads,
+        head_dim: cfg.head_dim,
         output_gate: cfg.attn_output_gate,
         rope: Rope::new(cfg.rotary_dim, cfg.rope_theta),
         eps: cfg.rms_norm_eps,
@@ -76,13 +71,6 @@ pub fn gated_delta_net(
     layer: usize,
 ) -> Result<GatedDeltaNet, ModelError> {
     let t = LayerSpecs::new(src, cfg, layer);
-    let (nk, dk, nv, dv, kk) = (
-        cfg.linear_num_key_heads,
-        cfg.linear_key_head_dim,
-        cfg.linear_num_value_heads,
-        cfg.linear_value_head_dim,
-        cfg.linear_conv_kernel,
-    );
     Ok(GatedDeltaNet {
         in_proj_qkv: t.linear("gdn.in_proj_qkv")?,
         in_proj_z: t.linear("gdn.in_proj_z")?,
@@ -93,11 +81,11 @@ pub fn gated_delta_net(
         dt_bias: t.vector("gdn.dt_bias")?,
         norm: t.vector("gdn.norm")?,
         out_proj: t.linear("gdn.out_proj")?,
-        num_k_heads: nk,
-        k_dim: dk,
-        num_v_heads: nv,
-        v_dim: dv,
-        kernel: kk,
+        num_k_heads: cfg.linear_num_key_heads,
+        k_dim: cfg.linear_key_head_dim,
+        num_v_heads: cfg.linear_num_value_heads,
+        v_dim: cfg.linear_value_head_dim,
+        kernel: cfg.linear_conv_kernel,
         eps: cfg.rms_norm_eps,
     })
 }

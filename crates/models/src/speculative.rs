@@ -13,7 +13,7 @@ use slipstream_core::ExpertSource;
 
 use crate::backend::CpuBackend;
 use crate::state::{LayerState, LinearState, ModelState};
-use crate::transformer::{HiddenSink, Logits, PhaseTimes, Transformer};
+use crate::transformer::{HiddenSink, Logits, PhaseTimes, Taps, Transformer};
 use crate::ModelError;
 
 /// What a verify pass of `n` tokens recorded: enough to roll the state
@@ -68,17 +68,12 @@ impl Transformer {
                 hidden.extend_from_slice(rows);
                 Ok(())
             };
-            let sink: Option<HiddenSink<'_, Vec<f32>>> = want_hidden.then_some(&mut sink);
-            self.run_with_hidden(
-                &mut backend,
-                state,
-                tokens,
-                experts,
-                Logits::All,
-                None,
+            let taps = Taps {
+                observer: None,
                 phases,
-                sink,
-            )?
+                hidden: want_hidden.then_some(&mut sink as HiddenSink<'_, Vec<f32>>),
+            };
+            self.run_with_taps(&mut backend, state, tokens, experts, Logits::All, taps)?
         };
         Ok(VerifyPass {
             logits,

@@ -64,10 +64,10 @@ pub(crate) type HiddenSink<'a, A> = &'a mut dyn FnMut(&A, usize) -> Result<(), M
 
 /// What the passes of one [`Transformer::run`] report to besides the
 /// logits they return.
-struct Taps<'o, 'p, 'h, A> {
-    observer: Option<RouteObserver<'o>>,
-    phases: Option<&'p mut PhaseTimes>,
-    hidden: Option<HiddenSink<'h, A>>,
+pub(crate) struct Taps<'o, 'p, 'h, A> {
+    pub(crate) observer: Option<RouteObserver<'o>>,
+    pub(crate) phases: Option<&'p mut PhaseTimes>,
+    pub(crate) hidden: Option<HiddenSink<'h, A>>,
 }
 
 fn set_attention_activations(a: &mut Attention, act: slipstream_kernels::Activations) {
@@ -125,7 +125,6 @@ impl Transformer {
 
     /// A fresh state for one sequence.
     pub fn new_state(&self) -> ModelState {
-        let c = &self.config;
         let layers = self
             .layers
             .iter()
@@ -139,7 +138,6 @@ impl Transformer {
                 }),
             })
             .collect();
-        let _ = c;
         ModelState {
             layers,
             tokens: Vec::new(),
@@ -194,15 +192,18 @@ impl Transformer {
             hidden.extend_from_slice(rows);
             Ok(())
         };
-        self.run_with_hidden(
+        let taps = Taps {
+            observer: None,
+            phases,
+            hidden: Some(&mut sink),
+        };
+        self.run_with_taps(
             &mut CpuBackend::default(),
             state,
             tokens,
             experts,
             want,
-            None,
-            phases,
-            Some(&mut sink),
+            taps,
         )
     }
 
@@ -244,24 +245,24 @@ impl Transformer {
         observer: Option<RouteObserver<'_>>,
         phases: Option<&mut PhaseTimes>,
     ) -> Result<Vec<f32>, ModelError> {
-        self.run_with_hidden(
-            backend, state, tokens, experts, want, observer, phases, None,
-        )
+        let taps = Taps {
+            observer,
+            phases,
+            hidden: None,
+        };
+        self.run_with_taps(backend, state, tokens, experts, want, taps)
     }
 
-    /// [`Transformer::run`] that hands each pass's final-normed hidden rows
-    /// to `hidden` when given.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run_with_hidden<B: Backend>(
+    /// [`Transformer::run`] with every tap: it also hands each pass's
+    /// final-normed hidden rows to `taps.hidden` when given.
+    pub(crate) fn run_with_taps<B: Backend>(
         &self,
         backend: &mut B,
         state: &mut ModelState,
         tokens: &[u32],
         experts: &mut dyn ExpertSource,
         want: Logits,
-        observer: Option<RouteObserver<'_>>,
-        phases: Option<&mut PhaseTimes>,
-        hidden: Option<HiddenSink<'_, B::Act>>,
+        mut taps: Taps<'_, '_, '_, B::Act>,
     ) -> Result<Vec<f32>, ModelError> {
         let n = tokens.len();
         if n == 0 {
@@ -279,11 +280,6 @@ impl Transformer {
                 vocab: self.config.vocab_size,
             });
         }
-        let mut taps = Taps {
-            observer,
-            phases,
-            hidden,
-        };
         let step = backend.max_pass_tokens().max(1);
         let mut logits = Vec::new();
         let chunks: Vec<&[u32]> = tokens.chunks(step).collect();
