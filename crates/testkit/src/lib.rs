@@ -274,29 +274,30 @@ pub fn small_hybrid_model(
     seed: u64,
 ) -> PathBuf {
     use slipstream_core::config::LayerKind;
-    let mut config =
-        slipstream_synth::preset_config(slipstream_synth::Preset::Qwen36_35bA3b, Some(4));
-    config.vocab_size = 512;
-    config.hidden_size = hidden;
-    config.layer_types = vec![
-        LayerKind::LinearAttention,
-        LayerKind::LinearAttention,
-        LayerKind::LinearAttention,
-        LayerKind::FullAttention,
-    ];
-    config.num_attention_heads = 4;
-    config.num_key_value_heads = 2;
-    config.head_dim = 64;
-    config.rotary_dim = 16;
-    config.linear_num_key_heads = 2;
-    config.linear_key_head_dim = 64;
-    config.linear_num_value_heads = 4;
-    config.linear_value_head_dim = 64;
-    config.num_experts = 32;
-    config.num_experts_per_tok = 4;
-    config.moe_intermediate_size = 64;
-    config.shared_expert_intermediate_size = 64;
-    config.mtp_num_layers = mtp_layers;
+    let config = slipstream_core::ModelConfig {
+        vocab_size: 512,
+        hidden_size: hidden,
+        layer_types: vec![
+            LayerKind::LinearAttention,
+            LayerKind::LinearAttention,
+            LayerKind::LinearAttention,
+            LayerKind::FullAttention,
+        ],
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 64,
+        rotary_dim: 16,
+        linear_num_key_heads: 2,
+        linear_key_head_dim: 64,
+        linear_num_value_heads: 4,
+        linear_value_head_dim: 64,
+        num_experts: 32,
+        num_experts_per_tok: 4,
+        moe_intermediate_size: 64,
+        shared_expert_intermediate_size: 64,
+        mtp_num_layers: mtp_layers,
+        ..slipstream_synth::preset_config(slipstream_synth::Preset::Qwen36_35bA3b, Some(4))
+    };
     let out = dir.join(name);
     slipstream_synth::synthesize(
         &slipstream_synth::SynthOptions {
