@@ -182,14 +182,19 @@ impl Engine {
         token: u32,
         draw: Option<(DrawParams, f64)>,
     ) -> Result<u32, slipstream_models::ModelError> {
-        // A prompt restored whole runs no prefill: its first generated token
-        // is the first pass from the restored state.
-        self.run_on_device(state, &[token], Logits::None, false)?;
-        let Some(c) = self.cuda.as_mut() else {
-            return Err(slipstream_models::ModelError::State(
+        let no_device = || {
+            slipstream_models::ModelError::State(
                 "choosing tokens on the device without a CUDA backend".into(),
-            ));
+            )
         };
+        if self.cuda.is_none() {
+            return Err(no_device());
+        }
+        // A prompt restored whole runs no prefill: its first generated token
+        // is the first pass from the restored state (run_model brings the
+        // device to it).
+        self.run_model(state, &[token], Logits::None, false)?;
+        let c = self.cuda.as_mut().ok_or_else(no_device)?;
         c.next_token(&self.model, draw)
     }
 

@@ -418,66 +418,51 @@ impl Engine {
         want: Logits,
         prompt: bool,
     ) -> Result<Vec<f32>, slipstream_models::ModelError> {
-        if self.cuda.is_some() {
-            return self.run_on_device(state, tokens, want, prompt);
-        }
-        match self.mtp_drafter.as_mut() {
-            // Drafting with the MTP head: it takes every pass's
-            // final-normed hidden rows (the logits are the same bits).
-            Some(d) => {
-                let start = state.tokens.len();
-                let mut hidden = Vec::new();
-                let out = self.model.forward_timed_hidden(
+        self.state_to_device(state)?;
+        match self.cuda.as_mut() {
+            Some(c) => {
+                c.set_prompt_pass(prompt);
+                let out = self.model.run(
+                    c,
                     state,
                     tokens,
                     &mut self.store,
                     want,
+                    None,
                     self.phases.as_mut(),
-                    &mut hidden,
                 );
-                if out.is_ok() {
-                    d.push_hidden(start, &hidden);
-                }
+                device_ran(&mut self.device_tokens, tokens, out.is_ok());
                 out
             }
-            None => self.model.forward_timed(
-                state,
-                tokens,
-                &mut self.store,
-                want,
-                None,
-                self.phases.as_mut(),
-            ),
+            None => match self.mtp_drafter.as_mut() {
+                // Drafting with the MTP head: it takes every pass's
+                // final-normed hidden rows (the logits are the same bits).
+                Some(d) => {
+                    let start = state.tokens.len();
+                    let mut hidden = Vec::new();
+                    let out = self.model.forward_timed_hidden(
+                        state,
+                        tokens,
+                        &mut self.store,
+                        want,
+                        self.phases.as_mut(),
+                        &mut hidden,
+                    );
+                    if out.is_ok() {
+                        d.push_hidden(start, &hidden);
+                    }
+                    out
+                }
+                None => self.model.forward_timed(
+                    state,
+                    tokens,
+                    &mut self.store,
+                    want,
+                    None,
+                    self.phases.as_mut(),
+                ),
+            },
         }
-    }
-
-    /// [`Engine::run_model`] on the CUDA backend: brings the device to
-    /// `state` first and records the pass in `device_tokens`.
-    fn run_on_device(
-        &mut self,
-        state: &mut ModelState,
-        tokens: &[u32],
-        want: Logits,
-        prompt: bool,
-    ) -> Result<Vec<f32>, slipstream_models::ModelError> {
-        self.state_to_device(state)?;
-        let Some(c) = self.cuda.as_mut() else {
-            return Err(slipstream_models::ModelError::State(
-                "a device pass without a CUDA backend".into(),
-            ));
-        };
-        c.set_prompt_pass(prompt);
-        let out = self.model.run(
-            c,
-            state,
-            tokens,
-            &mut self.store,
-            want,
-            None,
-            self.phases.as_mut(),
-        );
-        device_ran(&mut self.device_tokens, tokens, out.is_ok());
-        out
     }
 
     /// Sets speculative decoding for the generations that follow (off by
