@@ -13,7 +13,7 @@ use slipstream_core::ExpertSource;
 
 use crate::backend::CpuBackend;
 use crate::state::{LayerState, LinearState, ModelState};
-use crate::transformer::{HiddenSink, Logits, PhaseTimes, Taps, Transformer};
+use crate::transformer::{append_rows, HiddenSink, Logits, PhaseTimes, Taps, Transformer};
 use crate::ModelError;
 
 /// What a verify pass of `n` tokens recorded: enough to roll the state
@@ -64,10 +64,7 @@ impl Transformer {
         let mut hidden = Vec::new();
         let logits = {
             let mut backend = CpuBackend::recording(&mut trail);
-            let mut sink = |rows: &Vec<f32>, _n: usize| {
-                hidden.extend_from_slice(rows);
-                Ok(())
-            };
+            let mut sink = append_rows(&mut hidden);
             let taps = Taps {
                 observer: None,
                 phases,

@@ -62,6 +62,16 @@ pub struct Transformer {
 /// (`[n, hidden]`) and `n`.
 pub(crate) type HiddenSink<'a, A> = &'a mut dyn FnMut(&A, usize) -> Result<(), ModelError>;
 
+/// A CPU [`HiddenSink`] body: appends each pass's rows to `hidden`.
+pub(crate) fn append_rows(
+    hidden: &mut Vec<f32>,
+) -> impl FnMut(&Vec<f32>, usize) -> Result<(), ModelError> + '_ {
+    |rows, _n| {
+        hidden.extend_from_slice(rows);
+        Ok(())
+    }
+}
+
 /// What the passes of one [`Transformer::run`] report to besides the
 /// logits they return.
 pub(crate) struct Taps<'o, 'p, 'h, A> {
@@ -188,10 +198,7 @@ impl Transformer {
         phases: Option<&mut PhaseTimes>,
         hidden: &mut Vec<f32>,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut sink = |rows: &Vec<f32>, _n: usize| {
-            hidden.extend_from_slice(rows);
-            Ok(())
-        };
+        let mut sink = append_rows(hidden);
         let taps = Taps {
             observer: None,
             phases,
