@@ -496,7 +496,7 @@ impl Gen {
 
 /// An SSE body fed by a task; when the client goes away the receiver is
 /// dropped, the task sees it and drops its `Gen` (which cancels).
-pub fn sse_body(rx: mpsc::Receiver<String>) -> axum::body::Body {
+fn sse_body(rx: mpsc::Receiver<String>) -> axum::body::Body {
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
             .await
@@ -506,7 +506,7 @@ pub fn sse_body(rx: mpsc::Receiver<String>) -> axum::body::Body {
 }
 
 /// Response headers of an SSE stream.
-pub fn sse_response(body: axum::body::Body) -> axum::response::Response {
+fn sse_response(body: axum::body::Body) -> axum::response::Response {
     axum::response::Response::builder()
         .header("content-type", "text/event-stream")
         .header("cache-control", "no-cache")
@@ -528,7 +528,7 @@ where
 
 /// Waits for the next step while sending keep-alives; `None` when the
 /// client is gone (the caller returns, dropping the `Gen`).
-pub async fn next_or_ping(
+async fn next_or_ping(
     gen: &mut Gen,
     tx: &mpsc::Sender<String>,
     ping: &str,
