@@ -179,6 +179,30 @@ print(f"demo, restore on cuda: 100 of 150 prompt tokens restored: {restored}; ge
       f"tokens equal (uninterrupted, cuda snapshot, cpu snapshot at 1 VRAM slot): {ids['rs'] == ids['p150w']}, {ids['rsc'] == ids['p150x']} (exact prompt); whole prompt restored gives the uninterrupted tokens: {whole} {'ok' if ok else 'FAIL'}")
 sys.exit(0 if ok else 1)
 PY
+# Speculative decoding on the device (the demo model's trained MTP head,
+# prompt lookup, both): greedy, the 300 tokens of plain decoding for every
+# mode at k = 1, 3 and 8 resident, and at k = 3 with 1 VRAM slot (host
+# routing: the verify pass runs token by token); the decode rates and the
+# speculation lines go to spec.log, the cost of verify passes to verify.log.
+: > "$OUT/spec.log"
+specfail=0
+for mode in mtp lookup both; do
+    for ks in 1:all 3:all 8:all 3:1; do
+        IFS=: read -r k slots <<< "$ks"
+        sl=""; [ "$slots" = 1 ] && sl="--vram-slots 1"
+        $B/slipstream run --max-new 300 --print-ids --resident --backend cuda $sl --speculate $mode --draft-tokens $k \
+            --speculate-always > /tmp/demo.spec.ids 2> /tmp/demo.spec.err || specfail=1
+        same=FAIL; cmp -s /tmp/demo.spec.ids /tmp/demo.longd.ids && same=ok
+        [ "$same" = ok ] || specfail=1
+        echo "== $mode k=$k slots=$slots: tokens equal to plain decoding: $same" >> "$OUT/spec.log"
+        grep -h "^\[speculat\|tok/s\|rror" /tmp/demo.spec.err >> "$OUT/spec.log"
+    done
+done
+$B/slipstream run --max-new 300 --resident --backend cuda > /dev/null 2> /tmp/demo.plain.err || specfail=1
+{ echo "== plain"; grep -h "tok/s" /tmp/demo.plain.err; } >> "$OUT/spec.log"
+$B/slipstream run --max-new 64 --resident --backend cuda --measure-verify 9 > /dev/null 2> "$OUT/verify.log" || specfail=1
+echo "demo, speculative decoding on cuda (mtp, lookup, both; k 1, 3, 8 resident, k 3 at 1 VRAM slot): $([ $specfail = 0 ] && echo ok || echo FAIL)" >> "$OUT/model.log"
+[ $specfail = 0 ] || fail=1
 cat "$OUT/model.log"
 grep -h "^\[cuda\]\|^\[backend\]\|rror" "$OUT/model.stderr" | sort | uniq -c | head -20
 echo "device test: $([ $fail = 0 ] && echo PASS || echo FAIL)" | tee -a "$OUT/summary.txt"

@@ -5,7 +5,7 @@ use slipstream_engine::{SpeculateMode, Speculation, DEFAULT_DRAFT_TOKENS};
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SpeculateArgs {
-    /// Speculative decoding (CPU backend): off, mtp (the model's MTP
+    /// Speculative decoding (CPU and CUDA backends): off, mtp (the model's MTP
     /// head), lookup (n-grams of the prompt and the text so far) or both.
     /// The output is the same as without it. Default off.
     #[arg(long, value_name = "MODE", value_parser = |s: &str| s.parse::<SpeculateMode>())]

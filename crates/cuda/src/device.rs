@@ -597,6 +597,38 @@ impl Gpu {
         Ok(out)
     }
 
+    /// Copies `n` f32 values of `src` from element `src_at` into `dst` from
+    /// element `dst_at`, queued on the compute stream (no synchronisation).
+    pub fn copy_f32(
+        &self,
+        dst: &DBuf,
+        dst_at: usize,
+        src: &DBuf,
+        src_at: usize,
+        n: usize,
+    ) -> Result<()> {
+        if (dst_at + n) * 4 > dst.bytes || (src_at + n) * 4 > src.bytes {
+            return Err(CudaError::Invalid(
+                "copy past the end of a device buffer".into(),
+            ));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.ctx.bind_to_thread()?;
+        // SAFETY: both ranges lie inside their buffers (checked above),
+        // which the caller keeps alive while the stream runs the copy.
+        unsafe {
+            result::memcpy_dtod_async(
+                dst.f32_at(dst_at).raw(),
+                src.f32_at(src_at).raw(),
+                n * 4,
+                self.stream.cu_stream(),
+            )?;
+        }
+        Ok(())
+    }
+
     /// Reads `n` i32 values of `b` (synchronises).
     pub fn read_i32(&self, b: &DBuf, n: usize) -> Result<Vec<i32>> {
         Ok(self

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use slipstream_kernels::sample::DrawParams;
-use slipstream_models::Logits;
+use slipstream_models::speculative::StateTrail;
+use slipstream_models::{Logits, ModelError};
 use slipstream_store::{Phase, StoreCounters};
 
 use crate::speculative::{lookup_draft, Governor, MtpDrafter, LOOKUP_MAX_NGRAM};
@@ -15,6 +16,29 @@ use crate::{
     PhaseTimes, PrefillCheckpoint, Restored, Sampler, SamplingParams, SpeculateMode,
     SpeculationStats, StateCache, StepHook,
 };
+
+/// What a verify pass leaves for its rollback.
+enum VerifyRecord {
+    /// The CPU backend's Gated DeltaNet states after each token.
+    Cpu(StateTrail),
+    /// The CUDA backend keeps its own (`CudaModel::rollback`).
+    Device,
+}
+
+/// A verify pass's rows and what its rollback needs.
+struct Verified {
+    /// `[n, vocab]`: row `i` is the distribution after the pass's first
+    /// `i + 1` tokens, the bits of a one-token pass there.
+    logits: Vec<f32>,
+    /// `[n, hidden]` final-normed rows when asked for (the MTP head's
+    /// input), else empty.
+    hidden: Vec<f32>,
+    record: VerifyRecord,
+}
+
+fn cuda_error(e: slipstream_cuda::CudaError) -> ModelError {
+    ModelError::State(format!("CUDA: {e}"))
+}
 
 /// The pieces a prefill of `len` tokens starting at position `base` runs
 /// in: `(start, end, chunk_end)` with offsets into the prefilled tokens.
@@ -286,10 +310,78 @@ impl Engine {
         }
     }
 
+    /// Runs `pass` (the last chosen token, then the drafts) as one verify
+    /// pass on the backend in use: every row's logits, the final-normed
+    /// rows when `want_hidden`, and the record [`Engine::roll_back`]
+    /// takes. On error the state must be discarded.
+    fn verify_pass(
+        &mut self,
+        state: &mut ModelState,
+        pass: &[u32],
+        want_hidden: bool,
+    ) -> Result<Verified, ModelError> {
+        if self.cuda.is_none() {
+            let v = self.model.forward_verify(
+                state,
+                pass,
+                &mut self.store,
+                want_hidden,
+                self.phases.as_mut(),
+            )?;
+            return Ok(Verified {
+                logits: v.logits,
+                hidden: v.hidden,
+                record: VerifyRecord::Cpu(v.trail),
+            });
+        }
+        // The device holds `state` before the record starts.
+        self.state_to_device(state)?;
+        if let Some(c) = self.cuda.as_mut() {
+            c.begin_verify(pass.len()).map_err(cuda_error)?;
+        }
+        let (out, hidden) = self.run_on_device(state, pass, Logits::All, false, want_hidden);
+        if let Some(c) = self.cuda.as_mut() {
+            c.end_verify();
+        }
+        Ok(Verified {
+            logits: out?,
+            hidden,
+            record: VerifyRecord::Device,
+        })
+    }
+
+    /// Rolls `state` (and the device's, on CUDA) back to the first `keep`
+    /// tokens of the verify pass that left `record`.
+    fn roll_back(
+        &mut self,
+        state: &mut ModelState,
+        record: &VerifyRecord,
+        keep: usize,
+    ) -> Result<(), ModelError> {
+        match record {
+            VerifyRecord::Cpu(trail) => state.rollback(trail, keep),
+            VerifyRecord::Device => {
+                let c = self
+                    .cuda
+                    .as_mut()
+                    .ok_or_else(|| ModelError::State("a device rollback without CUDA".into()))?;
+                c.rollback(keep).map_err(cuda_error)?;
+                let position = c.position();
+                state.tokens.truncate(position);
+                if let Some(t) = self.device_tokens.as_mut() {
+                    t.truncate(position);
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// The cost of verify passes from `state`: for each `n` in
     /// `1..=max_tokens`, the fastest of `repeats` passes of `n` tokens
-    /// (`tokens` cycled; seconds), each from a copy of `state`. A pass of
-    /// 1 is a plain decode step (no trail); `n` checks `n - 1` drafts.
+    /// (`tokens` cycled; seconds). A pass of 1 is a plain decode step (no
+    /// record); `n` checks `n - 1` drafts. On the CPU each pass runs from a
+    /// copy of `state`; on CUDA from the device's state, rolled back to the
+    /// pass's first token after each (so the position moves on by one).
     pub fn measure_verify(
         &mut self,
         state: &ModelState,
@@ -306,17 +398,22 @@ impl Engine {
         for n in 1..=max_tokens {
             let pass: Vec<u32> = tokens.iter().cycle().take(n).copied().collect();
             let mut best = f64::INFINITY;
+            let mut s = state.clone();
             for _ in 0..repeats.max(1) {
-                let mut s = state.clone();
+                if self.cuda.is_none() {
+                    s = state.clone();
+                }
                 let t = Instant::now();
                 if n == 1 {
-                    self.model
-                        .forward(&mut s, &pass, &mut self.store, Logits::Last, None)?;
+                    self.run_model(&mut s, &pass, Logits::Last, false)?;
+                    best = best.min(t.elapsed().as_secs_f64());
                 } else {
-                    self.model
-                        .forward_verify(&mut s, &pass, &mut self.store, false, None)?;
+                    let v = self.verify_pass(&mut s, &pass, false)?;
+                    best = best.min(t.elapsed().as_secs_f64());
+                    if self.cuda.is_some() {
+                        self.roll_back(&mut s, &v.record, 1)?;
+                    }
                 }
-                best = best.min(t.elapsed().as_secs_f64());
             }
             out.push((n, best));
         }
@@ -563,10 +660,10 @@ impl Engine {
         // stays the model's, kept in the state for a later restore.
         let edits_logits = penalties.is_some() || hook.is_some();
         let mut edited: Vec<f32> = Vec::new();
-        // Speculative decoding (CPU backend only): drafts verified in one
-        // pass, rows chosen from in order exactly as plain decoding would.
+        // Speculative decoding: drafts verified in one pass, rows chosen
+        // from in order exactly as plain decoding would.
         let settings = self.speculation.clone();
-        let speculating = settings.mode != SpeculateMode::Off && self.cuda.is_none();
+        let speculating = settings.mode != SpeculateMode::Off;
         if speculating && settings.mode == SpeculateMode::Custom && self.drafter.is_none() {
             return Err(EngineError::Request(
                 "custom speculation without a drafter (Engine::set_drafter)".into(),
@@ -630,6 +727,9 @@ impl Engine {
             && !edits_logits
             && (sampler.is_greedy() || sampler.is_fixed_point());
         let mut device_next: Option<u32> = None;
+        // Whether the last step's row is still on the device only (a plain
+        // step chosen there, not a verify pass).
+        let mut last_on_device = false;
         while tokens.len() < req.max_new_tokens {
             let next = match device_next.take().or(pending.take()) {
                 Some(t) => t,
@@ -678,14 +778,10 @@ impl Engine {
                 let mut pass = Vec::with_capacity(1 + drafts.len());
                 pass.push(next);
                 pass.extend_from_slice(&drafts);
-                let verified = self.model.forward_verify(
-                    state,
-                    &pass,
-                    &mut self.store,
-                    self.mtp_drafter.is_some(),
-                    self.phases.as_mut(),
-                );
+                let want_hidden = self.mtp_drafter.is_some();
+                let verified = self.verify_pass(state, &pass, want_hidden);
                 let verified = verified.inspect_err(|_| state.last_logits.clear())?;
+                last_on_device = false;
                 // Row i is the distribution after pass[..=i]: drafts are
                 // taken while the token chosen from it equals them; the
                 // first that differs is the chosen token, emitted next.
@@ -722,8 +818,7 @@ impl Engine {
                     }
                     keep += 1;
                 }
-                state
-                    .rollback(&verified.trail, keep)
+                self.roll_back(state, &verified.record, keep)
                     .inspect_err(|_| state.last_logits.clear())?;
                 if let Some(m) = self.mtp_drafter.as_mut() {
                     m.push_hidden(
@@ -757,6 +852,7 @@ impl Engine {
                         None
                     })
             };
+            last_on_device = on_device;
             match step {
                 Ok(t) => device_next = t,
                 Err(e) => {
@@ -773,7 +869,7 @@ impl Engine {
         }
         state.last_logits = match self.cuda.as_mut() {
             // The last step's row is still on the device.
-            Some(c) if on_device && tokens.len() > 1 => c.last_logits()?,
+            Some(c) if last_on_device => c.last_logits()?,
             _ => last,
         };
         let decode_s = decode_start.elapsed().as_secs_f64();

@@ -420,18 +420,15 @@ impl Engine {
     ) -> Result<Vec<f32>, slipstream_models::ModelError> {
         self.state_to_device(state)?;
         match self.cuda.as_mut() {
-            Some(c) => {
-                c.set_prompt_pass(prompt);
-                let out = self.model.run(
-                    c,
-                    state,
-                    tokens,
-                    &mut self.store,
-                    want,
-                    None,
-                    self.phases.as_mut(),
-                );
-                device_ran(&mut self.device_tokens, tokens, out.is_ok());
+            Some(_) => {
+                // Drafting with the MTP head: it takes every pass's
+                // final-normed hidden rows, read back from the device.
+                let keep_hidden = self.mtp_drafter.is_some();
+                let start = state.tokens.len();
+                let (out, hidden) = self.run_on_device(state, tokens, want, prompt, keep_hidden);
+                if let (Ok(_), Some(d)) = (&out, self.mtp_drafter.as_mut()) {
+                    d.push_hidden(start, &hidden);
+                }
                 out
             }
             None => match self.mtp_drafter.as_mut() {
@@ -465,9 +462,42 @@ impl Engine {
         }
     }
 
+    /// A pass of `tokens` on the CUDA backend (the caller checked there is
+    /// one) from `state`, brought to the device first; with `keep_hidden`
+    /// also every token's final-normed hidden row (`[tokens, hidden]`,
+    /// else empty).
+    pub(crate) fn run_on_device(
+        &mut self,
+        state: &mut ModelState,
+        tokens: &[u32],
+        want: Logits,
+        prompt: bool,
+        keep_hidden: bool,
+    ) -> (Result<Vec<f32>, slipstream_models::ModelError>, Vec<f32>) {
+        if let Err(e) = self.state_to_device(state) {
+            return (Err(e), Vec::new());
+        }
+        let Some(c) = self.cuda.as_mut() else {
+            let e = slipstream_models::ModelError::State("no CUDA backend".into());
+            return (Err(e), Vec::new());
+        };
+        c.set_prompt_pass(prompt);
+        let phases = self.phases.as_mut();
+        let out = if keep_hidden {
+            c.collect_hidden();
+            self.model
+                .run_norming_every_row(c, state, tokens, &mut self.store, want, phases)
+        } else {
+            self.model
+                .run(c, state, tokens, &mut self.store, want, None, phases)
+        };
+        let hidden = c.take_hidden();
+        device_ran(&mut self.device_tokens, tokens, out.is_ok());
+        (out, hidden)
+    }
+
     /// Sets speculative decoding for the generations that follow (off by
-    /// default). It runs on the CPU backend; on CUDA generation stays
-    /// plain. The output is the same tokens either way: greedy bit for bit,
+    /// default), on either backend. The output is the same tokens either way: greedy bit for bit,
     /// sampled draw for draw (see docs/SPECULATIVE.md).
     pub fn set_speculation(&mut self, settings: Speculation) -> Result<(), EngineError> {
         settings
@@ -485,13 +515,9 @@ impl Engine {
     /// when off; on CUDA, that generation stays plain.
     pub fn speculation_note(&self) -> Option<String> {
         let s = &self.speculation;
-        match (s.mode, self.cuda.is_some()) {
-            (SpeculateMode::Off, _) => None,
-            (mode, true) => Some(format!(
-                "speculative decoding ({}) runs on the CPU backend only: decoding stays plain",
-                mode.name()
-            )),
-            (mode, false) => Some(format!(
+        match s.mode {
+            SpeculateMode::Off => None,
+            mode => Some(format!(
                 "speculative decoding: {}, {} drafts per verify pass{}",
                 mode.name(),
                 s.draft_tokens,

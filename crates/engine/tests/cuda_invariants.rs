@@ -13,10 +13,13 @@
 use std::path::Path;
 
 use slipstream_cuda::{CudaOptions, CudaTuning, PromptPrecision};
-use slipstream_engine::{BackendChoice, Generation, StoreChoice};
+use slipstream_engine::{
+    BackendChoice, Engine, GenerateRequest, Generation, SpeculateMode, Speculation, StoreChoice,
+};
 use slipstream_repack::QuantChoice;
 use slipstream_testkit::{
-    fixture, greedy, open, open_on, rel_err, repacked, repacked_gguf, same_bits, Reference,
+    fixture, greedy, open, open_on, rel_err, repacked, repacked_gguf, repetitive_prompt, same_bits,
+    small_hybrid_model, Reference,
 };
 
 /// Greedy tokens generated after each prompt (as the script's `--max-new 8`).
@@ -94,7 +97,8 @@ fn have_gpu() -> bool {
     }
 }
 
-fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cuda::CudaStats) {
+/// An engine on the CUDA backend in variant `v`.
+fn open_variant(model: &Path, v: &Variant) -> Engine {
     let tuning = CudaTuning {
         prompt_precision: v.precision,
         ..CudaTuning::from_vars(|name| {
@@ -111,7 +115,11 @@ fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cud
         policy: Default::default(),
         tuning,
     });
-    let mut engine = open_on(model, StoreChoice::Resident, 4096, cuda);
+    open_on(model, StoreChoice::Resident, 4096, cuda)
+}
+
+fn run(model: &Path, prompt: &[u32], v: &Variant) -> (Generation, slipstream_cuda::CudaStats) {
+    let mut engine = open_variant(model, v);
     let g = greedy(&mut engine, prompt, NEW_TOKENS);
     (g, engine.cuda_stats().expect("the CUDA backend is on"))
 }
@@ -213,4 +221,74 @@ fn gguf_imports_match_the_cpu_at_one_vram_slot() {
         let prompt = Reference::read(&fixture(name)).prompt;
         check(name, &model, &prompt, &["all", "1"]);
     }
+}
+
+/// Speculative decoding on the device gives plain decoding's output: for
+/// every drafter (the MTP head drafting from rows read back, prompt
+/// lookup, both) and k = 1..=8, greedy tokens equal, and with every row
+/// kept the logits bit for bit; with every expert resident (multi-token
+/// verify passes; plain steps chosen on the device between them), at 1
+/// and 2 VRAM slots (host routing: a verify pass runs token by token) and
+/// with graphs off.
+#[test]
+fn speculation_on_the_device_is_bit_identical_to_plain_decoding() {
+    if !have_gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let model = small_hybrid_model(tmp.path(), "synth-mtp.slip", 128, 1, 5);
+    let prompt = repetitive_prompt();
+    let max_new = 20;
+    let with_rows = GenerateRequest::new(prompt.clone(), max_new).keeping_logits();
+    let tokens_only = GenerateRequest::new(prompt, max_new);
+    let generate = |engine: &mut Engine, req: &GenerateRequest| {
+        engine
+            .generate(req, &mut |_| true)
+            .unwrap_or_else(|e| panic!("generation: {e}"))
+    };
+    let (mut drafted, mut accepted, mut passes) = (0, 0, 0);
+    for name in ["all", "1", "2", "nograph"] {
+        let v = VARIANTS.iter().find(|v| v.name == name).unwrap();
+        let mut engine = open_variant(&model, v);
+        let plain = generate(&mut engine, &with_rows);
+        let plain_device = generate(&mut engine, &tokens_only);
+        assert_eq!(plain.tokens.len(), max_new);
+        assert_eq!(
+            plain_device.tokens, plain.tokens,
+            "{name}: argmax on the device"
+        );
+        for mode in [
+            SpeculateMode::Mtp,
+            SpeculateMode::Lookup,
+            SpeculateMode::Both,
+        ] {
+            for k in 1..=8 {
+                let what = format!("slots={name} {} k {k}", mode.name());
+                engine
+                    .set_speculation(Speculation {
+                        mode,
+                        draft_tokens: k,
+                        auto_off: false,
+                    })
+                    .unwrap();
+                let g = generate(&mut engine, &with_rows);
+                assert_eq!(g.tokens, plain.tokens, "{what}: tokens differ");
+                assert!(same_bits(&g.logits, &plain.logits), "{what}: logits differ");
+                let d = generate(&mut engine, &tokens_only);
+                assert_eq!(
+                    d.tokens, plain.tokens,
+                    "{what}: tokens differ (rows on the device)"
+                );
+                let s = g.stats.speculation.expect("speculation stats");
+                drafted += s.drafted;
+                accepted += s.accepted;
+                passes += s.verify_passes;
+            }
+        }
+        engine.set_speculation(Speculation::default()).unwrap();
+    }
+    eprintln!(
+        "device speculation: {passes} verify passes, {accepted} of {drafted} drafts accepted"
+    );
+    assert!(passes > 0 && accepted > 0 && accepted < drafted);
 }

@@ -12,22 +12,13 @@ use slipstream_engine::{
 };
 use slipstream_models::Logits;
 use slipstream_repack::QuantChoice;
-use slipstream_testkit::{load_resident, open, repacked, same_bits, small_hybrid_model, streaming};
+use slipstream_testkit::{
+    load_resident, open, repacked, repetitive_prompt, same_bits, small_hybrid_model, streaming,
+};
 
 /// The small hybrid test model with one MTP layer (hidden 128).
 fn synthetic_mtp_model(dir: &Path) -> PathBuf {
     small_hybrid_model(dir, "synth-mtp.slip", 128, 1, 5)
-}
-
-/// A prompt whose n-grams repeat, so prompt lookup has matches.
-fn repetitive_prompt() -> Vec<u32> {
-    let phrase: Vec<u32> = (0..9).map(|i| (i * 53 + 7) % 500).collect();
-    let mut p = phrase.clone();
-    p.extend([3, 1, 4]);
-    p.extend(&phrase);
-    p.extend([2, 7]);
-    p.extend(&phrase[..4]);
-    p
 }
 
 fn speculation(mode: SpeculateMode, k: usize, auto_off: bool) -> Speculation {

@@ -260,6 +260,28 @@ impl Transformer {
         self.run_with_taps(backend, state, tokens, experts, want, taps)
     }
 
+    /// [`Transformer::run`] that puts every row of each pass through the
+    /// final norm (row by row: the logits are the same bits), for a backend
+    /// that keeps those rows itself (the CUDA backend's
+    /// `collect_hidden`, the MTP head's input).
+    pub fn run_norming_every_row<B: Backend>(
+        &self,
+        backend: &mut B,
+        state: &mut ModelState,
+        tokens: &[u32],
+        experts: &mut dyn ExpertSource,
+        want: Logits,
+        phases: Option<&mut PhaseTimes>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut ignore = |_: &B::Act, _: usize| Ok(());
+        let taps = Taps {
+            observer: None,
+            phases,
+            hidden: Some(&mut ignore),
+        };
+        self.run_with_taps(backend, state, tokens, experts, want, taps)
+    }
+
     /// [`Transformer::run`] with every tap: it also hands each pass's
     /// final-normed hidden rows to `taps.hidden` when given.
     pub(crate) fn run_with_taps<B: Backend>(

@@ -266,6 +266,18 @@ pub fn token_ids(json: &serde_json::Value, key: &str) -> Vec<u32> {
 /// layers (3 Gated DeltaNet, 1 gated attention), 32 experts top-4, a
 /// shared expert, vocabulary 512, hidden width `hidden`, `mtp_layers` MTP
 /// layers; written to `dir/name` from `seed`.
+/// A prompt whose n-grams repeat, so prompt lookup has matches (ids
+/// below 500).
+pub fn repetitive_prompt() -> Vec<u32> {
+    let phrase: Vec<u32> = (0..9).map(|i| (i * 53 + 7) % 500).collect();
+    let mut p = phrase.clone();
+    p.extend([3, 1, 4]);
+    p.extend(&phrase);
+    p.extend([2, 7]);
+    p.extend(&phrase[..4]);
+    p
+}
+
 pub fn small_hybrid_model(
     dir: &Path,
     name: &str,

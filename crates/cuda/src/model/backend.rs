@@ -46,7 +46,10 @@ impl Backend for CudaModel {
         // The pass graph holds the generated tokens' kernels: a prompt pass
         // on other kernels (tensor cores: the prompt attention takes its
         // position from the host) runs without it.
-        if n > 1 || (self.prompt_pass && self.tc_use != TensorCoreUse::Never) {
+        if n > 1
+            || (self.prompt_pass && self.tc_use != TensorCoreUse::Never)
+            || self.verify_recording()
+        {
             self.mode = PassMode::Plain;
             return Ok(());
         }
@@ -158,6 +161,10 @@ impl Backend for CudaModel {
             })
         };
         self.guard(r)?;
+        if which == NormKind::Final {
+            let r = self.keep_hidden(out, n);
+            self.guard(r)?;
+        }
         Ok(out)
     }
 
@@ -267,23 +274,14 @@ impl Backend for CudaModel {
         }
         let r = self.flush_residual();
         self.guard(r)?;
-        let g = &self.gpu;
-        let (src, dst) = (
-            self.act(*x).ptr.add_f32((n - rows) * self.hidden),
-            self.act(DAct::T).ptr,
+        let r = self.gpu.copy_f32(
+            self.act(DAct::T),
+            0,
+            self.act(*x),
+            (n - rows) * self.hidden,
+            rows * self.hidden,
         );
-        g.ctx.bind_to_thread().map_err(|e| err(e.into()))?;
-        // SAFETY: both buffers hold PASS_TOKENS rows of `hidden` f32 and
-        // rows <= n <= PASS_TOKENS (checked above).
-        unsafe {
-            result::memcpy_dtod_async(
-                dst.raw(),
-                src.raw(),
-                rows * self.hidden * 4,
-                g.stream.cu_stream(),
-            )
-        }
-        .map_err(|e| err(e.into()))?;
+        self.guard(r)?;
         Ok(DAct::T)
     }
 }

@@ -13,23 +13,8 @@ impl CudaModel {
                 let row = a.dims.1 * a.dims.2 * 4;
                 let kc = gpu.alloc(cap * row)?;
                 let vc = gpu.alloc(cap * row)?;
-                gpu.ctx.bind_to_thread()?;
-                // SAFETY: both copies stay inside the old (smaller) buffers
-                // and the new ones; ordered on the compute stream.
-                unsafe {
-                    result::memcpy_dtod_async(
-                        kc.ptr.raw(),
-                        a.kc.ptr.raw(),
-                        a.cap * row,
-                        gpu.stream.cu_stream(),
-                    )?;
-                    result::memcpy_dtod_async(
-                        vc.ptr.raw(),
-                        a.vc.ptr.raw(),
-                        a.cap * row,
-                        gpu.stream.cu_stream(),
-                    )?;
-                }
+                gpu.copy_f32(&kc, 0, &a.kc, 0, a.cap * row / 4)?;
+                gpu.copy_f32(&vc, 0, &a.vc, 0, a.cap * row / 4)?;
                 gpu.sync()?;
                 a.kc = kc;
                 a.vc = vc;
@@ -180,7 +165,11 @@ impl CudaModel {
             kernel: d.kernel,
             state: d.conv_state.ptr,
         };
+        // A verify pass keeps what a rollback needs (before the conv
+        // updates its state, and the recurrence's inputs).
+        self.record_gdn(l, true)?;
         g.gdn_conv(self.scratch.qkv.ptr, n, &conv, self.scratch.conv.ptr)?;
+        self.record_gdn(l, false)?;
         let step = GdnStep {
             conv_out: self.scratch.conv.ptr,
             z: self.scratch.z.ptr,

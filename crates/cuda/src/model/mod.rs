@@ -28,6 +28,7 @@ mod mixer;
 mod readback;
 mod routing;
 mod state;
+mod verify;
 mod weights;
 
 use std::time::Instant;
@@ -53,6 +54,7 @@ use crate::{
 };
 
 use graph::{PassGraph, PassMode};
+use verify::VerifyTrail;
 use weights::{DLayer, DMixer};
 
 /// Largest attention scratch grown for a pass's queries (bytes).
@@ -177,6 +179,12 @@ pub struct CudaModel {
     device_routing_allowed: bool,
     /// The next passes are the prompt's ([`CudaModel::set_prompt_pass`]).
     prompt_pass: bool,
+    /// The verify pass being recorded or last recorded, with its buffers
+    /// ([`CudaModel::begin_verify`]).
+    verify: Option<VerifyTrail>,
+    /// While `Some`: every final-normed row is read back into it
+    /// ([`CudaModel::collect_hidden`]).
+    hidden_rows: Option<Vec<f32>>,
     pub stats: CudaStats,
 }
 
@@ -339,6 +347,7 @@ impl CudaModel {
             }
         }
         self.pos = 0;
+        self.end_verify_recording();
         Ok(())
     }
 }

@@ -28,6 +28,31 @@ impl CudaModel {
         }
     }
 
+    /// From now on keeps every row that goes through the final norm
+    /// (`[rows, hidden]` f32, pass after pass) for
+    /// [`CudaModel::take_hidden`]: the MTP head's input. With
+    /// `Transformer::run_norming_every_row` that is every token's row.
+    pub fn collect_hidden(&mut self) {
+        self.hidden_rows = Some(Vec::new());
+    }
+
+    /// The rows kept since [`CudaModel::collect_hidden`], which stops.
+    pub fn take_hidden(&mut self) -> Vec<f32> {
+        self.hidden_rows.take().unwrap_or_default()
+    }
+
+    /// Appends `rows` final-normed rows of `xn` while collecting.
+    pub(super) fn keep_hidden(&mut self, xn: DAct, rows: usize) -> Result<()> {
+        if self.hidden_rows.is_none() {
+            return Ok(());
+        }
+        let got = self.gpu.read_f32(self.act(xn), 0, rows * self.hidden)?;
+        if let Some(h) = self.hidden_rows.as_mut() {
+            h.extend_from_slice(&got);
+        }
+        Ok(())
+    }
+
     /// The first row of `scratch.vocab` (`[vocab]`).
     pub(super) fn read_logits_row(&mut self) -> Result<Vec<f32>> {
         self.land_in_host(self.scratch.vocab.ptr, self.vocab)?;

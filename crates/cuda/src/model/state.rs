@@ -58,6 +58,7 @@ impl CudaModel {
         self.check_shape(state)?;
         let pos = state.position();
         self.abort_capture();
+        self.end_verify_recording();
         self.pending_residual = None;
         self.pass_out = None;
         self.collect_device_routes()?;

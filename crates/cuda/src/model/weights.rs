@@ -313,6 +313,8 @@ impl CudaModel {
             prompt_precision: tuning.prompt_precision,
             device_routing_allowed: tuning.device_routing,
             prompt_pass: false,
+            verify: None,
+            hidden_rows: None,
             stats: CudaStats::default(),
             layers,
             gpu,
