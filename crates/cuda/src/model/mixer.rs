@@ -170,19 +170,8 @@ impl CudaModel {
         self.record_gdn(l, true)?;
         g.gdn_conv(self.scratch.qkv.ptr, n, &conv, self.scratch.conv.ptr)?;
         self.record_gdn(l, false)?;
-        let step = GdnStep {
-            conv_out: self.scratch.conv.ptr,
-            z: self.scratch.z.ptr,
-            b: self.scratch.b.ptr,
-            a: self.scratch.a.ptr,
-            a_log: d.a_log.ptr,
-            dt_bias: d.dt_bias.ptr,
-            norm: d.norm.ptr,
-            state: d.rec_state.ptr,
-            dims: d.dims,
-            eps: d.eps,
-            core: self.scratch.core.ptr,
-        };
+        let s = &self.scratch;
+        let step = d.step([s.conv.ptr, s.z.ptr, s.b.ptr, s.a.ptr], s.core.ptr);
         g.gdn_step(&step, n)?;
         g.matvec(
             &d.out.desc,

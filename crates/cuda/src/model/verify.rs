@@ -187,20 +187,9 @@ impl CudaModel {
             };
             let g = &self.gpu;
             g.copy_f32(&d.rec_state, 0, &t.rec_before, 0, d.rec_state.len_f32())?;
-            let step = GdnStep {
-                conv_out: t.conv_out.ptr,
-                z: t.z.ptr,
-                b: t.b.ptr,
-                a: t.a.ptr,
-                a_log: d.a_log.ptr,
-                dt_bias: d.dt_bias.ptr,
-                norm: d.norm.ptr,
-                state: d.rec_state.ptr,
-                dims: d.dims,
-                eps: d.eps,
-                // The outputs were the pass's; these are not used.
-                core: self.scratch.core.ptr,
-            };
+            // The outputs were the pass's: these go to scratch.
+            let inputs = [t.conv_out.ptr, t.z.ptr, t.b.ptr, t.a.ptr];
+            let step = d.step(inputs, self.scratch.core.ptr);
             g.gdn_step(&step, keep)?;
             let hist = d.kernel - 1;
             g.copy_f32(&d.conv_state, 0, &t.window, keep * d.c, hist * d.c)?;

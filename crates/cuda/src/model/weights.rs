@@ -43,6 +43,27 @@ pub(super) struct DGdn {
     pub(super) eps: f32,
 }
 
+impl DGdn {
+    /// The recurrence over this layer's state with `inputs` (conv output,
+    /// z, b, a) into `core`.
+    pub(super) fn step(&self, inputs: [DevPtr; 4], core: DevPtr) -> GdnStep {
+        let [conv_out, z, b, a] = inputs;
+        GdnStep {
+            conv_out,
+            z,
+            b,
+            a,
+            a_log: self.a_log.ptr,
+            dt_bias: self.dt_bias.ptr,
+            norm: self.norm.ptr,
+            state: self.rec_state.ptr,
+            dims: self.dims,
+            eps: self.eps,
+            core,
+        }
+    }
+}
+
 /// A layer's token mixer.
 pub(super) enum DMixer {
     Attn(Box<DAttn>),
