@@ -19,7 +19,7 @@ use slipstream_engine::{
 use slipstream_repack::QuantChoice;
 use slipstream_testkit::{
     fixture, greedy, open, open_on, rel_err, repacked, repacked_gguf, repetitive_prompt, same_bits,
-    small_hybrid_model, Reference,
+    sampled, small_hybrid_model, Reference,
 };
 
 /// Greedy tokens generated after each prompt (as the script's `--max-new 8`).
@@ -240,7 +240,14 @@ fn speculation_on_the_device_is_bit_identical_to_plain_decoding() {
     let prompt = repetitive_prompt();
     let max_new = 20;
     let with_rows = GenerateRequest::new(prompt.clone(), max_new).keeping_logits();
-    let tokens_only = GenerateRequest::new(prompt, max_new);
+    let tokens_only = GenerateRequest::new(prompt.clone(), max_new);
+    // Seeded draws: each emitted token takes one value of the generator,
+    // drawn on the device, speculating or not (rows kept or not).
+    let drawn = sampled(prompt.clone(), max_new, 17);
+    let drawn_on_device = GenerateRequest {
+        keep_logits: false,
+        ..sampled(prompt, max_new, 17)
+    };
     let generate = |engine: &mut Engine, req: &GenerateRequest| {
         engine
             .generate(req, &mut |_| true)
@@ -257,6 +264,7 @@ fn speculation_on_the_device_is_bit_identical_to_plain_decoding() {
             plain_device.tokens, plain.tokens,
             "{name}: argmax on the device"
         );
+        let plain_drawn = generate(&mut engine, &drawn);
         for mode in [
             SpeculateMode::Mtp,
             SpeculateMode::Lookup,
@@ -279,6 +287,12 @@ fn speculation_on_the_device_is_bit_identical_to_plain_decoding() {
                     d.tokens, plain.tokens,
                     "{what}: tokens differ (rows on the device)"
                 );
+                if k % 3 == 1 {
+                    for req in [&drawn, &drawn_on_device] {
+                        let s = generate(&mut engine, req);
+                        assert_eq!(s.tokens, plain_drawn.tokens, "{what}: seeded draws differ");
+                    }
+                }
                 let s = g.stats.speculation.expect("speculation stats");
                 drafted += s.drafted;
                 accepted += s.accepted;
