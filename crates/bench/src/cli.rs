@@ -54,7 +54,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "auto")]
     pub direct_io: String,
     /// Activations of slipstream's 4-bit products, comma separated: f32
-    /// (exact) or int16 (`slipstream run --activations int16`).
+    /// (exact), int16 or int8 (as `slipstream run --activations`).
     #[arg(long, default_value = "f32")]
     pub activations: String,
     /// Prompt lengths in tokens, comma separated (cut from the bundled KJV text).
