@@ -469,6 +469,7 @@ fn run(args: RunArgs) -> Result<()> {
         stop_tokens: args.stop_token.clone(),
         keep_logits: args.dump_logits.is_some(),
         cancel: None,
+        checkpoint_at: None,
     };
 
     let t_restore = std::time::Instant::now();

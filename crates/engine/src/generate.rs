@@ -43,13 +43,14 @@ fn cuda_error(e: slipstream_cuda::CudaError) -> ModelError {
 /// The pieces a prefill of `len` tokens starting at position `base` runs
 /// in: `(start, end, chunk_end)` with offsets into the prefilled tokens.
 /// Chunks of `chunk` tokens from the start of the call, each split further
-/// where an absolute position is a multiple of `interval`; `chunk_end`
-/// marks the ends of the chunks themselves.
+/// where an absolute position is a multiple of `interval` or is `at`;
+/// `chunk_end` marks the ends of the chunks themselves.
 fn prefill_pieces(
     base: usize,
     len: usize,
     chunk: usize,
     interval: Option<usize>,
+    at: Option<usize>,
 ) -> Vec<(usize, usize, bool)> {
     let mut out = Vec::new();
     let mut start = 0;
@@ -59,6 +60,9 @@ fn prefill_pieces(
         if let Some(n) = interval.filter(|&n| n > 0) {
             let next = ((base + start) / n + 1) * n - base;
             end = end.min(next);
+        }
+        if let Some(a) = at.filter(|&a| a > base + start) {
+            end = end.min(a - base);
         }
         out.push((start, end, end == chunk_end.min(len)));
         start = end;
@@ -78,6 +82,13 @@ pub struct GenerateRequest {
     pub keep_logits: bool,
     /// Set from another thread to stop between prefill chunks or tokens.
     pub cancel: Option<Arc<std::sync::atomic::AtomicBool>>,
+    /// A prompt position where the state cache takes a checkpoint too
+    /// ([`Engine::generate_cached`]): the end of the conversation before
+    /// the chat template's opening of the reply. The next request's
+    /// template may render that opening differently (Qwen3.x drop an
+    /// earlier reply's reasoning), so the prompt-end checkpoint lies past
+    /// where the next prompt diverges; this one does not.
+    pub checkpoint_at: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -91,6 +102,7 @@ impl GenerateRequest {
             stop_tokens: Vec::new(),
             keep_logits: false,
             cancel: None,
+            checkpoint_at: None,
         }
     }
 
@@ -446,8 +458,9 @@ impl Engine {
         let vocab = self.model.config.vocab_size;
         let mut out = Vec::new();
         let interval = self.checkpoints.as_ref().map(|c| c.interval);
+        let extra = self.checkpoints.as_ref().and_then(|c| c.at);
         let base = state.tokens.len();
-        let pieces = prefill_pieces(base, tokens.len(), chunk, interval);
+        let pieces = prefill_pieces(base, tokens.len(), chunk, interval, extra);
         let hooked = self.prefill_hook.is_some();
         let _release = heap::ReleaseOnDrop;
         for (i, &(start, end, chunk_end)) in pieces.iter().enumerate() {
@@ -470,9 +483,11 @@ impl Engine {
                 tokens.len(),
                 want == Logits::All,
             )?;
-            // A state cache checkpoint: at interval multiples and at the
-            // end of the prompt.
-            let checkpoint_here = interval.is_some_and(|n| last || (base + end).is_multiple_of(n));
+            // A state cache checkpoint: at interval multiples, at the end
+            // of the prompt and where the request asks.
+            let checkpoint_here = interval.is_some_and(|n| {
+                last || (base + end).is_multiple_of(n) || extra == Some(base + end)
+            });
             // The last row is always computed on the last chunk (the state's
             // next-token distribution, kept for reuse and snapshots), on
             // every chunk when a hook may snapshot the boundary, and where a
@@ -565,6 +580,7 @@ impl Engine {
         }
         self.checkpoints = Some(CheckpointCollector {
             interval: cache.interval(),
+            at: req.checkpoint_at.filter(|&a| a > 0 && a < req.prompt.len()),
             taken: checkpoints,
         });
         let result = self.generate_with_state(&mut state, req, on_token);

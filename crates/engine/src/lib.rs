@@ -209,6 +209,8 @@ pub struct Engine {
 struct CheckpointCollector {
     /// Take one at every multiple of this position inside a prefill.
     interval: usize,
+    /// And one at this position (`GenerateRequest::checkpoint_at`).
+    at: Option<usize>,
     taken: Vec<Arc<Checkpoint>>,
 }
 

@@ -109,3 +109,40 @@ fn an_agent_conversation_reuses_what_it_shares_and_matches_fresh_runs() {
         }
     }
 }
+
+/// A checkpoint where the request asks (`checkpoint_at`: the end of the
+/// conversation before the template's opening of the reply): the next
+/// prompt, which re-renders that opening differently (as Qwen3.x
+/// templates do to an earlier reply's reasoning), resumes there instead
+/// of at the last interval multiple before it, and still matches a fresh
+/// run bit for bit.
+#[test]
+fn a_checkpoint_before_the_reply_opening_is_where_the_next_turn_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = repacked("qwen3_5_moe_fused", QuantChoice::Q4, tmp.path());
+    let history = tokens(23, 2);
+    let opening = [1u32, 7, 9];
+    let mut turn1 = history.clone();
+    turn1.extend(opening);
+    // The next prompt: the same history, the earlier reply rendered
+    // without the opening's last tokens, then a new message.
+    let mut turn2 = history.clone();
+    turn2.extend([1u32, 8]);
+    turn2.extend(tokens(5, 3));
+    for (at, want) in [(None, 20), (Some(history.len()), history.len())] {
+        let mut e = engine(&model, 6);
+        let mut cache = StateCache::new(1 << 30, 10);
+        let restored = cache.restore(&turn1, e.new_state());
+        let req = GenerateRequest {
+            checkpoint_at: at,
+            ..request(turn1.clone())
+        };
+        e.generate_cached(&mut cache, restored, &req, &mut |_| true)
+            .unwrap();
+        let g = turn(&mut e, &mut cache, &model, &turn2);
+        assert_eq!(
+            g.stats.reused_prompt_tokens, want,
+            "checkpoint_at {at:?}: resumed at the wrong place"
+        );
+    }
+}

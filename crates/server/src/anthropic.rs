@@ -121,6 +121,7 @@ pub async fn messages(
     };
     let params = GenParams {
         prompt_text: r.text,
+        reply_opening: r.reply_opening,
         max_tokens: Some(max_tokens),
         sampling: resolve(
             F,

@@ -20,6 +20,9 @@ use crate::App;
 /// What a handler asks for.
 pub struct GenParams {
     pub prompt_text: String,
+    /// The end of `prompt_text` that opens the reply (`Rendered::reply_opening`;
+    /// empty for raw prompts).
+    pub reply_opening: String,
     pub max_tokens: Option<usize>,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
@@ -124,6 +127,18 @@ pub struct Gen {
     logprobs: Vec<TokenLogprob>,
 }
 
+/// Where the tokens of `prompt` before `reply_opening` (the text the
+/// template ends it with) end, when the opening's own tokens end `prompt`
+/// (they do unless a merge crosses the boundary; then `None`).
+fn history_end(app: &App, prompt: &[u32], reply_opening: &str) -> Option<usize> {
+    if reply_opening.is_empty() {
+        return None;
+    }
+    let opening = app.codec.encode(reply_opening).ok()?;
+    (!opening.is_empty() && opening.len() < prompt.len() && prompt.ends_with(&opening))
+        .then(|| prompt.len() - opening.len())
+}
+
 /// Tokenizes, checks the context limit and queues the job.
 pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiError> {
     let limit = app.max_context;
@@ -188,8 +203,10 @@ pub fn submit(app: &Arc<App>, flavor: Flavor, p: GenParams) -> Result<Gen, ApiEr
     let hook = step_watch(app, flavor, &p, tx.clone())?;
     let cancel = Arc::new(AtomicBool::new(false));
     let n = prompt.len();
+    let history_end = history_end(app, &prompt, &p.reply_opening);
     app.worker
         .submit(Job {
+            history_end,
             prompt,
             max_new_tokens: max_new,
             sampling: p.sampling,

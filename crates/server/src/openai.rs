@@ -392,6 +392,7 @@ pub async fn chat_completions(
     }
     let params = GenParams {
         prompt_text: rendered.text,
+        reply_opening: rendered.reply_opening,
         max_tokens: req.max_completion_tokens.or(req.max_tokens),
         sampling: resolve(F, &req.sampling, &app.config.sampling, &app.info.generation)?,
         stop,
@@ -584,6 +585,7 @@ pub async fn completions(
     };
     let params = GenParams {
         prompt_text: prompt,
+        reply_opening: String::new(),
         max_tokens: Some(req.max_tokens.unwrap_or(16)),
         sampling: resolve(F, &req.sampling, &app.config.sampling, &app.info.generation)?,
         stop: stops(req.stop)?,

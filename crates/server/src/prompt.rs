@@ -42,6 +42,10 @@ impl Conversation {
 #[derive(Debug, Clone)]
 pub struct Rendered {
     pub text: String,
+    /// The end of `text` the template adds to open the reply
+    /// (`add_generation_prompt`; empty where the rendering without it is
+    /// not a prefix of `text`): the state cache checkpoints before it.
+    pub reply_opening: String,
     /// The prompt ends inside an opened `<think>` block.
     pub in_reasoning: bool,
 }
@@ -134,19 +138,30 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
     } else {
         flatten_tools(conv)
     };
-    let text = match template {
+    let (text, reply_opening) = match template {
         Some(t) => {
             let mut ctx = conv.extra.clone();
             ctx.insert("messages".into(), Value::Array(messages));
             if native_tools && !conv.tools.is_empty() {
                 ctx.insert("tools".into(), Value::Array(conv.tools.clone()));
             }
-            ctx.insert("add_generation_prompt".into(), Value::Bool(true));
             if let Some(t) = conv.enable_thinking {
                 ctx.insert("enable_thinking".into(), Value::Bool(t));
             }
-            t.render_json(&Value::Object(ctx))
-                .map_err(|e| e.to_string())?
+            let mut with = |opening: bool| {
+                ctx.insert("add_generation_prompt".into(), Value::Bool(opening));
+                t.render_json(&Value::Object(ctx.clone()))
+                    .map_err(|e| e.to_string())
+            };
+            let text = with(true)?;
+            // Without the opening; a template that refuses (some want the
+            // last message to be the user's) leaves the opening unknown.
+            let history = with(false).unwrap_or_default();
+            let opening = match text.strip_prefix(history.as_str()) {
+                Some(rest) if !history.is_empty() => rest.to_string(),
+                _ => String::new(),
+            };
+            (text, opening)
         }
         None => {
             let mut s = String::new();
@@ -155,8 +170,9 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
                 let content = m.get("content").and_then(Value::as_str).unwrap_or("");
                 s.push_str(&format!("<|im_start|>{role}\n{content}<|im_end|>\n"));
             }
-            s.push_str("<|im_start|>assistant\n");
-            s
+            let opening = "<|im_start|>assistant\n";
+            s.push_str(opening);
+            (s, opening.to_string())
         }
     };
     let tail = text.trim_end();
@@ -165,7 +181,11 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
         (Some(_), None) => tail.ends_with("<think>"),
         _ => false,
     };
-    Ok(Rendered { text, in_reasoning })
+    Ok(Rendered {
+        text,
+        reply_opening,
+        in_reasoning,
+    })
 }
 
 /// Opens a system message that [`merge_system_messages`] moved into a
@@ -341,6 +361,25 @@ pub(crate) mod tests {
     use super::*;
 
     const CHATML: &str = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
+
+    #[test]
+    fn the_reply_opening_is_what_the_generation_prompt_adds() {
+        let conv = Conversation {
+            messages: vec![json!({"role": "user", "content": "hi"})],
+            ..Default::default()
+        };
+        let t = ChatTemplate::new(CHATML).unwrap();
+        for r in [
+            render(&conv, Some(&t)).unwrap(),
+            render(&conv, None).unwrap(),
+        ] {
+            assert_eq!(r.reply_opening, "<|im_start|>assistant\n");
+            assert!(r.text.ends_with(&r.reply_opening));
+        }
+        // A template that adds nothing for the reply: no opening.
+        let bare = ChatTemplate::new("{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+        assert_eq!(render(&conv, Some(&bare)).unwrap().reply_opening, "");
+    }
 
     #[test]
     fn fallback_tools_block_and_flattened_calls() {

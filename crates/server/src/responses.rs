@@ -337,6 +337,7 @@ pub async fn create(
     };
     let params = GenParams {
         prompt_text: rendered.text,
+        reply_opening: rendered.reply_opening,
         max_tokens: req.max_output_tokens,
         sampling: sampling.clone(),
         stop: Vec::new(),

@@ -16,6 +16,10 @@ use crate::script::Script;
 /// What a request asks the engine for.
 pub struct Job {
     pub prompt: Vec<u32>,
+    /// Where the conversation before the reply's opening ends in `prompt`:
+    /// the state cache checkpoints there too
+    /// (`GenerateRequest::checkpoint_at`).
+    pub history_end: Option<usize>,
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
     /// Set when the prompt ends inside an opened reasoning block and the
@@ -311,6 +315,7 @@ fn generate(
         stop_tokens: Vec::new(),
         keep_logits: false,
         cancel: Some(job.cancel.clone()),
+        checkpoint_at: job.history_end,
     };
     let Some(budget) = &job.reasoning_budget else {
         let g = engine.generate_cached(states, restored, &req, on_token)?;

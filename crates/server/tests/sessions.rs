@@ -18,7 +18,11 @@ const QWEN_LIKE: &str = include_str!("fixtures/qwen_like_template.jinja");
 /// `preserve_thinking` is set.
 const QWEN35: &str = include_str!("fixtures/qwen3.5_template.jinja");
 
-fn server(template: Option<&str>) -> RunningServer {
+/// Prefill checkpoints every 8 tokens, and where the request's
+/// conversation ends before the reply's opening.
+const INTERVAL: usize = 8;
+
+fn server(template: Option<&str>, interval: usize) -> RunningServer {
     let config = ServerConfig {
         chat_template: template.map(str::to_string),
         ..config()
@@ -27,7 +31,7 @@ fn server(template: Option<&str>) -> RunningServer {
         config,
         StateCacheSpec {
             max_bytes: Some(1 << 30),
-            checkpoint_interval: Some(8),
+            checkpoint_interval: Some(interval),
             memory: None,
         },
     )
@@ -156,7 +160,19 @@ fn follow_up(anthropic: bool, tools: bool, i: usize, reply: &str) -> Vec<Value> 
 /// the reuse covers at least 95 % of the previous turn's prompt (which
 /// every later prompt extends).
 fn session(anthropic: bool, template: Option<&str>, tools: bool) {
-    let s = server(template);
+    session_every(anthropic, template, tools, INTERVAL, 0.95);
+}
+
+/// [`session`] with prefill checkpoints every `interval` tokens, each later
+/// turn reusing at least `share` of the previous turn's prompt.
+fn session_every(
+    anthropic: bool,
+    template: Option<&str>,
+    tools: bool,
+    interval: usize,
+    share: f64,
+) {
+    let s = server(template, interval);
     rt().block_on(async {
         let mut history = vec![json!({"role": "user", "content": user_turn(1)})];
         let mut previous = turn(&s, anthropic, &history, tools).await;
@@ -168,7 +184,7 @@ fn session(anthropic: bool, template: Option<&str>, tools: bool) {
             history.extend(follow_up(anthropic, tools, i, &previous.reply));
             let t = turn(&s, anthropic, &history, tools).await;
             assert!(
-                t.reused as f64 >= 0.95 * previous.prompt as f64 && t.reused < t.prompt,
+                t.reused as f64 >= share * previous.prompt as f64 && t.reused < t.prompt,
                 "turn {i} (anthropic: {anthropic}, template given: {}, tools: {tools}): reused {} of {}, the previous prompt had {}",
                 template.is_some(),
                 t.reused,
@@ -200,4 +216,19 @@ fn turns_reuse_the_conversation_when_the_template_drops_earlier_reasoning() {
 fn tool_turns_reuse_the_conversation_with_qwen35s_own_template() {
     session(false, Some(QWEN35), true);
     session(true, Some(QWEN35), true);
+}
+
+/// With no checkpoints inside prefills, a turn after a new user message
+/// still resumes where the previous prompt's conversation ended: the
+/// template re-renders the previous reply's opening (without its
+/// reasoning), so the prompt-end checkpoint lies past the divergence, and
+/// the one the server asks for before the reply's opening does not
+/// (without it these turns reuse nothing). The share leaves room for the
+/// opening's own tokens (10 of the first turn's 173 here).
+#[test]
+fn turns_resume_before_the_reply_opening_without_prefill_checkpoints() {
+    for anthropic in [false, true] {
+        session_every(anthropic, Some(QWEN_LIKE), false, 1 << 20, 0.9);
+        session_every(anthropic, Some(QWEN35), false, 1 << 20, 0.9);
+    }
 }
