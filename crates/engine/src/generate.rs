@@ -406,25 +406,39 @@ impl Engine {
                 "measuring verify passes needs tokens and a length".into(),
             ));
         }
+        // Measured passes feed neither the MTP drafter nor the phase timers.
+        let (drafter, phases) = (self.mtp_drafter.take(), self.phases.take());
+        let out = self.time_verify_passes(state, tokens, max_tokens, repeats);
+        (self.mtp_drafter, self.phases) = (drafter, phases);
+        out
+    }
+
+    fn time_verify_passes(
+        &mut self,
+        state: &ModelState,
+        tokens: &[u32],
+        max_tokens: usize,
+        repeats: usize,
+    ) -> Result<Vec<(usize, f64)>, EngineError> {
         let mut out = Vec::with_capacity(max_tokens);
         for n in 1..=max_tokens {
             let pass: Vec<u32> = tokens.iter().cycle().take(n).copied().collect();
             let mut best = f64::INFINITY;
             let mut s = state.clone();
-            for _ in 0..repeats.max(1) {
-                if self.cuda.is_none() {
+            for r in 0..repeats.max(1) {
+                if r > 0 && self.cuda.is_none() {
                     s = state.clone();
                 }
                 let t = Instant::now();
-                if n == 1 {
+                let record = if n == 1 {
                     self.run_model(&mut s, &pass, Logits::Last, false)?;
-                    best = best.min(t.elapsed().as_secs_f64());
+                    None
                 } else {
-                    let v = self.verify_pass(&mut s, &pass, false)?;
-                    best = best.min(t.elapsed().as_secs_f64());
-                    if self.cuda.is_some() {
-                        self.roll_back(&mut s, &v.record, 1)?;
-                    }
+                    Some(self.verify_pass(&mut s, &pass, false)?.record)
+                };
+                best = best.min(t.elapsed().as_secs_f64());
+                if let (Some(r), true) = (record, self.cuda.is_some()) {
+                    self.roll_back(&mut s, &r, 1)?;
                 }
             }
             out.push((n, best));

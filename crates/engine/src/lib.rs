@@ -465,7 +465,8 @@ impl Engine {
     }
 
     /// A pass of `tokens` on the CUDA backend (the caller checked there is
-    /// one) from `state`, brought to the device first; with `keep_hidden`
+    /// one) from `state`, which the caller brought to the device
+    /// ([`Engine::state_to_device`]); with `keep_hidden`
     /// also every token's final-normed hidden row (`[tokens, hidden]`,
     /// else empty).
     pub(crate) fn run_on_device(
@@ -476,9 +477,6 @@ impl Engine {
         prompt: bool,
         keep_hidden: bool,
     ) -> (Result<Vec<f32>, slipstream_models::ModelError>, Vec<f32>) {
-        if let Err(e) = self.state_to_device(state) {
-            return (Err(e), Vec::new());
-        }
         let Some(c) = self.cuda.as_mut() else {
             let e = slipstream_models::ModelError::State("no CUDA backend".into());
             return (Err(e), Vec::new());

@@ -148,15 +148,13 @@ pub fn render(conv: &Conversation, template: Option<&ChatTemplate>) -> Result<Re
             if let Some(t) = conv.enable_thinking {
                 ctx.insert("enable_thinking".into(), Value::Bool(t));
             }
-            let mut with = |opening: bool| {
-                ctx.insert("add_generation_prompt".into(), Value::Bool(opening));
-                t.render_json(&Value::Object(ctx.clone()))
-                    .map_err(|e| e.to_string())
-            };
-            let text = with(true)?;
+            ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+            let mut ctx = Value::Object(ctx);
+            let text = t.render_json(&ctx).map_err(|e| e.to_string())?;
             // Without the opening; a template that refuses (some want the
             // last message to be the user's) leaves the opening unknown.
-            let history = with(false).unwrap_or_default();
+            ctx["add_generation_prompt"] = Value::Bool(false);
+            let history = t.render_json(&ctx).unwrap_or_default();
             let opening = match text.strip_prefix(history.as_str()) {
                 Some(rest) if !history.is_empty() => rest.to_string(),
                 _ => String::new(),
